@@ -1,0 +1,21 @@
+"""actcomp: compress the activations autograd keeps for backward.
+
+>>> import torch, actcomp
+>>> pipeline = actcomp.parse("mink0.9+int8")
+>>> x = torch.randn(64, 1024)
+>>> packed = pipeline.compress(x)
+>>> round(packed.nbytes / (x.numel() * x.element_size()), 3)
+0.057
+"""
+
+from actcomp import compressors
+from actcomp.errors import ActcompError
+from actcomp.pipeline import Packed, Pipeline, parse
+from actcomp.registry import list_compressors, register_compressor, unregister_compressor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ActcompError", "Packed", "Pipeline", "compressors", "list_compressors", "parse",
+    "register_compressor", "unregister_compressor",
+]

@@ -1,0 +1,67 @@
+"""Packing of small unsigned codes (1, 2, 4 or 8 bits) into uint8 bytes.
+
+Codes are packed little-end first: code ``j`` of a byte sits at bits ``[j*bits, (j+1)*bits)``.
+
+>>> import torch
+>>> codes = torch.tensor([1, 2, 3, 0, 1], dtype=torch.uint8)
+>>> packed = pack_codes(codes, bits=2)
+>>> packed.numel(), unpack_codes(packed, bits=2, count=5).tolist()
+(2, [1, 2, 3, 0, 1])
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Multiplying eight 0/1 bytes (read as one little-endian int64) by this constant gathers
+# their bits into the top byte without carries: byte i lands on bit 56 + i.
+_GATHER_BITS = 0x0102040810204080
+
+
+def packed_size(count: int, bits: int) -> int:
+    """Bytes needed for ``count`` codes of ``bits`` bits."""
+    return (count * bits + 7) // 8
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a flat bool tensor into ceil(n / 8) bytes (1 bit per element)."""
+    count = mask.numel()
+    padded = _pad(mask.view(torch.uint8), 8)
+    words = padded.view(torch.int64)
+    return ((words * _GATHER_BITS) >> 56).to(torch.uint8)[: packed_size(count, 1)]
+
+
+def unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: a flat bool tensor of ``count`` elements."""
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:count].bool()
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack flat uint8 codes in [0, 2**bits) into ``packed_size(n, bits)`` bytes."""
+    if bits == 8:
+        return codes
+    if bits == 1:
+        return pack_bits(codes.bool())
+    per_byte = 8 // bits
+    grouped = _pad(codes, per_byte).view(-1, per_byte)
+    shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
+    # Fields do not overlap, so a sum is a bitwise or.
+    return (grouped << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`."""
+    if bits == 8:
+        return packed[:count]
+    if bits == 1:
+        return unpack_bits(packed, count).to(torch.uint8)
+    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
+    return ((packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).view(-1)[:count]
+
+
+def _pad(flat: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -flat.numel() % multiple
+    if extra == 0:
+        return flat.contiguous()
+    return torch.cat([flat, flat.new_zeros(extra)])

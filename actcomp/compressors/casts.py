@@ -1,0 +1,75 @@
+"""Storage casts: keep the tensor in fp16, bf16 or fp8 (e4m3) and cast back on decompress.
+
+Casts saturate: a finite value beyond the target's range becomes its largest finite value
+instead of overflowing to inf. NaN and +-inf stay non-finite (fp8 e4m3 has no inf, so they
+become NaN there). ``fp8`` scales the tensor by ``amax / 448`` (one fp32 scalar kept) so the
+e4m3 range is used fully.
+
+>>> import torch
+>>> x = torch.tensor([1.0, 1e6, -float("inf")])
+>>> Fp16().decompress(Fp16().compress(x)).tolist()
+[1.0, 65504.0, -inf]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from actcomp.compressors.base import Compressor, Encoded, Hints
+from actcomp.registry import register_compressor
+
+
+def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast with finite values clamped into ``dtype``'s range; non-finite values kept."""
+    if x.dtype == dtype:
+        return x
+    limit = torch.finfo(dtype).max
+    if torch.finfo(x.dtype).max <= limit:
+        return x.to(dtype)
+    clamped = x.clamp(-limit, limit)
+    return torch.where(x.isfinite(), clamped, x).to(dtype)
+
+
+class _Cast(Compressor):
+    kind = "quantizer"
+    storage: ClassVar[torch.dtype]
+
+    def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
+        return Encoded(saturating_cast(x, self.storage), (), x.dtype)
+
+    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
+        return payload.to(meta)
+
+
+@register_compressor
+@dataclass(frozen=True)
+class Fp16(_Cast):
+    name = "fp16"
+    storage = torch.float16
+
+
+@register_compressor
+@dataclass(frozen=True)
+class Bf16(_Cast):
+    name = "bf16"
+    storage = torch.bfloat16
+
+
+@register_compressor
+@dataclass(frozen=True)
+class Fp8(Compressor):
+    name = "fp8"
+    kind = "quantizer"
+
+    def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
+        finite = x.isfinite()
+        amax = torch.where(finite, x, 0).abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+        scale = torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max, 1.0)
+        scaled = torch.where(finite, x.float() / scale, torch.nan)
+        return Encoded(saturating_cast(scaled, torch.float8_e4m3fn), (scale,), x.dtype)
+
+    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
+        return (payload.float() * saved[0]).to(meta)

@@ -1,0 +1,85 @@
+"""Channel sparsifiers (DropIT §3.3): keep whole channels, store only their ids.
+
+The channel axis comes from the spec option ``dim`` or, when that is unset, from the caller
+(the compressed layers pass 1 for convolutions and -1 for linear layers). With neither, the
+stage refuses rather than guess. Kept: ``C - floor(drop_rate * C)`` channels.
+
+>>> import torch
+>>> x = torch.tensor([[1.0, 0.1, 5.0], [1.0, 0.1, 5.0]])
+>>> ChannelMinK(0.5).decompress(ChannelMinK(0.5).compress(x, channel_dim=-1))
+tensor([[1., 0., 5.],
+        [1., 0., 5.]])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from actcomp.compressors.base import Compressor, Encoded, Hints, drop_count
+from actcomp.errors import ActcompError
+from actcomp.registry import register_compressor
+
+
+class _ChannelSparsifier(Compressor):
+    kind = "sparsifier"
+    takes_rate = True
+
+    def choose(self, x: torch.Tensor, dim: int, kept: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
+        dim = self.dim if self.dim is not None else hints.channel_dim  # type: ignore[attr-defined]
+        if dim is None:
+            raise ActcompError(
+                f"{self.name!r} needs to know the channel axis of a tensor of shape {tuple(x.shape)}: "
+                f"set it in the spec ('{self.name}{self.drop_rate}:dim=1') or pass channel_dim="  # type: ignore[attr-defined]
+            )
+        if not -x.dim() <= dim < x.dim():
+            raise ActcompError(f"channel dim {dim} is out of range for a tensor of shape {tuple(x.shape)}")
+        dim %= x.dim()
+        channels = x.shape[dim]
+        kept = channels - drop_count(channels, self.drop_rate)  # type: ignore[attr-defined]
+        ids = self.choose(x, dim, kept).sort().values
+        id_dtype = torch.int16 if channels <= 2**15 else torch.int32
+        return Encoded(x.index_select(dim, ids), (ids.to(id_dtype),), (dim, channels))
+
+    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
+        dim, channels = meta
+        shape = list(payload.shape)
+        shape[dim] = channels
+        return payload.new_zeros(shape).index_copy_(dim, saved[0].long(), payload)
+
+    def check(self) -> None:
+        super().check()
+        if self.dim is not None and not isinstance(self.dim, int):  # type: ignore[attr-defined]
+            raise ActcompError(f"dim of {self.name!r} must be an integer axis, got {self.dim!r}")  # type: ignore[attr-defined]
+
+
+@register_compressor
+@dataclass(frozen=True)
+class ChannelMinK(_ChannelSparsifier):
+    """Drops the channels with the smallest L2 norm (norms accumulated in fp32)."""
+
+    name = "channel"
+    drop_rate: float = 0.9
+    dim: int | None = None
+
+    def choose(self, x: torch.Tensor, dim: int, kept: int) -> torch.Tensor:
+        other = [d for d in range(x.dim()) if d != dim]
+        norms = torch.linalg.vector_norm(x, dim=other, dtype=torch.float32) if other else x.float().abs()
+        return torch.topk(norms, kept, sorted=False).indices
+
+
+@register_compressor
+@dataclass(frozen=True)
+class RandomChannels(_ChannelSparsifier):
+    """Drops uniformly random channels (exactly ``floor(drop_rate * C)`` of them)."""
+
+    name = "rchannel"
+    drop_rate: float = 0.9
+    dim: int | None = None
+
+    def choose(self, x: torch.Tensor, dim: int, kept: int) -> torch.Tensor:
+        return torch.randperm(x.shape[dim], device=x.device)[:kept]

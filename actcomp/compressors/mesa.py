@@ -1,0 +1,101 @@
+"""Mesa-style 8-bit quantization with running (EMA) ranges per channel group.
+
+Each stage instance (one per converted layer) keeps running ``min``/``max`` per channel
+group, updated on every compress: ``r = momentum * r + (1 - momentum) * batch``. Values are
+quantized to the nearest of 256 levels of the running range; values outside it are clamped
+to the nearest end (never wrapped). Non-finite batch statistics leave the range untouched;
+NaN saturates to the low end, +-inf to the ends.
+
+Groups split the channel axis (given by the caller, e.g. 1 for conv inputs) into ``groups``
+equal parts. A payload without a channel axis (after an element sparsifier) has one group.
+
+>>> import torch
+>>> stage = Mesa8()
+>>> x = torch.linspace(0, 1, 256)
+>>> bool((stage.decompress(stage.compress(x)) - x).abs().max() <= 0.5 / 255 + 1e-6)
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from actcomp.compressors.base import Compressor, Encoded, Hints
+from actcomp.errors import ActcompError
+from actcomp.registry import register_compressor
+
+_LEVELS = 255
+
+
+@register_compressor
+@dataclass(frozen=True)
+class Mesa8(Compressor):
+    name = "mesa8"
+    kind = "quantizer"
+    groups: int = 1
+    momentum: float = 0.9
+    # Runtime state: running ranges of this instance; not a setting, not compared.
+    _ranges: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def check(self) -> None:
+        if not isinstance(self.groups, int) or self.groups < 1:
+            raise ActcompError(f"groups of 'mesa8' must be a positive integer, got {self.groups!r}")
+        if not isinstance(self.momentum, (int, float)) or not 0 <= self.momentum < 1:
+            raise ActcompError(f"momentum of 'mesa8' must be in [0, 1), got {self.momentum!r}")
+
+    def _grouped(self, x: torch.Tensor, channel_dim: int | None) -> tuple[torch.Tensor, int | None]:
+        if channel_dim is None or x.dim() == 0:
+            if self.groups > 1:
+                raise ActcompError(
+                    f"mesa8:groups={self.groups} needs a channel axis, but this tensor of shape "
+                    f"{tuple(x.shape)} has none (e.g. it follows an element sparsifier)"
+                )
+            return x.reshape(1, -1), None
+        channel_dim %= x.dim()
+        channels = x.shape[channel_dim]
+        if channels % self.groups:
+            raise ActcompError(f"mesa8:groups={self.groups} does not divide the {channels} channels of shape {tuple(x.shape)}")
+        return x.movedim(channel_dim, 0).reshape(self.groups, -1), channel_dim
+
+    def _update_ranges(self, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ranges = self._ranges
+        previous = ranges.get("low")
+        if previous is None or previous.shape != low.shape or previous.device != low.device:
+            ranges["low"], ranges["high"] = low.clone(), high.clone()
+        else:
+            finite = low.isfinite() & high.isfinite()
+            weight = 1 - self.momentum
+            ranges["low"] = torch.where(finite, previous.lerp(low, weight), previous)
+            ranges["high"] = torch.where(finite, ranges["high"].lerp(high, weight), ranges["high"])
+        return ranges["low"], ranges["high"]
+
+    def _broadcast(self, per_group: torch.Tensor, shape: torch.Size, channel_dim: int | None) -> torch.Tensor:
+        if channel_dim is None:
+            return per_group.view([1] * len(shape))
+        per_channel = per_group.repeat_interleave(shape[channel_dim] // self.groups)
+        view = [1] * len(shape)
+        view[channel_dim] = shape[channel_dim]
+        return per_channel.view(view)
+
+    def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
+        grouped, channel_dim = self._grouped(x, hints.channel_dim)
+        if x.numel() == 0:
+            empty = torch.zeros(self.groups, device=x.device)
+            return Encoded(x.to(torch.uint8), (empty, empty), (channel_dim, x.dtype))
+        batch_low, batch_high = grouped.float().aminmax(dim=1)
+        low, high = self._update_ranges(batch_low, batch_high)
+        scale = (high - low).clamp_(min=0) / _LEVELS
+        safe_scale = torch.where(scale > 0, scale, 1.0)
+        low_b = self._broadcast(low, x.shape, channel_dim)
+        scale_b = self._broadcast(safe_scale, x.shape, channel_dim)
+        codes = ((x.float() - low_b) / scale_b).round_().nan_to_num_(nan=0.0).clamp_(0, _LEVELS)
+        return Encoded(codes.to(torch.uint8), (low.clone(), scale), (channel_dim, x.dtype))
+
+    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
+        channel_dim, dtype = meta
+        low, scale = saved
+        low_b = self._broadcast(low, payload.shape, channel_dim)
+        scale_b = self._broadcast(scale, payload.shape, channel_dim)
+        return (low_b + payload.float() * scale_b).to(dtype)

@@ -1,0 +1,127 @@
+"""The registry of stage names, and building stages from parsed specs.
+
+>>> import actcomp
+>>> "mink" in actcomp.list_compressors()
+True
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from typing import Any
+
+from actcomp.errors import ActcompError
+from actcomp.spec import StageSpec, spec_error
+
+_REGISTRY: dict[str, type] = {}
+_NAME = re.compile(r"[a-z][a-z0-9_]*[a-z_]|[a-z]+\d+|[a-z]")
+_KINDS = ("sparsifier", "quantizer")
+
+
+def register_compressor(cls: type | None = None, *, replace: bool = False):
+    """Class decorator adding a :class:`~actcomp.compressors.base.Compressor` under ``cls.name``.
+
+    >>> import dataclasses, torch, actcomp
+    >>> from actcomp.compressors import Compressor, Encoded
+    >>> @actcomp.register_compressor
+    ... @dataclasses.dataclass(frozen=True)
+    ... class Halve(Compressor):
+    ...     name = "halve"
+    ...     kind = "quantizer"
+    ...     def encode(self, x, hints):
+    ...         return Encoded(x.half(), (), x.dtype)
+    ...     def decode(self, payload, saved, meta):
+    ...         return payload.to(meta)
+    >>> actcomp.parse("mink0.5+halve")
+    Pipeline('mink0.5+halve')
+    >>> actcomp.unregister_compressor("halve")
+    """
+    from actcomp.compressors.base import Compressor
+
+    def add(klass: type) -> type:
+        if not (isinstance(klass, type) and issubclass(klass, Compressor)):
+            raise ActcompError(f"register_compressor expects a Compressor subclass, got {klass!r}")
+        name = klass.name
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ActcompError(
+                f"compressor name {name!r} of {klass.__name__} is not valid: use lowercase letters, "
+                "digits and '_', starting with a letter (a name must not end in a number with a "
+                "decimal point, which would read as a drop rate)"
+            )
+        if klass.kind not in _KINDS:
+            raise ActcompError(f"compressor {name!r} has kind {klass.kind!r}; valid kinds: {', '.join(_KINDS)}")
+        if name in _REGISTRY and not replace:
+            raise ActcompError(f"a compressor named {name!r} is already registered; pass replace=True to override")
+        _REGISTRY[name] = klass
+        return klass
+
+    return add if cls is None else add(cls)
+
+
+def unregister_compressor(name: str) -> None:
+    """Remove a user-registered compressor (built-ins may be removed too, at your risk)."""
+    _ensure_builtins()
+    if name not in _REGISTRY:
+        raise ActcompError(f"no compressor named {name!r}; known: {', '.join(list_compressors())}")
+    del _REGISTRY[name]
+
+
+def list_compressors() -> list[str]:
+    """Sorted names of every registered stage."""
+    _ensure_builtins()
+    return sorted(_REGISTRY)
+
+
+def compressor_class(name: str) -> type:
+    _ensure_builtins()
+    if name not in _REGISTRY:
+        raise ActcompError(f"unknown compressor {name!r}; known: {', '.join(list_compressors())}")
+    return _REGISTRY[name]
+
+
+def build_stage(stage: StageSpec, spec: str):
+    """Instantiate the stage a :class:`StageSpec` describes; errors point into ``spec``."""
+    cls = compressor_class(stage.name)
+    start, length = stage.span
+
+    def fail(problem: str, valid: str = "") -> ActcompError:
+        return spec_error(problem, spec, start, length, valid)
+
+    kwargs: dict[str, Any] = {}
+    if cls.takes_rate:
+        if stage.rate is None:
+            raise fail(f"stage {stage.name!r} needs a drop rate", f"write it after the name, e.g. '{stage.name}0.9'")
+        kwargs["drop_rate"] = stage.rate
+    elif stage.rate is not None:
+        raise fail(f"stage {stage.name!r} takes no drop rate", f"write just '{stage.name}'")
+    fields = {f.name: f for f in cls.settings()}
+    hints = typing.get_type_hints(cls)
+    for key, text in stage.options:
+        if key not in fields:
+            valid = ", ".join(fields) or "none"
+            raise fail(f"unknown option {key!r} for stage {stage.name!r}", f"valid options: {valid}")
+        kwargs[key] = _convert(text, hints[key], lambda why, k=key: fail(f"option {k}={text!r}: {why}"))
+    try:
+        return cls(**kwargs)
+    except ActcompError as error:
+        raise fail(str(error)) from None
+
+
+def _convert(text: str, annotation: Any, fail) -> Any:
+    types = typing.get_args(annotation) or (annotation,)
+    if text == "None" and type(None) in types:
+        return None
+    for kind in (int, float, str):
+        if kind in types:
+            try:
+                return kind(text)
+            except ValueError:
+                continue
+    names = " or ".join(t.__name__ for t in types)
+    raise fail(f"expected {names}")
+
+
+def _ensure_builtins() -> None:
+    # Importing the package registers the built-in stages; done lazily to avoid a cycle.
+    import actcomp.compressors  # noqa: F401
