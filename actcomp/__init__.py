@@ -9,6 +9,7 @@
 """
 
 from actcomp import compressors
+from actcomp.convert import compressed_layers, from_compressed, to_compressed
 from actcomp.errors import ActcompError
 from actcomp.pipeline import Packed, Pipeline, parse
 from actcomp.registry import list_compressors, register_compressor, unregister_compressor
@@ -16,6 +17,6 @@ from actcomp.registry import list_compressors, register_compressor, unregister_c
 __version__ = "0.1.0"
 
 __all__ = [
-    "ActcompError", "Packed", "Pipeline", "compressors", "list_compressors", "parse",
-    "register_compressor", "unregister_compressor",
+    "ActcompError", "Packed", "Pipeline", "compressed_layers", "compressors", "from_compressed",
+    "list_compressors", "parse", "register_compressor", "to_compressed", "unregister_compressor",
 ]

@@ -1,0 +1,143 @@
+"""The thin module layer: a compressed twin of Linear / Conv1d/2d/3d / GPT-2 Conv1D.
+
+Conversion swaps a module's class for a subclass of its own class that adds only a
+``forward``: parameters stay the same objects, state_dict keys and values are unchanged,
+and ``isinstance(m, nn.Linear)`` still holds. The subclass is created once per base class;
+pickling records the base class, so a pickled model loads wherever actcomp is importable.
+
+>>> import torch, actcomp
+>>> layer = torch.nn.Linear(4, 2)
+>>> compress_layer(layer, actcomp.parse("mink0.5"))
+>>> type(layer).__name__, isinstance(layer, torch.nn.Linear)
+('CompressedLinear', True)
+>>> layer
+CompressedLinear(in_features=4, out_features=2, bias=True, compress='mink0.5')
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actcomp.autograd import compressed_apply
+from actcomp.ops import ConvOp, GPT2Conv1DOp, LinearOp
+from actcomp.pipeline import Pipeline
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def is_gpt2_conv1d(module: nn.Module) -> bool:
+    """Duck-typed check for ``transformers.pytorch_utils.Conv1D`` (no transformers import)."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and weight.shape[1] == getattr(module, "nf", None)
+    )
+
+
+def is_supported(module: nn.Module) -> bool:
+    """Whether :func:`compress_layer` can convert ``module``."""
+    return isinstance(module, (nn.Linear, *_CONVS)) or is_gpt2_conv1d(module)
+
+
+def _conv_op_and_input(module: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: torch.Tensor) -> tuple[ConvOp, torch.Tensor]:
+    """Mirror ``_ConvNd._conv_forward``: non-zero padding modes and 'same' are padded first."""
+    dims = len(module.kernel_size)
+    padding = module.padding
+    if module.padding_mode != "zeros":
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+        padding = (0,) * dims
+    elif padding == "valid":
+        padding = (0,) * dims
+    elif padding == "same":
+        totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+        # As torch does for 'same': pad the odd extra element on the right, then pad symmetrically.
+        extra = []
+        for total in reversed(totals):
+            extra += [0, total % 2]
+        if any(extra):
+            x = F.pad(x, extra)
+        padding = tuple(total // 2 for total in totals)
+    return ConvOp(tuple(module.stride), tuple(padding), tuple(module.dilation), module.groups), x
+
+
+class CompressedLayer:
+    """Mixin placed in front of the original class; see :func:`compress_layer`."""
+
+    actcomp_pipeline: Pipeline
+    actcomp_base: type
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        # Eval, no_grad and frozen weights run the plain op: nothing would be saved for a
+        # weight gradient, so there is nothing to compress and no overhead to pay.
+        if not (self.training and torch.is_grad_enabled() and weight.requires_grad):
+            return super().forward(x)  # type: ignore[misc]
+        return _compressed_forward(self, x)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, compress={self.actcomp_pipeline.spec!r}"  # type: ignore[misc]
+
+    def __reduce_ex__(self, protocol):
+        # Pickle as the plain base class plus state; unpickling re-applies the subclass.
+        return _rebuild_compressed, (type(self).actcomp_base,), self.__getstate__()
+
+
+@torch.compiler.disable
+def _compressed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # Compression has data-dependent sizes (how many values a sparsifier keeps), so under
+    # torch.compile this is one graph break per compressed layer; the rest still compiles.
+    weight, bias = module.weight, module.bias
+    if isinstance(module, _CONVS):
+        op, x = _conv_op_and_input(module, x)
+    elif isinstance(module, nn.Linear):
+        op = LinearOp()
+    else:
+        op = GPT2Conv1DOp()
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Do what autocast does for linear/conv (cast all floating inputs to its dtype), then
+        # run with autocast off so the saved copy is the low-precision one.
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+        with torch.autocast(device_type, enabled=False):
+            return compressed_apply(op, module.actcomp_pipeline, x, weight, bias)
+    return compressed_apply(op, module.actcomp_pipeline, x, weight, bias)
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def compressed_class(base: type) -> type:
+    """The (cached) compressed subclass of ``base``."""
+    if base not in _SUBCLASSES:
+        namespace = {"__module__": __name__, "actcomp_base": base}
+        _SUBCLASSES[base] = type(f"Compressed{base.__name__}", (CompressedLayer, base), namespace)
+    return _SUBCLASSES[base]
+
+
+def compress_layer(module: nn.Module, pipeline: Pipeline) -> None:
+    """Make ``module`` (a supported layer) save ``pipeline``-compressed inputs, in place.
+
+    A module that is already compressed just gets the new pipeline.
+    """
+    if not isinstance(module, CompressedLayer):
+        module.__class__ = compressed_class(type(module))
+    module.actcomp_pipeline = pipeline
+
+
+def uncompress_layer(module: nn.Module) -> None:
+    """Undo :func:`compress_layer`."""
+    if isinstance(module, CompressedLayer):
+        module.__class__ = type(module).actcomp_base
+        del module.actcomp_pipeline
+
+
+def _rebuild_compressed(base: type) -> nn.Module:
+    module = base.__new__(base)
+    module.__class__ = compressed_class(base)
+    return module

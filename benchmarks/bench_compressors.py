@@ -1,0 +1,249 @@
+"""Round-trip time and stored size of actcomp pipelines, relative to a plain ``clone()``.
+
+    python benchmarks/bench_compressors.py                      # defaults, about a minute on 2 cores
+    python benchmarks/bench_compressors.py --specs pmink0.9+int8 --shapes 32x197x384
+
+For each shape and spec, one loop times ``decompress(compress(x))`` and ``x.clone()`` back to
+back (their order alternating between iterations), so a noisy machine slows both members of
+a pair alike; the reported ratio is the median of the per-pair ratios. Stored bytes are
+``packed.nbytes`` over the dense bytes of ``x``. Results go to a markdown table and a CSV
+whose names record the torch version, device and thread count.
+
+Channel stages need the channel axis: 1 for 4-D (N, C, H, W) conv activations, -1 for
+3-D (N, L, C) linear activations, as the compressed layers will pass it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import actcomp
+
+DEFAULT_SPECS = [
+    "mink0.9", "pmink0.9", "random0.9", "channel0.9", "rchannel0.9", "dropit0.9",
+    "int8", "int4", "int2", "mesa8", "fp16", "bf16", "fp8",
+    "pmink0.9+int8", "mink0.9+int8",
+]
+# A ResNet-style conv activation and a ViT-S/16 token activation, both fp32.
+DEFAULT_SHAPES = ["32x64x56x56", "32x197x384"]
+# The issue's target: this pipeline's round trip at most 3x a clone.
+TARGET_SPEC, TARGET_RATIO = "pmink0.9+int8", 3.0
+
+COLUMNS = ["shape", "spec", "ratio_vs_clone", "ratio_p25", "ratio_p75", "roundtrip_ms", "clone_ms",
+           "stored_fraction", "rel_error"]
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not like 32x197x384") from None
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r} needs positive sizes")
+    return shape
+
+
+def channel_dim_for(shape: tuple[int, ...]) -> int:
+    """Conv activations (4-D and up) carry channels on dim 1; linear ones on the last dim."""
+    return 1 if len(shape) >= 4 else -1
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(first: Callable[[], object], second: Callable[[], object], repeats: int,
+                     warmup: int, device: torch.device) -> tuple[list[float], list[float]]:
+    """Seconds per call of ``first`` and ``second``, measured in alternating pairs."""
+    for _ in range(warmup):
+        first()
+        second()
+    times: tuple[list[float], list[float]] = ([], [])
+    calls = (first, second)
+    for repeat in range(repeats):
+        # Alternate which one runs first, so neither always inherits the other's cache state.
+        order = (0, 1) if repeat % 2 == 0 else (1, 0)
+        for which in order:
+            synchronize(device)
+            start = time.perf_counter()
+            calls[which]()
+            synchronize(device)
+            times[which].append(time.perf_counter() - start)
+    return times
+
+
+def quantiles(values: list[float]) -> tuple[float, float, float]:
+    """25th, 50th and 75th percentiles."""
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    low, median, high = statistics.quantiles(values, n=4, method="inclusive")
+    return low, median, high
+
+
+def bench_one(x: torch.Tensor, spec: str, repeats: int, warmup: int) -> dict:
+    pipeline = actcomp.parse(spec)
+    channel_dim = channel_dim_for(tuple(x.shape))
+
+    def round_trip() -> torch.Tensor:
+        return pipeline.decompress(pipeline.compress(x, channel_dim=channel_dim))
+
+    packed = pipeline.compress(x, channel_dim=channel_dim)
+    restored = pipeline.decompress(packed)
+    if restored.shape != x.shape or restored.dtype != x.dtype:
+        raise RuntimeError(f"{spec}: round trip gave {restored.dtype} {tuple(restored.shape)}")
+    stored_fraction = packed.nbytes / (x.numel() * x.element_size())
+    rel_error = float((restored.double() - x.double()).norm() / x.double().norm())
+    del packed, restored
+
+    trip_times, clone_times = time_interleaved(round_trip, x.clone, repeats, warmup, x.device)
+    ratios = [trip / clone for trip, clone in zip(trip_times, clone_times)]
+    ratio_p25, ratio_median, ratio_p75 = quantiles(ratios)
+    return {
+        "shape": "x".join(map(str, x.shape)),
+        "spec": spec,
+        "ratio_vs_clone": ratio_median,
+        "ratio_p25": ratio_p25,
+        "ratio_p75": ratio_p75,
+        "roundtrip_ms": statistics.median(trip_times) * 1e3,
+        "clone_ms": statistics.median(clone_times) * 1e3,
+        "stored_fraction": stored_fraction,
+        "rel_error": rel_error,
+    }
+
+
+def cpu_name() -> str:
+    name = platform.processor()
+    if name and name not in ("x86_64", "aarch64", "arm", "i386"):
+        return name
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        lscpu = ""
+    for line in lscpu.splitlines():
+        if line.strip().lower().startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return name or platform.machine() or "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_name()
+
+
+def results_stem(device: torch.device, threads: int) -> str:
+    version = torch.__version__.split("+")[0]
+    return f"compressors_torch{version}_{device.type}_t{threads}"
+
+
+def header_lines(args: argparse.Namespace, device: torch.device, elapsed_s: float) -> list[str]:
+    command = "python " + " ".join(shlex.quote(arg) for arg in sys.argv)
+    return [
+        f"command: `{command}`",
+        f"date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"torch: {torch.__version__}, actcomp: {actcomp.__version__}, python: {platform.python_version()}",
+        f"device: {device.type} ({device_name(device)}), threads: {args.threads}",
+        f"seed: {args.seed}, repeats: {args.repeats}, warmup: {args.warmup}, wall time: {elapsed_s:.0f} s",
+    ]
+
+
+def write_markdown(path: Path, header: list[str], rows: list[dict]) -> None:
+    lines = ["# actcomp compressor round trip vs `clone()`", ""]
+    lines += [f"- {line}" for line in header]
+    lines += [
+        "",
+        "`x/clone`: median over interleaved pairs of (compress + decompress time) / (clone time), "
+        "with the 25th-75th percentile range. `stored`: packed bytes / dense bytes. "
+        "`rel. error`: ||decompress(compress(x)) - x|| / ||x|| for x ~ N(0, 1). "
+        "Channel stages use channel_dim = 1 for 4-D shapes and -1 for 3-D shapes.",
+    ]
+    for shape in dict.fromkeys(row["shape"] for row in rows):
+        shape_rows = [row for row in rows if row["shape"] == shape]
+        lines += ["", f"## {shape} fp32 (clone: {statistics.median(r['clone_ms'] for r in shape_rows):.2f} ms)", ""]
+        lines += ["| spec | x/clone | p25-p75 | round trip ms | clone ms | stored | rel. error |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for row in shape_rows:
+            lines.append(
+                f"| `{row['spec']}` | {row['ratio_vs_clone']:.1f} | {row['ratio_p25']:.1f}-{row['ratio_p75']:.1f} "
+                f"| {row['roundtrip_ms']:.2f} | {row['clone_ms']:.2f} | {row['stored_fraction']:.1%} "
+                f"| {row['rel_error']:.3g} |"
+            )
+    target = [row for row in rows if row["spec"] == TARGET_SPEC]
+    if target:
+        lines += ["", f"Target: `{TARGET_SPEC}` round trip <= {TARGET_RATIO:g}x a clone."]
+        for row in target:
+            verdict = "met" if row["ratio_vs_clone"] <= TARGET_RATIO else "NOT met"
+            lines.append(f"- {row['shape']}: {row['ratio_vs_clone']:.1f}x, {verdict}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_csv(path: Path, header: list[str], rows: list[dict]) -> None:
+    with path.open("w", newline="") as handle:
+        for line in header:
+            handle.write(f"# {line}\n")
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: f"{value:.6g}" if isinstance(value, float) else value for key, value in row.items()})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--specs", nargs="+", default=DEFAULT_SPECS, metavar="SPEC",
+                        help=f"pipeline specs; registered stages: {', '.join(actcomp.list_compressors())}")
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(s) for s in DEFAULT_SHAPES],
+                        metavar="NxCx...", help="fp32 tensor shapes")
+    parser.add_argument("--repeats", type=int, default=9, help="timed (round trip, clone) pairs per spec")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed pairs before timing")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0 or args.threads < 1:
+        parser.error("--repeats and --threads must be >= 1, --warmup >= 0")
+    for spec in args.specs:
+        try:
+            actcomp.parse(spec)
+        except actcomp.ActcompError as error:
+            parser.error(str(error))
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    started = time.perf_counter()
+    rows = []
+    for shape in args.shapes:
+        torch.manual_seed(args.seed)
+        x = torch.randn(shape, device=device)
+        for spec in args.specs:
+            torch.manual_seed(args.seed)
+            row = bench_one(x, spec, args.repeats, args.warmup)
+            rows.append(row)
+            print(f"{row['shape']:>14} {spec:>16}  {row['ratio_vs_clone']:7.1f}x clone  "
+                  f"{row['roundtrip_ms']:8.2f} ms  stored {row['stored_fraction']:6.1%}", flush=True)
+        del x
+
+    header = header_lines(args, device, time.perf_counter() - started)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = results_stem(device, args.threads)
+    write_markdown(args.out_dir / f"{stem}.md", header, rows)
+    write_csv(args.out_dir / f"{stem}.csv", header, rows)
+    print(f"wrote {args.out_dir / stem}.md and .csv")
+
+
+if __name__ == "__main__":
+    main()
