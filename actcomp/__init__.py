@@ -11,12 +11,13 @@
 from actcomp import compressors
 from actcomp.convert import compressed_layers, from_compressed, to_compressed
 from actcomp.errors import ActcompError
+from actcomp.memory import MemoryReport, memory_report
 from actcomp.pipeline import Packed, Pipeline, parse
 from actcomp.registry import list_compressors, register_compressor, unregister_compressor
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ActcompError", "Packed", "Pipeline", "compressed_layers", "compressors", "from_compressed",
-    "list_compressors", "parse", "register_compressor", "to_compressed", "unregister_compressor",
+    "ActcompError", "MemoryReport", "Packed", "Pipeline", "compressed_layers", "compressors", "from_compressed",
+    "list_compressors", "memory_report", "parse", "register_compressor", "to_compressed", "unregister_compressor",
 ]

@@ -1,0 +1,7 @@
+"""``python -m actcomp``: see :mod:`actcomp.cli`."""
+
+import sys
+
+from actcomp.cli import main
+
+sys.exit(main())

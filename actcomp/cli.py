@@ -1,0 +1,140 @@
+"""Command line: ``python -m actcomp report ...`` and ``python -m actcomp demo``.
+
+>>> main(["report", "--model", "resnet18", "--pipeline", "mink0.9", "--batch", "2", "--img-size", "32"])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import sys
+
+from actcomp.errors import ActcompError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m actcomp", description="Activation compression for training.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    report = commands.add_parser("report", help="saved-activation bytes of a timm model, plain vs compressed")
+    report.add_argument("--model", required=True, help="timm model name, e.g. resnet18 or vit_small_patch16_224")
+    report.add_argument("--pipeline", required=True, help="spec, e.g. 'mink0.9+int8'")
+    report.add_argument("--batch", type=int, default=8)
+    report.add_argument("--img-size", type=int, default=224)
+    report.add_argument("--amp", choices=["bf16"], default=None, help="run the forward under bf16 autocast")
+    report.add_argument("--layers", action="store_true", help="also list the largest modules")
+    report.add_argument("--rss", action="store_true", help="also measure peak RSS of 3 steps in fresh processes")
+    report.add_argument("--plot", metavar="FILE.png", help="bar chart per layer type (needs matplotlib)")
+
+    demo = commands.add_parser("demo", help="train a small CNN and ViT on scikit-learn's digits, plain vs compressed")
+    demo.add_argument("--epochs", type=int, default=8)
+    demo.add_argument("--pipelines", nargs="+", default=["mink0.9", "pmink0.9+int8", "int8"])
+    demo.add_argument("--models", nargs="+", default=["cnn", "vit"], choices=["cnn", "vit"])
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--plot", metavar="FILE.png", help="save the loss curves (needs matplotlib)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "report":
+            return _report(args)
+        from actcomp.demo import run_demo
+
+        run_demo(epochs=args.epochs, specs=args.pipelines, models=args.models, seed=args.seed, plot=args.plot)
+        return 0
+    except ActcompError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def _timm():
+    try:
+        import timm
+    except ImportError:
+        raise ActcompError("the report command builds timm models: pip install timm") from None
+    return timm
+
+
+def _matplotlib_pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ActcompError("--plot needs matplotlib: pip install matplotlib (or pip install 'actcomp[plot]')") from None
+    return plt
+
+
+def _report(args: argparse.Namespace) -> int:
+    import torch
+
+    import actcomp
+    from actcomp.memory import format_bytes
+
+    pipeline = actcomp.parse(args.pipeline)
+    plt = _matplotlib_pyplot() if args.plot else None
+    timm = _timm()
+    if not timm.is_model(args.model):
+        close = timm.list_models(f"*{args.model.split('_')[0]}*")[:8]
+        hint = f"; similar: {', '.join(close)}" if close else "; see timm.list_models()"
+        raise ActcompError(f"unknown timm model {args.model!r}{hint}")
+    if args.batch < 1 or args.img_size < 1:
+        raise ActcompError(f"--batch and --img-size must be positive, got {args.batch} and {args.img_size}")
+    torch.manual_seed(0)
+    try:
+        plain = timm.create_model(args.model, pretrained=False, img_size=args.img_size)
+    except TypeError:
+        plain = timm.create_model(args.model, pretrained=False)
+    compressed = actcomp.to_compressed(copy.deepcopy(plain), pipeline)
+    x = torch.randn(args.batch, 3, args.img_size, args.img_size)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.amp else contextlib.nullcontext()
+    with autocast:
+        before = actcomp.memory_report(plain, x)
+        after = actcomp.memory_report(compressed, x)
+
+    plain_types, packed_types = before.by_type(), after.by_type()
+    precision = "bf16 autocast" if args.amp else "fp32"
+    print(f"{args.model}, batch {args.batch}, {args.img_size}x{args.img_size}, {precision}, pipeline {pipeline.spec!r}")
+    print(f"{'layer type':<24} {'plain':>11} {'compressed':>11} {'ratio':>7}")
+    for name in sorted(set(plain_types) | set(packed_types), key=lambda t: -plain_types.get(t, 0)):
+        a, b = plain_types.get(name, 0), packed_types.get(name, 0)
+        print(f"{name:<24} {format_bytes(a):>11} {format_bytes(b):>11} {_ratio(a, b):>7}")
+    print(f"{'total':<24} {format_bytes(before.total_bytes):>11} {format_bytes(after.total_bytes):>11} "
+          f"{_ratio(before.total_bytes, after.total_bytes):>7}")
+    if before.parameter_copy_bytes or after.parameter_copy_bytes:
+        print(f"(not counted above: parameter copies kept for backward, e.g. autocast weights: "
+              f"plain {format_bytes(before.parameter_copy_bytes)}, compressed {format_bytes(after.parameter_copy_bytes)})")
+    layers = actcomp.compressed_layers(compressed)
+    lost = sum(item.input_bytes for item in after.not_freed)
+    print(f"{len(layers)} layers compressed; {len(after.not_freed)} of them free nothing because another op keeps "
+          f"their input ({format_bytes(lost)} kept anyway)")
+    if args.layers:
+        print(after.table())
+    if args.rss:
+        from actcomp.peak_rss import peak_rss
+
+        sizes = dict(batch=args.batch, img_size=args.img_size, amp=args.amp)
+        rss_plain, rss_packed = peak_rss(args.model, None, **sizes), peak_rss(args.model, pipeline.spec, **sizes)
+        print(f"peak RSS of 3 training steps: plain {format_bytes(rss_plain)}, compressed {format_bytes(rss_packed)}")
+    if plt is not None:
+        names = list(plain_types)
+        figure, axes = plt.subplots(figsize=(8, 4))
+        positions = range(len(names))
+        axes.bar([p - 0.2 for p in positions], [plain_types[n] / 2**20 for n in names], 0.4, label="plain")
+        axes.bar([p + 0.2 for p in positions], [packed_types.get(n, 0) / 2**20 for n in names], 0.4, label=pipeline.spec)
+        axes.set_xticks(list(positions), names, rotation=30, ha="right")
+        axes.set_ylabel("saved for backward (MiB)")
+        axes.set_title(f"{args.model}, batch {args.batch}, {precision}")
+        axes.legend()
+        figure.tight_layout()
+        figure.savefig(args.plot)
+        print(f"bar chart saved to {args.plot}")
+    return 0
+
+
+def _ratio(plain: int, compressed: int) -> str:
+    return f"{plain / compressed:.2f}x" if compressed else "-"

@@ -1,0 +1,229 @@
+"""Honest accounting of the bytes autograd keeps for backward.
+
+:func:`memory_report` runs one training-mode forward pass under
+``torch.autograd.graph.saved_tensors_hooks`` and records every tensor saved for backward,
+deduplicated by storage (a tensor saved by two ops, or two views of one buffer, count
+once, at the size of the whole storage), attributed to the innermost module running when
+it was saved. Parameters are not activations and are left out; the model's own inputs
+are reported apart (the caller keeps them anyway), and so are copies of parameters
+(autocast's low-precision weights): real bytes, but they scale with the model, not the batch.
+
+For each compressed layer it also checks whether the layer's *input* storage is still
+kept by another op (ReLU keeps its output, which is the next conv's input): then the
+compression frees nothing and the compressed copy is an extra cost. Those show up in
+:attr:`MemoryReport.not_freed`.
+
+>>> import torch, actcomp
+>>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+>>> report = memory_report(model, torch.randn(32, 64))
+>>> report.total_bytes  # ReLU's output (saved by ReLU and by the second Linear, counted once)
+8192
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class SavedStorage:
+    """One distinct storage that autograd keeps, and every module whose ops saved it."""
+
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    savers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    """Bytes attributed to one module: storages it was the first to save."""
+
+    name: str
+    type: str
+    nbytes: int
+    compressed: str | None = None
+
+
+@dataclass(frozen=True)
+class NotFreed:
+    """A compressed layer whose input is also kept by another module."""
+
+    layer: str
+    input_bytes: int
+    kept_by: tuple[str, ...]
+
+
+@dataclass
+class MemoryReport:
+    """Result of :func:`memory_report`; ``print(report)`` shows a table."""
+
+    rows: list[ModuleRow]
+    storages: list[SavedStorage]
+    input_bytes: int
+    parameter_copy_bytes: int = 0
+    not_freed: list[NotFreed] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        """Saved activation bytes, deduplicated, without parameters and model inputs."""
+        return sum(row.nbytes for row in self.rows)
+
+    def by_type(self) -> dict[str, int]:
+        """Bytes per module type (``"Conv2d"``, ``"ReLU"``, ...), largest first."""
+        totals: dict[str, int] = defaultdict(int)
+        for row in self.rows:
+            totals[row.type] += row.nbytes
+        return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+    def table(self, limit: int = 30) -> str:
+        """The largest ``limit`` modules, then totals and the not-freed warnings."""
+        rows = sorted(self.rows, key=lambda row: -row.nbytes)[:limit]
+        width = max([len(row.name) for row in rows] + [6])
+        lines = [f"{'module':<{width}}  {'type':<22} {'saved':>10}  compressed"]
+        for row in rows:
+            lines.append(f"{row.name:<{width}}  {row.type:<22} {format_bytes(row.nbytes):>10}  {row.compressed or ''}")
+        if len(self.rows) > limit:
+            rest = sum(row.nbytes for row in sorted(self.rows, key=lambda row: -row.nbytes)[limit:])
+            lines.append(f"{'... ' + str(len(self.rows) - limit) + ' more':<{width}}  {'':<22} {format_bytes(rest):>10}")
+        lines.append(f"{'total':<{width}}  {'':<22} {format_bytes(self.total_bytes):>10}")
+        lines.append(f"(model inputs, kept by the caller: {format_bytes(self.input_bytes)}; "
+                     f"parameter copies such as autocast weights: {format_bytes(self.parameter_copy_bytes)})")
+        for item in self.not_freed:
+            lines.append(
+                f"! {item.layer}: input ({format_bytes(item.input_bytes)}) is also kept by "
+                f"{', '.join(item.kept_by)}, so compressing it frees nothing"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def format_bytes(count: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    return str(tensor.device), storage.data_ptr()
+
+
+def _parameter_copy(tensor: torch.Tensor, parameters: set[int]) -> bool:
+    """Whether ``tensor`` comes from one parameter through single-input ops (cast, view, t)."""
+    node = tensor.grad_fn
+    for _ in range(6):
+        if node is None:
+            return False
+        if type(node).__name__ == "AccumulateGrad":
+            return id(node.variable) in parameters
+        inputs = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return False
+
+
+def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
+    """Run ``model(*inputs, **kwargs)`` once in training mode and account its saved tensors.
+
+    The model is put in training mode for the pass and restored afterwards. Run it under
+    ``torch.autocast`` to account mixed precision.
+    """
+    from actcomp.layers import CompressedLayer
+
+    names = {module: name or "(model)" for name, module in model.named_modules()}
+    excluded = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+    input_keys = {_storage_key(t) for t in [*inputs, *kwargs.values()] if isinstance(t, torch.Tensor)}
+    parameter_ids = {id(p) for p in model.parameters()}
+    copy_keys: set[tuple] = set()
+    stack: list[nn.Module] = []
+    order: list[tuple] = []
+    seen: dict[tuple, dict] = {}
+    layer_inputs: dict[str, tuple] = {}
+    # Holding the compressed layers' inputs until the end keeps their addresses from being
+    # reused by later tensors, which would make storage keys collide.
+    alive: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key is None or key in excluded:
+            return tensor
+        saver = names[stack[-1]] if stack else "(model)"
+        entry = seen.get(key)
+        if entry is None:
+            entry = seen[key] = {
+                "nbytes": tensor.untyped_storage().nbytes(), "shape": tuple(tensor.shape),
+                "dtype": tensor.dtype, "savers": [],
+            }
+            order.append(key)
+            if _parameter_copy(tensor, parameter_ids):
+                copy_keys.add(key)
+        if saver not in entry["savers"]:
+            entry["savers"].append(saver)
+        return tensor
+
+    def before(module: nn.Module, args) -> None:
+        stack.append(module)
+        if isinstance(module, CompressedLayer) and args and isinstance(args[0], torch.Tensor):
+            layer_inputs[names[module]] = _storage_key(args[0])
+            alive.append(args[0])
+
+    def after(module: nn.Module, args, output) -> None:
+        stack.pop()
+
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(before))
+        handles.append(module.register_forward_hook(after))
+    was_training = model.training
+    model.train()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), torch.enable_grad():
+            output = model(*inputs, **kwargs)
+        del output, alive[:]
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+
+    storages = [SavedStorage(seen[k]["nbytes"], seen[k]["shape"], seen[k]["dtype"], tuple(seen[k]["savers"])) for k in order]
+    per_module: dict[str, int] = defaultdict(int)
+    input_bytes = copy_bytes = 0
+    for key, storage in zip(order, storages):
+        if key in input_keys:
+            input_bytes += storage.nbytes
+        elif key in copy_keys:
+            copy_bytes += storage.nbytes
+        else:
+            per_module[storage.savers[0]] += storage.nbytes
+    modules = {name: module for module, name in names.items()}
+    rows = [ModuleRow(name, _type_name(modules[name]), nbytes, _spec_of(modules[name])) for name, nbytes in per_module.items()]
+    not_freed = []
+    for layer, key in layer_inputs.items():
+        entry = seen.get(key)
+        if entry is not None and key not in input_keys:
+            not_freed.append(NotFreed(layer, entry["nbytes"], tuple(s for s in entry["savers"] if s != layer)))
+    return MemoryReport(rows, storages, input_bytes, copy_bytes, not_freed)
+
+
+def _type_name(module: nn.Module) -> str:
+    # A compressed layer reports its plain type, so plain and compressed reports line up.
+    return getattr(type(module), "actcomp_base", type(module)).__name__
+
+
+def _spec_of(module: nn.Module) -> str | None:
+    pipeline = getattr(module, "actcomp_pipeline", None)
+    return None if pipeline is None else pipeline.spec

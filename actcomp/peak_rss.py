@@ -1,0 +1,47 @@
+"""Peak process memory (RSS) of a few training steps, measured in a fresh subprocess.
+
+Saved-tensor accounting (:mod:`actcomp.memory`) counts what autograd keeps; peak RSS is
+what the operating system saw, allocator slack and temporaries included. A fresh process
+per measurement keeps one run's high-water mark from leaking into the next.
+
+>>> peak_rss("resnet18", None, batch=2, img_size=32, steps=1) > 0  # doctest: +SKIP
+True
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+_PROBE = r"""
+import json, resource, sys, torch, timm, actcomp
+args = json.loads(sys.argv[1])
+torch.manual_seed(0)
+model = timm.create_model(args["model"], pretrained=False, num_classes=10)
+if args["spec"]:
+    actcomp.to_compressed(model, args["spec"])
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(args["batch"], 3, args["img_size"], args["img_size"])
+y = torch.randint(0, 10, (args["batch"],))
+dtype = {"bf16": torch.bfloat16, None: None}[args["amp"]]
+for _ in range(args["steps"]):
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+"""
+
+
+def peak_rss(model: str, spec: str | None, *, batch: int, img_size: int, steps: int = 3, amp: str | None = None) -> int:
+    """Peak RSS in bytes of ``steps`` training steps of timm ``model`` (``spec`` None = plain).
+
+    Linux reports ru_maxrss in KiB, which is what this assumes.
+    """
+    args = json.dumps({"model": model, "spec": spec, "batch": batch, "img_size": img_size, "steps": steps, "amp": amp})
+    done = subprocess.run([sys.executable, "-c", _PROBE, args], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"peak-RSS probe failed for {model} {spec!r}:\n{done.stderr[-2000:]}")
+    return int(json.loads(done.stdout.strip().splitlines()[-1]))
