@@ -86,6 +86,23 @@ class CompressedLayer:
         return _rebuild_compressed, (type(self).actcomp_base,), self.__getstate__()
 
 
+def _skip_forward_frame_under_compile() -> None:
+    # After the graph break at _compressed_forward, torch.compile would otherwise compile
+    # CompressedLayer.forward as a frame of its own, guarded on each layer's weight shape,
+    # and hit its recompile limit on any real model. Skipping that frame keeps it eager while
+    # still letting dynamo inline it (eval mode compiles to one graph). Private API: if it
+    # moves, compile still works, with recompile warnings.
+    try:
+        from torch._dynamo.eval_frame import skip_code
+
+        skip_code(CompressedLayer.forward.__code__)
+    except (ImportError, AttributeError):
+        pass
+
+
+_skip_forward_frame_under_compile()
+
+
 @torch.compiler.disable
 def _compressed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # Compression has data-dependent sizes (how many values a sparsifier keeps), so under

@@ -15,7 +15,7 @@ from actcomp.errors import ActcompError
 from actcomp.spec import StageSpec, spec_error
 
 _REGISTRY: dict[str, type] = {}
-_NAME = re.compile(r"[a-z][a-z0-9_]*[a-z_]|[a-z]+\d+|[a-z]")
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
 _KINDS = ("sparsifier", "quantizer")
 
 
@@ -46,8 +46,7 @@ def register_compressor(cls: type | None = None, *, replace: bool = False):
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ActcompError(
                 f"compressor name {name!r} of {klass.__name__} is not valid: use lowercase letters, "
-                "digits and '_', starting with a letter (a name must not end in a number with a "
-                "decimal point, which would read as a drop rate)"
+                "digits and '_', starting with a letter"
             )
         if klass.kind not in _KINDS:
             raise ActcompError(f"compressor {name!r} has kind {klass.kind!r}; valid kinds: {', '.join(_KINDS)}")
@@ -85,8 +84,16 @@ def build_stage(stage: StageSpec, spec: str):
     cls = compressor_class(stage.name)
     start, length = stage.span
 
-    def fail(problem: str, valid: str = "") -> ActcompError:
-        return spec_error(problem, spec, start, length, valid)
+    def fail(problem: str, valid: str = "", key: str | None = None) -> ActcompError:
+        # Point at the option itself when there is one, else at the whole stage.
+        at, size = start, length
+        if key is not None:
+            text = spec[start:start + length]
+            found = text.find(f":{key}=")
+            if found >= 0:
+                end = text.find(":", found + 1)
+                at, size = start + found + 1, (len(text) if end < 0 else end) - found - 1
+        return spec_error(problem, spec, at, size, valid)
 
     kwargs: dict[str, Any] = {}
     if cls.takes_rate:
@@ -100,12 +107,13 @@ def build_stage(stage: StageSpec, spec: str):
     for key, text in stage.options:
         if key not in fields:
             valid = ", ".join(fields) or "none"
-            raise fail(f"unknown option {key!r} for stage {stage.name!r}", f"valid options: {valid}")
-        kwargs[key] = _convert(text, hints[key], lambda why, k=key: fail(f"option {k}={text!r}: {why}"))
+            raise fail(f"unknown option {key!r} for stage {stage.name!r}", f"valid options: {valid}", key)
+        kwargs[key] = _convert(text, hints[key], lambda why, k=key: fail(f"option {k}={text!r}: {why}", key=k))
     try:
         return cls(**kwargs)
     except ActcompError as error:
-        raise fail(str(error)) from None
+        bad_option = next((key for key, _ in stage.options if f" {key} " in f" {error} "), None)
+        raise fail(str(error), key=bad_option) from None
 
 
 def _convert(text: str, annotation: Any, fail) -> Any:

@@ -75,10 +75,11 @@ class GroupQuant(Compressor):
         codes.add_(torch.rand_like(codes)).floor_().clamp_(0, levels)
         codes.masked_fill_(~finite.unsqueeze(1), 0)
         packed = pack_codes(codes.view(-1)[:count].to(torch.uint8), self.bits)
-        return Encoded(owned(packed), (owned(offset), scale), (count, x.dtype))
+        return Encoded(owned(packed), (owned(offset), scale), (x.shape, x.dtype))
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
-        count, dtype = meta
+        shape, dtype = meta
+        count = shape.numel()
         offset, scale = saved
         group = self.group  # type: ignore[attr-defined]
         groups = offset.numel()
@@ -86,7 +87,9 @@ class GroupQuant(Compressor):
         if count % group:
             codes = torch.cat([codes, codes.new_zeros(groups * group - count)])
         values = torch.addcmul(offset.float().unsqueeze(1), codes.view(groups, group), scale.float().unsqueeze(1))
-        return values.view(-1)[:count].to(dtype)
+        # The rounded-up scale can step past the dtype's largest value; saturate (NaN stays).
+        limit = torch.finfo(dtype).max
+        return values.view(-1)[:count].clamp(-limit, limit).to(dtype).view(shape)
 
 
 @register_compressor

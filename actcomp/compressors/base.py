@@ -9,7 +9,10 @@ through saved-tensor hooks) and keep only the metadata on the side.
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -76,6 +79,13 @@ class Compressor:
                 raise ActcompError(f"drop rate of {self.name!r} must be in [0, 1), got {rate!r}")
 
     def __post_init__(self) -> None:
+        # An int given for a float setting becomes a float, so it prints back as one
+        # ("momentum=0" would otherwise round-trip to a different spec than "momentum=0.0").
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if hints.get(f.name) is float and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, float(value))
         self.check()
 
     @classmethod
@@ -118,14 +128,15 @@ def _format_option(value: Any) -> str:
 def drop_count(n: int, drop_rate: float) -> int:
     """How many of ``n`` elements a drop rate removes: floor(rate * n).
 
-    A 1e-9 slack absorbs binary rounding, so 0.29 * 100 (= 28.999999999999996) drops 29.
-    The kept count ``n - drop_count(n, rate)`` is therefore ceil((1 - rate) * n), and at
-    least one element survives whenever n > 0 and rate < 1.
+    The rate is taken as the decimal it prints as, so binary rounding never loses an
+    element: 0.29 * 100 is 28.999999999999996 in floats, but 29 are dropped (and 29000000
+    of 10**8). The kept count ``n - drop_count(n, rate)`` is therefore ceil((1 - rate) * n),
+    and at least one element survives whenever n > 0 and rate < 1.
 
-    >>> drop_count(100, 0.29), drop_count(10, 0.95), drop_count(0, 0.5)
-    (29, 9, 0)
+    >>> drop_count(100, 0.29), drop_count(10**8, 0.29), drop_count(10, 0.95), drop_count(0, 0.5)
+    (29, 29000000, 9, 0)
     """
-    return min(int(drop_rate * n + 1e-9), max(n - 1, 0))
+    return min(math.floor(Fraction(repr(float(drop_rate))) * n), max(n - 1, 0))
 
 
 def owned(tensor: torch.Tensor) -> torch.Tensor:

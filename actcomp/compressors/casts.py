@@ -29,8 +29,9 @@ def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     limit = torch.finfo(dtype).max
     if torch.finfo(x.dtype).max <= limit:
         return x.to(dtype)
-    clamped = x.clamp(-limit, limit)
-    return torch.where(x.isfinite(), clamped, x).to(dtype)
+    # Clamp in fp32: the limit may not exist in x's dtype (bf16 rounds 65504 up to 65536).
+    wide = x.float()
+    return torch.where(wide.isfinite(), wide.clamp(-limit, limit), wide).to(dtype)
 
 
 class _Cast(Compressor):
@@ -41,7 +42,8 @@ class _Cast(Compressor):
         return Encoded(saturating_cast(x, self.storage), (), x.dtype)
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
-        return payload.to(meta)
+        # Saturate on the way back too: fp16's 65504 is stored by bf16 as 65536.
+        return saturating_cast(payload, meta)
 
 
 @register_compressor
@@ -67,9 +69,11 @@ class Fp8(Compressor):
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
         finite = x.isfinite()
         amax = torch.where(finite, x, 0).abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
-        scale = torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max, 1.0)
+        scale = amax / torch.finfo(torch.float8_e4m3fn).max
+        # Zero (or an amax so small the division underflows) keeps scale 1: no 0/0.
+        scale = torch.where(scale > 0, scale, 1.0)
         scaled = torch.where(finite, x.float() / scale, torch.nan)
         return Encoded(saturating_cast(scaled, torch.float8_e4m3fn), (scale,), x.dtype)
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
-        return (payload.float() * saved[0]).to(meta)
+        return saturating_cast(payload.float() * saved[0], meta)

@@ -63,12 +63,14 @@ class Mesa8(Compressor):
         ranges = self._ranges
         previous = ranges.get("low")
         if previous is None or previous.shape != low.shape or previous.device != low.device:
-            ranges["low"], ranges["high"] = low.clone(), high.clone()
-        else:
-            finite = low.isfinite() & high.isfinite()
-            weight = 1 - self.momentum
-            ranges["low"] = torch.where(finite, previous.lerp(low, weight), previous)
-            ranges["high"] = torch.where(finite, ranges["high"].lerp(high, weight), ranges["high"])
+            # NaN marks a group that has not seen a finite batch yet.
+            ranges["low"] = ranges["high"] = torch.full_like(low, torch.nan)
+        finite = low.isfinite() & high.isfinite()
+        weight = 1 - self.momentum
+        for key, batch in (("low", low), ("high", high)):
+            running = ranges[key]
+            updated = torch.where(running.isnan(), batch, running.lerp(batch, weight))
+            ranges[key] = torch.where(finite, updated, running)
         return ranges["low"], ranges["high"]
 
     def _broadcast(self, per_group: torch.Tensor, shape: torch.Size, channel_dim: int | None) -> torch.Tensor:
