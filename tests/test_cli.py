@@ -1,0 +1,80 @@
+"""The command line end to end on tiny settings, and its error paths."""
+
+import subprocess
+import sys
+
+import pytest
+
+from actcomp.cli import main
+
+TINY = ["--batch", "2", "--img-size", "32"]
+
+
+def test_report_prints_per_type_and_total_bytes(capsys):
+    assert main(["report", "--model", "resnet18", "--pipeline", "mink0.9+int8", *TINY]) == 0
+
+    out = capsys.readouterr().out
+    assert "pipeline 'mink0.9+int8'" in out
+    for line_start in ("Conv2d", "BatchNorm2d", "ReLU", "total"):
+        assert any(line.startswith(line_start) for line in out.splitlines()), line_start
+    # A ResNet's convs follow ReLUs, which keep the same tensors: the report says so.
+    assert "free nothing because another op keeps their input" in out
+
+
+def test_report_under_bf16_autocast_with_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "bars.png"
+
+    assert main(["report", "--model", "vit_tiny_patch16_224", "--pipeline", "int8", *TINY, "--amp", "bf16",
+                 "--plot", str(plot)]) == 0
+
+    assert "bf16 autocast" in capsys.readouterr().out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+
+    assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--plot", str(tmp_path / "x.png")]) == 2
+
+    assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_unknown_model_is_a_clear_error(capsys):
+    assert main(["report", "--model", "resnet1888", "--pipeline", "int8", *TINY]) == 2
+
+    err = capsys.readouterr().err
+    assert "unknown timm model 'resnet1888'" in err
+    assert "Traceback" not in err
+
+
+def test_bad_spec_is_a_clear_error(capsys):
+    assert main(["report", "--model", "resnet18", "--pipeline", "mnk0.9", *TINY]) == 2
+
+    err = capsys.readouterr().err
+    assert "unknown stage 'mnk0.9'" in err
+    assert "known stages:" in err
+
+
+def test_non_positive_sizes_are_rejected(capsys):
+    assert main(["report", "--model", "resnet18", "--pipeline", "int8", "--batch", "0"]) == 2
+
+    assert "--batch and --img-size must be positive" in capsys.readouterr().err
+
+
+def test_demo_runs_end_to_end(capsys):
+    assert main(["demo", "--epochs", "1", "--models", "cnn", "--pipelines", "mink0.9"]) == 0
+
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("cnn ") and "%" in line]
+    assert [row[1] for row in rows] == ["plain", "mink0.9"]
+    accuracy = float(rows[1][2].rstrip("%"))
+    assert accuracy > 50  # one epoch on digits is far above chance (10%)
+
+
+def test_module_entry_point_runs():
+    done = subprocess.run([sys.executable, "-m", "actcomp", "report", "--model", "nope", "--pipeline", "int8"],
+                          capture_output=True, text=True)
+
+    assert done.returncode == 2
+    assert "unknown timm model 'nope'" in done.stderr

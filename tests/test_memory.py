@@ -1,0 +1,135 @@
+"""memory_report on small graphs whose saved bytes are known by construction."""
+
+import pytest
+import torch
+from torch import nn
+
+import actcomp
+from actcomp.layers import compress_layer
+
+BATCH, WIDTH = 16, 32
+FP32 = 4
+
+
+def linear_relu_linear() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 4))
+
+
+def test_tensor_saved_by_two_ops_counts_once():
+    # ReLU keeps its output; the second Linear keeps the same tensor as its input.
+    model, x = linear_relu_linear(), torch.randn(BATCH, WIDTH)
+
+    report = actcomp.memory_report(model, x)
+
+    assert report.total_bytes == BATCH * WIDTH * FP32
+    [relu_output] = [s for s in report.storages if s.shape == (BATCH, WIDTH) and s.savers != ("0",)]
+    assert relu_output.savers == ("1", "2")
+    assert {row.name: row.nbytes for row in report.rows} == {"1": BATCH * WIDTH * FP32}
+    # The first Linear keeps the model input: reported apart, not as an activation.
+    assert report.input_bytes == x.numel() * FP32
+
+
+def test_a_tensor_saved_twice_by_one_op_counts_once():
+    class Square(nn.Module):
+        def forward(self, x):
+            hidden = x * 2
+            return hidden * hidden  # mul saves both operands: one storage
+
+    report = actcomp.memory_report(Square(), torch.randn(10, 10, requires_grad=True))
+
+    assert report.total_bytes == 10 * 10 * FP32
+    assert len(report.storages) == 1
+
+
+def test_views_of_one_buffer_count_at_the_size_of_the_buffer():
+    class SaveViews(nn.Module):
+        def forward(self, x):
+            buffer = x.exp()  # exp saves its output: the whole (8, 8) buffer
+            return (buffer[:2].sin() + buffer[2:].cos().sum()).sum()  # sin/cos save views of it
+
+    report = actcomp.memory_report(SaveViews(), torch.randn(8, 8, requires_grad=True))
+
+    assert report.total_bytes == 8 * 8 * FP32
+
+
+def test_parameters_are_not_activations():
+    model, x = nn.Linear(WIDTH, 4), torch.randn(BATCH, WIDTH, requires_grad=True)
+
+    report = actcomp.memory_report(model, x)
+
+    # Linear saves its weight (for the input gradient) and its input (a model input).
+    assert report.total_bytes == 0
+    assert report.input_bytes == x.numel() * FP32
+
+
+def test_compressed_layer_whose_input_another_op_keeps_frees_nothing():
+    model, x = linear_relu_linear(), torch.randn(BATCH, WIDTH)
+    relu_output = torch.relu(model[0](x)).detach()
+    plain_bytes = actcomp.memory_report(model, x).total_bytes
+    actcomp.to_compressed(model, "mink0.9")  # the first Linear is skipped: only "2" converts
+
+    report = actcomp.memory_report(model, x)
+
+    packed = actcomp.parse("mink0.9").compress(relu_output)
+    # ReLU still keeps its output, and the compressed copy comes on top of it.
+    assert report.total_bytes == plain_bytes + packed.nbytes
+    [lost] = report.not_freed
+    assert (lost.layer, lost.input_bytes, lost.kept_by) == ("2", BATCH * WIDTH * FP32, ("1",))
+    assert "compressing it frees nothing" in report.table()
+
+
+def test_compressed_layer_whose_input_nobody_else_keeps_is_freed():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, 4))
+    x = torch.randn(BATCH, WIDTH)
+    gelu_output = nn.functional.gelu(model[0](x)).detach()
+    actcomp.to_compressed(model, "mink0.9+int8")
+
+    torch.manual_seed(1)
+    report = actcomp.memory_report(model, x)
+
+    # GELU keeps its input (the first Linear's output); the second Linear keeps only its
+    # compressed input. The int8 codes' size does not depend on the random draw.
+    packed = actcomp.parse("mink0.9+int8").compress(gelu_output)
+    assert report.total_bytes == BATCH * WIDTH * FP32 + packed.nbytes
+    assert report.not_freed == []
+    assert {row.name: row.compressed for row in report.rows} == {"1": None, "2": "mink0.9+int8"}
+    assert report.by_type() == {"GELU": BATCH * WIDTH * FP32, "Linear": packed.nbytes}
+
+
+def test_autocast_weight_copies_are_reported_apart():
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, 4))
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = actcomp.memory_report(model, x)
+
+    bf16 = 2
+    assert report.parameter_copy_bytes == (WIDTH * WIDTH + 4 * WIDTH) * bf16
+    # Activations: the bf16 copy of x (Linear 0), its output (GELU's input), GELU's output.
+    assert report.total_bytes == 3 * BATCH * WIDTH * bf16
+
+
+def test_report_restores_training_mode_and_leaves_no_hooks():
+    model = linear_relu_linear().eval()
+
+    actcomp.memory_report(model, torch.randn(2, WIDTH))
+
+    assert not model.training
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_report_of_frozen_compressed_layer_counts_no_compressed_bytes():
+    model, x = linear_relu_linear(), torch.randn(BATCH, WIDTH)
+    compress_layer(model[2], actcomp.parse("mink0.5"))
+    model[2].weight.requires_grad_(False)
+
+    report = actcomp.memory_report(model, x)
+
+    assert report.total_bytes == BATCH * WIDTH * FP32  # ReLU's output only
+
+
+@pytest.mark.parametrize("count, text", [(0, "0 B"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB")])
+def test_format_bytes(count, text):
+    assert actcomp.memory.format_bytes(count) == text
