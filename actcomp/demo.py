@@ -117,7 +117,7 @@ def run_demo(epochs: int = 8, specs=("mink0.9", "pmink0.9+int8", "int8"), models
                     times[i].append(time.perf_counter() - tick)
                     losses[i].append(loss.item())
             steps = len(order) // batch + 1
-            recent = " | ".join(f"{label} {statistics.fmean(l[-steps:]):.3f}" for label, l in zip(labels, losses))
+            recent = " | ".join(f"{label} {statistics.fmean(run[-steps:]):.3f}" for label, run in zip(labels, losses))
             _progress(f"{model_name} epoch {epoch + 1}/{epochs} ({time.perf_counter() - started:.0f}s)  loss: {recent}")
         _progress("", end=True)
         sample = train_x[:batch]

@@ -22,7 +22,6 @@ compression frees nothing and the compressed copy is an extra cost. Those show u
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -199,7 +198,9 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
         for handle in handles:
             handle.remove()
 
-    storages = [SavedStorage(seen[k]["nbytes"], seen[k]["shape"], seen[k]["dtype"], tuple(seen[k]["savers"])) for k in order]
+    storages = [
+        SavedStorage(seen[k]["nbytes"], seen[k]["shape"], seen[k]["dtype"], tuple(seen[k]["savers"])) for k in order
+    ]
     per_module: dict[str, int] = defaultdict(int)
     input_bytes = copy_bytes = 0
     for key, storage in zip(order, storages):
@@ -210,7 +211,10 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
         else:
             per_module[storage.savers[0]] += storage.nbytes
     modules = {name: module for module, name in names.items()}
-    rows = [ModuleRow(name, _type_name(modules[name]), nbytes, _spec_of(modules[name])) for name, nbytes in per_module.items()]
+    rows = [
+        ModuleRow(name, _type_name(modules[name]), nbytes, _spec_of(modules[name]))
+        for name, nbytes in per_module.items()
+    ]
     not_freed = []
     for layer, key in layer_inputs.items():
         entry = seen.get(key)

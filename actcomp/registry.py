@@ -108,7 +108,7 @@ def build_stage(stage: StageSpec, spec: str):
         if key not in fields:
             valid = ", ".join(fields) or "none"
             raise fail(f"unknown option {key!r} for stage {stage.name!r}", f"valid options: {valid}", key)
-        kwargs[key] = _convert(text, hints[key], lambda why, k=key: fail(f"option {k}={text!r}: {why}", key=k))
+        kwargs[key] = _convert(text, hints[key], lambda why, k=key, t=text: fail(f"option {k}={t!r}: {why}", key=k))
     try:
         return cls(**kwargs)
     except ActcompError as error:
