@@ -1,6 +1,7 @@
 """The one autograd Function: exact forward, compressed input saved, exact input gradient.
 
-``compressed_apply(op, pipeline, x, weight, bias)`` runs ``op.forward`` on the full input,
+``compressed_apply(op, pipeline, x, weight, bias, compute_dtype)`` casts ``x`` to
+``compute_dtype`` (autocast's dtype, or None for no cast), runs ``op.forward`` on it,
 keeps only ``pipeline.compress(x)`` (through ``ctx.save_for_backward``, so saved-tensor
 hooks, checkpointing and ``retain_graph`` see every byte), and in backward decompresses it
 for the weight gradient only. Input and bias gradients never read the input, so they are
@@ -27,20 +28,36 @@ from actcomp.errors import ActcompError
 from actcomp.pipeline import Packed, Pipeline
 
 
-def _memory_format(x: torch.Tensor) -> torch.memory_format:
-    if x.dim() in (4, 5) and not x.is_contiguous():
-        channels_last = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-        if x.is_contiguous(memory_format=channels_last):
-            return channels_last
-    return torch.contiguous_format
+def _dense_strides(x: torch.Tensor) -> tuple[int, ...] | None:
+    """``x``'s strides if it is dense and non-overlapping in some dimension order, else None."""
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda pair: pair[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return None
+        expected *= size
+    return x.stride()
+
+
+def _restride(x: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+    """``x`` laid out with the forward input's strides, so backward picks the same kernels
+    (channels_last, and size-1 dims whose strides decide how a layout is read)."""
+    if stride is None or x.stride() == stride:
+        return x
+    return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
 
 
 class CompressedInputFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x, weight, bias, op, pipeline: Pipeline):  # type: ignore[override]
+    def forward(ctx: FunctionCtx, x, weight, bias, op, pipeline: Pipeline, compute_dtype):  # type: ignore[override]
+        ctx.op, ctx.pipeline, ctx.x_shape, ctx.x_dtype = op, pipeline, x.shape, x.dtype
+        # The cast happens in here, not before, so the input gradient is cast back before the
+        # op's own padding backward runs, exactly as in plain autocast.
+        if compute_dtype is not None:
+            x = x.to(compute_dtype)
         out = op.forward(x, weight, bias)
         needs_weight = ctx.needs_input_grad[1]
-        ctx.op, ctx.pipeline, ctx.x_shape = op, pipeline, x.shape
         ctx.layout = None
         # The weight is a parameter (or autocast's cached cast of it): saving it costs nothing
         # extra, and convolution backward needs it even for the weight gradient alone.
@@ -48,7 +65,7 @@ class CompressedInputFunction(torch.autograd.Function):
         if needs_weight:
             packed = pipeline.compress(x, channel_dim=op.channel_dim)
             ctx.layout = packed.layout
-            ctx.memory_format = _memory_format(x)
+            ctx.x_stride = _dense_strides(x)
             saved.extend(packed.tensors)
         ctx.save_for_backward(*saved)
         return out
@@ -66,12 +83,12 @@ class CompressedInputFunction(torch.autograd.Function):
         x = None
         if ctx.layout is not None:
             x = ctx.pipeline.decompress(Packed(tuple(packed_tensors), ctx.layout))
-            # Same strides as the forward input, so the backward kernels match plain PyTorch.
-            x = x.contiguous(memory_format=ctx.memory_format)
-        grad_input, grad_weight, grad_bias = ctx.op.backward(grad, x, weight, ctx.x_shape, needs)
-        return grad_input, grad_weight, grad_bias, None, None
+            x = _restride(x, ctx.x_stride)
+        grad_input, grad_weight, grad_bias = ctx.op.backward(grad, x, weight, ctx.x_shape, ctx.x_dtype, needs)
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
-def compressed_apply(op, pipeline: Pipeline, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def compressed_apply(op, pipeline: Pipeline, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     compute_dtype: torch.dtype | None = None):
     """Apply ``op`` to ``(x, weight, bias)`` keeping only a compressed copy of ``x``."""
-    return CompressedInputFunction.apply(x, weight, bias, op, pipeline)
+    return CompressedInputFunction.apply(x, weight, bias, op, pipeline, compute_dtype)

@@ -55,6 +55,12 @@ def to_compressed(
         raise ActcompError(f"to_compressed expects an nn.Module, got {type(model).__name__}")
     choose = _chooser(pipeline)
     candidates = [(name, module) for name, module in model.named_modules() if is_supported(module)]
+    for name, module in candidates:
+        if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+            raise ActcompError(
+                f"layer {name!r} is an uninitialized {type(module).__name__}: lazy layers change class on "
+                "their first forward, which would drop compression; run one forward pass before to_compressed"
+            )
     skipped = _first_layer_name(candidates, first_layer)
     for name, module in candidates:
         if name == skipped or (filter_fn is not None and not filter_fn(module, name)):

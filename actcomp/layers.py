@@ -31,7 +31,7 @@ def is_gpt2_conv1d(module: nn.Module) -> bool:
     """Duck-typed check for ``transformers.pytorch_utils.Conv1D`` (no transformers import)."""
     weight = getattr(module, "weight", None)
     return (
-        type(module).__name__ == "Conv1D"
+        getattr(type(module), "actcomp_base", type(module)).__name__ == "Conv1D"
         and isinstance(weight, torch.Tensor)
         and weight.dim() == 2
         and weight.shape[1] == getattr(module, "nf", None)
@@ -43,25 +43,23 @@ def is_supported(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, *_CONVS)) or is_gpt2_conv1d(module)
 
 
-def _conv_op_and_input(module: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: torch.Tensor) -> tuple[ConvOp, torch.Tensor]:
-    """Mirror ``_ConvNd._conv_forward``: non-zero padding modes and 'same' are padded first."""
+def _conv_op(module: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> ConvOp:
+    """Mirror ``_ConvNd._conv_forward``: non-zero padding modes and odd 'same' pad first."""
     dims = len(module.kernel_size)
-    padding = module.padding
+    padding, pre_pad, pre_pad_mode = module.padding, (), "constant"
     if module.padding_mode != "zeros":
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+        pre_pad, pre_pad_mode = tuple(module._reversed_padding_repeated_twice), module.padding_mode
         padding = (0,) * dims
     elif padding == "valid":
         padding = (0,) * dims
     elif padding == "same":
         totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
-        # As torch does for 'same': pad the odd extra element on the right, then pad symmetrically.
-        extra = []
-        for total in reversed(totals):
-            extra += [0, total % 2]
-        if any(extra):
-            x = F.pad(x, extra)
+        # As torch does for 'same': pad the odd extra element on the right, then symmetrically.
+        if any(total % 2 for total in totals):
+            pre_pad = tuple(side for total in reversed(totals) for side in (0, total % 2))
         padding = tuple(total // 2 for total in totals)
-    return ConvOp(tuple(module.stride), tuple(padding), tuple(module.dilation), module.groups), x
+    stride, dilation = tuple(module.stride), tuple(module.dilation)
+    return ConvOp(stride, tuple(padding), dilation, module.groups, pre_pad, pre_pad_mode)
 
 
 class CompressedLayer:
@@ -71,10 +69,10 @@ class CompressedLayer:
     actcomp_base: type
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        # Eval, no_grad and frozen weights run the plain op: nothing would be saved for a
-        # weight gradient, so there is nothing to compress and no overhead to pay.
-        if not (self.training and torch.is_grad_enabled() and weight.requires_grad):
+        # Eval and no_grad run the plain op: nothing is saved, so there is no overhead to pay.
+        # A frozen weight still goes through the Function when the input needs a gradient:
+        # plain convolution would keep the whole input, the Function keeps none of it.
+        if not (self.training and torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
             return super().forward(x)  # type: ignore[misc]
         return _compressed_forward(self, x)
 
@@ -109,20 +107,23 @@ def _compressed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # torch.compile this is one graph break per compressed layer; the rest still compiles.
     weight, bias = module.weight, module.bias
     if isinstance(module, _CONVS):
-        op, x = _conv_op_and_input(module, x)
+        if x.dim() == len(module.kernel_size) + 1:
+            # Unbatched input, which plain convolutions accept: add the batch axis around it.
+            return _compressed_forward(module, x.unsqueeze(0)).squeeze(0)
+        op = _conv_op(module)
     elif isinstance(module, nn.Linear):
         op = LinearOp()
     else:
         op = GPT2Conv1DOp()
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
-        # Do what autocast does for linear/conv (cast all floating inputs to its dtype), then
-        # run with autocast off so the saved copy is the low-precision one.
+        # Do what autocast does for linear/conv (cast all floating inputs to its dtype; the
+        # input is cast inside the Function), with autocast off so nothing is cast twice.
         dtype = torch.get_autocast_dtype(device_type)
-        x, weight = x.to(dtype), weight.to(dtype)
+        weight = weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
         with torch.autocast(device_type, enabled=False):
-            return compressed_apply(op, module.actcomp_pipeline, x, weight, bias)
+            return compressed_apply(op, module.actcomp_pipeline, x, weight, bias, dtype)
     return compressed_apply(op, module.actcomp_pipeline, x, weight, bias)
 
 

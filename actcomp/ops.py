@@ -3,12 +3,14 @@
 Each op runs exactly the computation of the plain layer in forward, and in backward the
 same aten calls autograd would make, so with an uncompressed input the gradients are
 bit-identical to plain PyTorch. The weight gradient is the only one that reads the input.
+``backward`` returns the input gradient in ``x_dtype``, the dtype of the input before any
+autocast cast, as autograd's cast node would.
 
 >>> import torch
 >>> op = LinearOp()
 >>> x, w = torch.randn(3, 4), torch.randn(2, 4)
 >>> g = torch.ones(3, 2)
->>> torch.equal(op.backward(g, x, w, x.shape, (False, True, False))[1], g.t() @ x)
+>>> torch.equal(op.backward(g, x, w, x.shape, x.dtype, (False, True, False))[1], g.t() @ x)
 True
 """
 
@@ -31,9 +33,9 @@ class LinearOp:
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
-    def backward(self, grad: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, x_shape, needs) -> Grads:
+    def backward(self, grad, x: torch.Tensor | None, weight: torch.Tensor, x_shape, x_dtype, needs) -> Grads:
         grad_2d = grad.reshape(-1, grad.shape[-1])
-        grad_input = grad.matmul(weight) if needs[0] else None
+        grad_input = grad.matmul(weight).to(x_dtype) if needs[0] else None
         grad_weight = grad_2d.t().mm(x.reshape(-1, x.shape[-1])) if needs[1] else None
         grad_bias = grad_2d.sum(0) if needs[2] else None
         return grad_input, grad_weight, grad_bias
@@ -50,9 +52,9 @@ class GPT2Conv1DOp:
         out = torch.addmm(bias, x_2d, weight) if bias is not None else x_2d.mm(weight)
         return out.view(*x.shape[:-1], weight.shape[1])
 
-    def backward(self, grad: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, x_shape, needs) -> Grads:
+    def backward(self, grad, x: torch.Tensor | None, weight: torch.Tensor, x_shape, x_dtype, needs) -> Grads:
         grad_2d = grad.reshape(-1, grad.shape[-1])
-        grad_input = grad_2d.mm(weight.t()).view(x_shape) if needs[0] else None
+        grad_input = grad_2d.mm(weight.t()).view(x_shape).to(x_dtype) if needs[0] else None
         grad_weight = x.reshape(-1, x.shape[-1]).t().mm(grad_2d) if needs[1] else None
         grad_bias = grad_2d.sum(0) if needs[2] else None
         return grad_input, grad_weight, grad_bias
@@ -60,27 +62,58 @@ class GPT2Conv1DOp:
 
 @dataclass(frozen=True)
 class ConvOp:
-    """N-d convolution with numeric, symmetric zero padding (other modes are padded first)."""
+    """N-d convolution of a batched input with numeric symmetric zero padding, after an
+    optional explicit ``pre_pad`` (``F.pad`` arguments) for other padding modes and for
+    asymmetric 'same' padding.
+
+    The pre-padding happens inside the op, so only the unpadded input is kept (compressed):
+    an ``F.pad`` in front of the op would keep the whole input for its own backward.
+    """
 
     stride: tuple[int, ...]
     padding: tuple[int, ...]
     dilation: tuple[int, ...]
     groups: int
+    pre_pad: tuple[int, ...] = ()
+    pre_pad_mode: str = "constant"
 
     channel_dim = 1
 
+    def _pad(self, x: torch.Tensor) -> torch.Tensor:
+        return F.pad(x, self.pre_pad, mode=self.pre_pad_mode) if self.pre_pad else x
+
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         conv = (F.conv1d, F.conv2d, F.conv3d)[len(self.stride) - 1]
-        return conv(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+        return conv(self._pad(x), weight, bias, self.stride, self.padding, self.dilation, self.groups)
 
-    def backward(self, grad: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, x_shape, needs) -> Grads:
+    def backward(self, grad, x: torch.Tensor | None, weight: torch.Tensor, x_shape, x_dtype, needs) -> Grads:
+        padded_shape = list(x_shape)
+        for axis, (before, after) in enumerate(zip(self.pre_pad[::2], self.pre_pad[1::2])):
+            padded_shape[-1 - axis] += before + after
         if x is None:
             # Only the input gradient is wanted: it reads x's shape, never its values
             # (this is how torch.nn.grad.conv*_input call it too).
-            x = grad.new_empty(1).expand(x_shape)
+            x = grad.new_empty(1).expand(padded_shape)
+        else:
+            x = self._pad(x)
         bias_sizes = [weight.shape[0]] if needs[2] else None
         grads = torch.ops.aten.convolution_backward(
             grad, x, weight, bias_sizes, self.stride, self.padding, self.dilation,
             False, [0] * len(self.stride), self.groups, list(needs),
         )
-        return tuple(g if need else None for g, need in zip(grads, needs))  # type: ignore[return-value]
+        grad_input, grad_weight, grad_bias = (g if need else None for g, need in zip(grads, needs))
+        if grad_input is not None:
+            # Cast first, then undo the padding: under autocast plain PyTorch pads in the
+            # input's dtype, so its padding backward accumulates in that dtype too.
+            grad_input = grad_input.to(x_dtype)
+            if self.pre_pad:
+                grad_input = self._unpad_grad(grad_input, x_shape)
+        return grad_input, grad_weight, grad_bias
+
+    def _unpad_grad(self, grad_padded: torch.Tensor, x_shape) -> torch.Tensor:
+        # The padding's own backward kernel, run through autograd on a stand-in of the input:
+        # it reads only the input's shape, and gives the same values as plain autograd.
+        with torch.enable_grad():
+            stand_in = grad_padded.new_zeros(()).expand(x_shape).requires_grad_()
+            (grad_input,) = torch.autograd.grad(self._pad(stand_in), stand_in, grad_padded)
+        return grad_input

@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+import actcomp
+
+
+@pytest.fixture
+def seeded():
+    """Start from a fixed global RNG state (random inputs, stochastic rounding)."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def single_thread():
+    """Run on one intra-op thread: tiny ops on a shared 2-core machine are many times faster,
+    and plain and converted models then run the same kernels either way."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def compress_calls(monkeypatch):
+    """Shapes of every tensor any pipeline compresses while the test runs."""
+    calls: list[tuple[int, ...]] = []
+    original = actcomp.Pipeline.compress
+
+    def counting(self, x, **kwargs):
+        calls.append(tuple(x.shape))
+        return original(self, x, **kwargs)
+
+    monkeypatch.setattr(actcomp.Pipeline, "compress", counting)
+    return calls

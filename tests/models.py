@@ -1,0 +1,152 @@
+"""Small models and helpers shared by the training-integration tests.
+
+The tests build one of these (or a timm model), convert a deep copy, and compare the two.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import actcomp
+
+
+class Conv1D(nn.Module):
+    """Mimics ``transformers.pytorch_utils.Conv1D``: weight shaped (in, out), attribute ``nf``.
+
+    The class name matters: actcomp detects it by name, without importing transformers.
+    """
+
+    def __init__(self, nf: int, nx: int):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.empty(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class GPT2Block(nn.Module):
+    """Attention + MLP with GPT-2's Conv1D projections (c_attn, c_proj, c_fc, mlp c_proj)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(dim)
+        self.c_attn = Conv1D(3 * dim, dim)
+        self.c_proj = Conv1D(dim, dim)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.c_fc = Conv1D(4 * dim, dim)
+        self.mlp_proj = Conv1D(dim, 4 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(dim, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(attn.transpose(1, 2).reshape(batch, length, dim))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class TinyGPT2(nn.Module):
+    """A GPT-2-shaped language model: embeddings, Conv1D blocks, a tied-free Linear head."""
+
+    def __init__(self, vocab: int = 50, dim: int = 32, heads: int = 4, layers: int = 2, context: int = 16):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(context, dim)
+        self.h = nn.ModuleList(GPT2Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.wte(tokens) + self.wpe(positions)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def conv1d_net(classes: int = 3) -> nn.Module:
+    """Conv1d layers with stride, dilation, groups and a non-zero padding mode."""
+    return nn.Sequential(
+        nn.Conv1d(2, 8, 5, padding=2),
+        nn.ReLU(),
+        nn.Conv1d(8, 8, 3, stride=2, padding=1, groups=4, padding_mode="reflect"),
+        nn.ReLU(),
+        nn.Conv1d(8, 16, 3, dilation=2, padding="same"),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool1d(1),
+        nn.Flatten(),
+        nn.Linear(16, classes),
+    )
+
+
+def conv3d_net(classes: int = 3) -> nn.Module:
+    """Conv3d layers with stride, groups and circular padding."""
+    return nn.Sequential(
+        nn.Conv3d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv3d(4, 8, 3, stride=2, padding=1, groups=2, padding_mode="circular"),
+        nn.ReLU(),
+        nn.Conv3d(8, 8, (1, 3, 3), padding="same"),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool3d(1),
+        nn.Flatten(),
+        nn.Linear(8, classes),
+    )
+
+
+def small_cnn(classes: int = 10, channels: int = 8) -> nn.Module:
+    """A small 2-d CNN for 8x8 single-channel images (scikit-learn digits)."""
+    return nn.Sequential(
+        nn.Conv2d(1, channels, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(channels, 2 * channels, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(2 * channels, 2 * channels, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2 * channels, classes),
+    )
+
+
+def loss_and_grads(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor):
+    """Cross-entropy loss of one training forward/backward and every parameter's gradient."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    logits = model(inputs)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def ddp_worker(rank: int, world_size: int, port: int, spec: str, inputs, targets, state, out_dir: str):
+    """One DDP rank: train step on its half of the batch, save the averaged gradients."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        model = small_cnn(classes=4, channels=4)
+        model.load_state_dict(state)
+        actcomp.to_compressed(model, spec, first_layer=None)
+        ddp = DistributedDataParallel(model)
+        shard = inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank]
+        loss = F.cross_entropy(ddp(shard[0]), shard[1])
+        loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        layers = sorted(actcomp.compressed_layers(model))
+        torch.save({"grads": grads, "layers": layers}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
