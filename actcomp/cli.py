@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--plot", metavar="FILE.png", help="bar chart per layer type (needs matplotlib)")
 
     demo = commands.add_parser("demo", help="train a small CNN and ViT on scikit-learn's digits, plain vs compressed")
-    demo.add_argument("--epochs", type=int, default=8)
+    demo.add_argument("--epochs", type=int, default=12)
+    demo.add_argument("--threads", type=int, default=1, help="torch threads (tiny models run best on one)")
     demo.add_argument("--pipelines", nargs="+", default=["mink0.9", "pmink0.9+int8", "int8"])
     demo.add_argument("--models", nargs="+", default=["cnn", "vit"], choices=["cnn", "vit"])
     demo.add_argument("--seed", type=int, default=0)
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
             return _report(args)
         from actcomp.demo import run_demo
 
-        run_demo(epochs=args.epochs, specs=args.pipelines, models=args.models, seed=args.seed, plot=args.plot)
+        run_demo(epochs=args.epochs, specs=args.pipelines, models=args.models, seed=args.seed, threads=args.threads,
+                 plot=args.plot)
         return 0
     except ActcompError as error:
         print(f"error: {error}", file=sys.stderr)

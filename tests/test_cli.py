@@ -63,13 +63,13 @@ def test_non_positive_sizes_are_rejected(capsys):
 
 
 def test_demo_runs_end_to_end(capsys):
-    assert main(["demo", "--epochs", "1", "--models", "cnn", "--pipelines", "mink0.9"]) == 0
+    assert main(["demo", "--epochs", "3", "--models", "cnn", "--pipelines", "mink0.9"]) == 0
 
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("cnn ") and "%" in line]
     assert [row[1] for row in rows] == ["plain", "mink0.9"]
     accuracy = float(rows[1][2].rstrip("%"))
-    assert accuracy > 50  # one epoch on digits is far above chance (10%)
+    assert accuracy > 50  # three short epochs on digits are far above chance (10%): 90% measured
 
 
 def test_module_entry_point_runs():
