@@ -5,7 +5,7 @@
 >>> x = torch.randn(64, 1024)
 >>> packed = pipeline.compress(x)
 >>> round(packed.nbytes / (x.numel() * x.element_size()), 3)
-0.057
+0.04
 """
 
 from actcomp import compressors

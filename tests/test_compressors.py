@@ -75,16 +75,27 @@ def topk_mask(magnitudes: torch.Tensor, kept: int) -> torch.Tensor:
     return mask.view(magnitudes.shape)
 
 
-def encoding_bytes(count: int, kept: int) -> dict[str, int]:
-    """The positions module's table: bytes of each encoding of ``kept`` of ``count`` positions."""
-    if kept == count:
+def encoding_bytes(index, count: int) -> dict[str, int]:
+    """The positions module's table, recomputed in plain Python: bytes of each encoding of the
+    sorted kept positions ``index`` among ``count`` (Rice: best of every r, gaps coded as r
+    low bits plus a unary high part)."""
+    index = [int(i) for i in index]
+    if len(index) == count:
         return {"dense": 0}
-    return {"bitmask": math.ceil(count / 8), "offsets": 2 * kept + 4 * math.ceil(count / 2**16), "index32": 4 * kept}
+    gaps = [b - a - 1 for a, b in zip([-1] + index, index)]
+    rice = min(math.ceil(len(gaps) * r / 8) + math.ceil(sum((g >> r) + 1 for g in gaps) / 8) for r in range(41))
+    return {"bitmask": math.ceil(count / 8), "rice": rice}
 
 
-def position_bytes(count: int, kept: int) -> int:
+def position_bytes(index, count: int) -> int:
     """What a sparsifier pays for positions: the cheapest encoding."""
-    return min(encoding_bytes(count, kept).values())
+    return min(encoding_bytes(index, count).values())
+
+
+def kept_positions(spec: str, x: torch.Tensor) -> torch.Tensor:
+    """Flat positions a deterministic sparsifier keeps (x must have no zeros)."""
+    sparsifier = parse(spec.split("+")[0])
+    return sparsifier.decompress(sparsifier.compress(x, channel_dim=1)).reshape(-1).nonzero().view(-1)
 
 
 def contains_tensor(value) -> bool:
@@ -401,49 +412,45 @@ def test_random_is_reproducible_from_the_global_seed():
 @pytest.mark.parametrize("count, kept, encoding", [
     (1000, 1000, "dense"),
     (1000, 500, "bitmask"),
-    (1000, 62, "bitmask"),  # 125 bytes against 2 * 62 + 4 = 128
-    (1000, 60, "offsets"),  # 124 bytes against 125
-    (70_000, 70, "offsets"),
-    (3 * 2**16 + 5, 300, "offsets"),
-    (2**20, 33, "offsets"),  # 130 bytes against 132
-    (2**20, 31, "index32"),  # 124 bytes against 126
-    (1000, 0, "index32"),
+    (1000, 400, "bitmask"),
+    (1000, 300, "rice"),  # Rice wins below roughly a third of the elements
+    (1000, 100, "rice"),  # ~0.5 bit per element against 1
+    (70_000, 70, "rice"),
+    (2**20, 31, "rice"),
+    (1000, 1, "rice"),
 ])
 def test_positions_use_the_cheapest_encoding_and_decode_exactly(count, kept, encoding):
     generator = torch.Generator().manual_seed(count + kept)
-    mask = torch.zeros(count, dtype=torch.bool)
-    mask[torch.randperm(count, generator=generator)[:kept]] = True
+    index = torch.randperm(count, generator=generator)[:kept].sort().values
     values = torch.randn(kept, generator=generator)
 
-    saved, meta = encode_positions(mask)
+    saved, meta = encode_positions(index, count)
 
     assert meta[0] == encoding
-    assert tensor_bytes(saved) == encoding_bytes(count, kept)[encoding] == position_bytes(count, kept)
-    assert all(t.dtype in (torch.uint8, torch.int16, torch.int32) for t in saved)
-    assert torch.equal(scatter_kept(values, saved, meta), torch.zeros(count).masked_scatter_(mask, values))
-    assert encode_positions(mask, kept)[1] == meta
+    assert tensor_bytes(saved) == encoding_bytes(index, count)[encoding] == position_bytes(index, count)
+    assert all(t.dtype == torch.uint8 for t in saved)
+    expected = torch.zeros(count).index_put_((index,), values)
+    assert torch.equal(scatter_kept(values, saved, meta), expected)
 
 
-def test_offsets_survive_empty_blocks_and_offsets_past_int16():
-    count = 3 * 2**16 + 5
-    positions = torch.tensor([0, 1, 32767, 32768, 40000, 65535, 2 * 65536, 2 * 65536 + 40000, 3 * 65536 - 1, count - 1])
-    mask = torch.zeros(count, dtype=torch.bool)
-    mask[positions] = True
-    values = torch.arange(1.0, 11.0)
+def test_rice_survives_adjacent_positions_huge_gaps_and_both_ends():
+    count = 3 * 2**20 + 5
+    index = torch.tensor([0, 1, 2, 32767, 32768, 40000, 65535, 2 * 65536, 2**21 + 7, count - 2, count - 1])
+    values = torch.arange(1.0, 12.0)
 
-    saved, meta = encode_positions(mask)
+    saved, meta = encode_positions(index, count)
 
-    assert meta[0] == "offsets"
+    assert meta[0] == "rice"
     out = scatter_kept(values, saved, meta)
-    assert torch.equal(out.nonzero().view(-1), positions)
-    assert torch.equal(out[positions], values)
+    assert torch.equal(out.nonzero().view(-1), index)
+    assert torch.equal(out[index], values)
 
 
 @pytest.mark.parametrize("count, drop_rate, encoding", [
     (100, 0.0, "dense"),
     (1000, 0.5, "bitmask"),
-    (70_000, 0.999, "offsets"),  # 70 kept across two 2**16 blocks
-    (70_000, 0.99999, "index32"),  # 1 kept
+    (70_000, 0.9, "rice"),
+    (70_000, 0.99999, "rice"),  # 1 kept
 ])
 def test_mink_stores_the_encoding_the_table_picks(count, drop_rate, encoding):
     x = distinct_magnitudes(count)
@@ -452,8 +459,8 @@ def test_mink_stores_the_encoding_the_table_picks(count, drop_rate, encoding):
     packed, y = round_trip(f"mink{drop_rate}", x)
 
     assert torch.equal(kept_mask(x, y), topk_mask(x.abs(), kept))
-    # The encodings cost different amounts here, so the bytes name the one used.
-    assert packed.nbytes == 4 * kept + encoding_bytes(count, kept)[encoding] == 4 * kept + position_bytes(count, kept)
+    index = kept_mask(x, y).reshape(-1).nonzero().view(-1)
+    assert packed.nbytes == 4 * kept + encoding_bytes(index, count)[encoding] == 4 * kept + position_bytes(index, count)
     assert all(t.dtype != torch.int64 for t in packed.tensors)
 
 
@@ -870,33 +877,35 @@ def int_bytes(count: int, bits: int, element_size: int, group: int = 256) -> int
 
 
 # x is (8, 16, 32) with channels on dim 1: n = 4096, 16 channels of 256 elements.
+# Element sparsifiers' formulas take the kept positions (Rice bytes depend on the gaps).
 @pytest.mark.parametrize("spec, formula", [
-    ("mink0.75", lambda n, size: 1024 * size + position_bytes(n, 1024)),
-    ("mink0.99", lambda n, size: 41 * size + position_bytes(n, 41)),
-    ("pmink0.75:block=1000", lambda n, size: (4 * 250 + 24) * size + position_bytes(n, 1024)),
-    ("dropit0.75", lambda n, size: 1024 * (size + 4)),
-    ("channel0.75", lambda n, size: 4 * 256 * size + 4 * 2),
-    ("rchannel0.75", lambda n, size: 4 * 256 * size + 4 * 2),
-    ("int8", lambda n, size: int_bytes(n, 8, size)),
-    ("int4:group=64", lambda n, size: int_bytes(n, 4, size, 64)),
-    ("int2:group=100", lambda n, size: int_bytes(n, 2, size, 100)),
-    ("mesa8", lambda n, size: n + 8),
-    ("mesa8:groups=4", lambda n, size: n + 4 * 8),
-    ("fp16", lambda n, size: 2 * n),
-    ("bf16", lambda n, size: 2 * n),
-    ("fp8", lambda n, size: n + 4),
-    ("mink0.75+int4:group=64", lambda n, size: position_bytes(n, 1024) + int_bytes(1024, 4, size, 64)),
-    ("channel0.75+int8", lambda n, size: 4 * 2 + int_bytes(1024, 8, size)),
-    ("mink0.75+fp8", lambda n, size: position_bytes(n, 1024) + 1024 + 4),
+    ("mink0.75", lambda n, size, kept: 1024 * size + position_bytes(kept, n)),
+    ("mink0.99", lambda n, size, kept: 41 * size + position_bytes(kept, n)),
+    ("pmink0.75:block=1000", lambda n, size, kept: (4 * 250 + 24) * size + position_bytes(kept, n)),
+    ("dropit0.75", lambda n, size, kept: 1024 * (size + 4)),
+    ("channel0.75", lambda n, size, kept: 4 * 256 * size + 4 * 2),
+    ("rchannel0.75", lambda n, size, kept: 4 * 256 * size + 4 * 2),
+    ("int8", lambda n, size, kept: int_bytes(n, 8, size)),
+    ("int4:group=64", lambda n, size, kept: int_bytes(n, 4, size, 64)),
+    ("int2:group=100", lambda n, size, kept: int_bytes(n, 2, size, 100)),
+    ("mesa8", lambda n, size, kept: n + 8),
+    ("mesa8:groups=4", lambda n, size, kept: n + 4 * 8),
+    ("fp16", lambda n, size, kept: 2 * n),
+    ("bf16", lambda n, size, kept: 2 * n),
+    ("fp8", lambda n, size, kept: n + 4),
+    ("mink0.75+int4:group=64", lambda n, size, kept: position_bytes(kept, n) + int_bytes(1024, 4, size, 64)),
+    ("channel0.75+int8", lambda n, size, kept: 4 * 2 + int_bytes(1024, 8, size)),
+    ("mink0.75+fp8", lambda n, size, kept: position_bytes(kept, n) + 1024 + 4),
 ])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_stored_bytes_match_the_formulas(spec, formula, dtype):
     torch.manual_seed(0)
     x = torch.randn(8, 16, 32).to(dtype)
+    kept = kept_positions(spec, x) if spec.startswith(("mink", "pmink")) else None
 
     packed = parse(spec).compress(x, channel_dim=1)
 
-    assert packed.nbytes == formula(x.numel(), x.element_size())
+    assert packed.nbytes == formula(x.numel(), x.element_size(), kept)
 
 
 @pytest.fixture(scope="module")
@@ -906,9 +915,10 @@ def million():
 
 
 @pytest.mark.parametrize("spec, dtype, budget", [
-    ("mink0.9", torch.float32, 0.135),  # 13.125%: 4 B * 10% + 1 bit
-    ("mink0.9+int8", torch.float32, 0.06),  # 5.68%
-    ("mink0.9+int8", torch.bfloat16, 0.12),  # 11.33%
+    # The issue's budgets; measured: 11.49%, 4.04%, 8.05% (Rice-coded positions, ~0.48 bit per element).
+    ("mink0.9", torch.float32, 0.135),
+    ("mink0.9+int8", torch.float32, 0.06),
+    ("mink0.9+int8", torch.bfloat16, 0.12),
 ])
 def test_million_element_targets(million, spec, dtype, budget):
     x = million.to(dtype)
@@ -919,7 +929,8 @@ def test_million_element_targets(million, spec, dtype, budget):
     assert packed.nbytes <= budget * dense
     kept = 100_000
     values = kept * 4 if spec == "mink0.9" else int_bytes(kept, 8, x.element_size())
-    assert packed.nbytes == values + math.ceil(x.numel() / 8)
+    assert packed.nbytes == values + position_bytes(kept_positions(spec, x), x.numel())
+    assert packed.nbytes - values < 0.5 * math.ceil(x.numel() / 8)  # positions: under half a bitmask
 
 
 @pytest.mark.parametrize("dtype, share", [(torch.float32, Fraction(1, 5)), (torch.float16, Fraction(3, 10))])

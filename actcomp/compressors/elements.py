@@ -25,12 +25,13 @@ from actcomp.registry import register_compressor
 
 
 class _ElementSparsifier(Compressor):
-    """Shared encode/decode: subclasses only choose the kept mask."""
+    """Shared encode/decode: subclasses only choose which positions to keep."""
 
     kind = "sparsifier"
     takes_rate = True
 
-    def keep_mask(self, flat: torch.Tensor, kept: int) -> torch.Tensor:
+    def keep_index(self, flat: torch.Tensor, kept: int) -> torch.Tensor:
+        """Flat positions of the ``kept`` elements to keep, in any order."""
         raise NotImplementedError
 
     def kept_count(self, count: int) -> int:
@@ -41,18 +42,12 @@ class _ElementSparsifier(Compressor):
         kept = self.kept_count(flat.numel())
         if kept == flat.numel():
             return Encoded(flat, (), ("dense", flat.numel(), kept))
-        mask = self.keep_mask(flat, kept)
-        saved, meta = encode_positions(mask, kept)
-        return Encoded(flat[mask], saved, meta)
+        index = self.keep_index(flat, kept).sort().values
+        saved, meta = encode_positions(index, flat.numel())
+        return Encoded(flat[index], saved, meta)
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
         return scatter_kept(payload, saved, meta)
-
-
-def _mask_from_indices(indices: torch.Tensor, count: int) -> torch.Tensor:
-    mask = torch.zeros(count, dtype=torch.bool, device=indices.device)
-    mask[indices] = True
-    return mask
 
 
 @register_compressor
@@ -67,9 +62,8 @@ class MinK(_ElementSparsifier):
     name = "mink"
     drop_rate: float = 0.9
 
-    def keep_mask(self, flat: torch.Tensor, kept: int) -> torch.Tensor:
-        indices = torch.topk(flat.abs(), kept, sorted=False).indices
-        return _mask_from_indices(indices, flat.numel())
+    def keep_index(self, flat: torch.Tensor, kept: int) -> torch.Tensor:
+        return torch.topk(flat.abs(), kept, sorted=False).indices
 
 
 @register_compressor
@@ -91,7 +85,7 @@ class ParallelMinK(_ElementSparsifier):
         if not isinstance(self.block, int) or self.block < 1:
             raise ActcompError(f"block of 'pmink' must be a positive integer, got {self.block!r}")
 
-    def keep_mask(self, flat: torch.Tensor, kept: int) -> torch.Tensor:
+    def keep_index(self, flat: torch.Tensor, kept: int) -> torch.Tensor:
         count = flat.numel()
         magnitude = flat.abs()
         full_blocks, tail = divmod(count, self.block)
@@ -106,7 +100,7 @@ class ParallelMinK(_ElementSparsifier):
             tail_kept = super().kept_count(tail)
             index = torch.topk(magnitude[full_blocks * self.block:], tail_kept, sorted=False).indices
             parts.append(index + full_blocks * self.block)
-        return _mask_from_indices(torch.cat(parts), count)
+        return torch.cat(parts)
 
     def kept_count(self, count: int) -> int:
         full_blocks, tail = divmod(count, self.block)
