@@ -120,18 +120,28 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
     return str(tensor.device), storage.data_ptr()
 
 
+# Autograd nodes of ops that only cast or re-view a tensor.
+_CAST_OR_VIEW = {
+    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "ViewBackward0", "UnsafeViewBackward0",
+    "PermuteBackward0", "ExpandBackward0", "AliasBackward0", "ReshapeAliasBackward0",
+}
+
+
 def _parameter_copy(tensor: torch.Tensor, parameters: set[int]) -> bool:
-    """Whether ``tensor`` comes from one parameter through single-input ops (cast, view, t)."""
+    """Whether ``tensor`` is a parameter after casts and views only (autocast's bf16 weight).
+
+    Only cast/view nodes are followed: a conv output whose input needs no gradient also has
+    the weight as its only autograd input, yet it is an activation.
+    """
     node = tensor.grad_fn
-    for _ in range(6):
+    for _ in range(8):
         if node is None:
             return False
         if type(node).__name__ == "AccumulateGrad":
             return id(node.variable) in parameters
-        inputs = [fn for fn, _ in node.next_functions if fn is not None]
-        if len(inputs) != 1:
+        if type(node).__name__ not in _CAST_OR_VIEW or len(node.next_functions) != 1:
             return False
-        node = inputs[0]
+        node = node.next_functions[0][0]
     return False
 
 

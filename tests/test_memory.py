@@ -111,6 +111,18 @@ def test_autocast_weight_copies_are_reported_apart():
     assert report.total_bytes == 3 * BATCH * WIDTH * bf16
 
 
+def test_output_of_a_layer_whose_input_needs_no_grad_is_an_activation():
+    # conv1's output has the weight as its only autograd input; it is still an activation.
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+
+    report = actcomp.memory_report(model, torch.randn(2, 3, 8, 8))
+
+    assert report.parameter_copy_bytes == 0
+    conv_output = 2 * 4 * 6 * 6 * FP32
+    assert report.total_bytes >= conv_output  # kept by BatchNorm (plus its small statistics)
+    assert report.rows[0].name == "1"
+
+
 def test_report_restores_training_mode_and_leaves_no_hooks():
     model = linear_relu_linear().eval()
 
