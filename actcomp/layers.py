@@ -17,7 +17,6 @@ CompressedLinear(in_features=4, out_features=2, bias=True, compress='mink0.5')
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from actcomp.autograd import compressed_apply

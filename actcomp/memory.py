@@ -31,12 +31,17 @@ from torch import nn
 
 @dataclass(frozen=True)
 class SavedStorage:
-    """One distinct storage that autograd keeps, and every module whose ops saved it."""
+    """One distinct storage that autograd keeps, and every module whose ops saved it.
+
+    ``kind`` is ``"activation"``, ``"input"`` (a model input) or ``"parameter_copy"``
+    (a parameter after casts/views, e.g. autocast's bf16 weight).
+    """
 
     nbytes: int
     shape: tuple[int, ...]
     dtype: torch.dtype
     savers: tuple[str, ...]
+    kind: str = "activation"
 
 
 @dataclass(frozen=True)
@@ -208,18 +213,19 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
         for handle in handles:
             handle.remove()
 
+    def kind(key: tuple) -> str:
+        return "input" if key in input_keys else "parameter_copy" if key in copy_keys else "activation"
+
     storages = [
-        SavedStorage(seen[k]["nbytes"], seen[k]["shape"], seen[k]["dtype"], tuple(seen[k]["savers"])) for k in order
+        SavedStorage(seen[k]["nbytes"], seen[k]["shape"], seen[k]["dtype"], tuple(seen[k]["savers"]), kind(k))
+        for k in order
     ]
     per_module: dict[str, int] = defaultdict(int)
-    input_bytes = copy_bytes = 0
-    for key, storage in zip(order, storages):
-        if key in input_keys:
-            input_bytes += storage.nbytes
-        elif key in copy_keys:
-            copy_bytes += storage.nbytes
-        else:
+    for storage in storages:
+        if storage.kind == "activation":
             per_module[storage.savers[0]] += storage.nbytes
+    input_bytes = sum(s.nbytes for s in storages if s.kind == "input")
+    copy_bytes = sum(s.nbytes for s in storages if s.kind == "parameter_copy")
     modules = {name: module for module, name in names.items()}
     rows = [
         ModuleRow(name, _type_name(modules[name]), nbytes, _spec_of(modules[name]))

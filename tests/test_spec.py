@@ -14,8 +14,19 @@ import pytest
 import actcomp
 from actcomp import ActcompError, Pipeline, parse
 from actcomp.compressors import (
-    Bf16, ChannelMinK, DropITReference, Fp8, Fp16, Int2, Int4, Int8, Mesa8, MinK, ParallelMinK,
-    RandomChannels, RandomDrop,
+    Bf16,
+    ChannelMinK,
+    DropITReference,
+    Fp8,
+    Fp16,
+    Int2,
+    Int4,
+    Int8,
+    Mesa8,
+    MinK,
+    ParallelMinK,
+    RandomChannels,
+    RandomDrop,
 )
 from actcomp.spec import StageSpec, format_spec, parse_spec
 

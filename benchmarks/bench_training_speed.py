@@ -1,0 +1,164 @@
+"""Training-step time of compressed timm models, relative to the plain model.
+
+    python benchmarks/bench_training_speed.py --threads 1 --rounds 4   # issue setup, 224 px: ~9 minutes
+    python benchmarks/bench_training_speed.py --img-size 112 --threads 1 # quick: a few minutes
+
+On a shared machine pass ``--threads 1``: with two OpenMP threads, whenever another process
+takes a core one thread stalls at every barrier, and step times swung 10x between rounds.
+
+One step is forward + cross-entropy + backward + SGD step on a fixed random batch. Every
+spec trains its own copy of the model, starting from the same weights as the baseline.
+Each round times the baseline and every spec once (the starting one rotating), so a noisy
+machine slows a whole round alike; the reported ratio is the median over rounds of
+(spec step / baseline step in the same round), with the quartiles and the ratio of the
+fastest steps as cross-checks. ``dropit0.9`` is DropIT's published storage format (global
+top-k, values in the input dtype + int32 indices), the issue's ``reference``. As in
+``to_compressed``'s default, the layer that consumes the image is left plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from pathlib import Path
+
+import timm
+import torch
+import torch.nn.functional as F
+from common import RESULTS_DIR, header_lines, load_average, ratio_summary, time_rounds, write_results
+
+import actcomp
+
+DEFAULT_MODELS = ["resnet18", "vit_small_patch16_224"]
+DEFAULT_SPECS = ["mink0.9", "pmink0.9", "pmink0.9+int8", "int8", "dropit0.9"]
+BASELINE = "baseline"
+# The issue's targets: this spec's step at most 1.15x the baseline's, and faster than the reference's.
+TARGET_SPEC, TARGET_RATIO, REFERENCE_SPEC = "pmink0.9+int8", 1.15, "dropit0.9"
+
+COLUMNS = ["model", "img_size", "batch", "spec", "ratio", "ratio_p25", "ratio_p75", "ratio_best", "step_ms",
+           "baseline_ms", "converted_layers"]
+
+
+def create_model(name: str, img_size: int) -> torch.nn.Module:
+    """A randomly initialised timm model; ViTs are built for ``img_size`` (CNNs take any size)."""
+    kwargs = {"img_size": img_size} if "vit" in name or "deit" in name else {}
+    return timm.create_model(name, pretrained=False, **kwargs)
+
+
+def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor,
+                  labels: torch.Tensor) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    F.cross_entropy(model(images), labels).backward()
+    optimizer.step()
+
+
+def step_fn(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor):
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    return lambda: training_step(model, optimizer, images, labels)
+
+
+def bench_model(name: str, specs: list[str], args: argparse.Namespace, device: torch.device) -> list[dict]:
+    torch.manual_seed(args.seed)
+    plain = create_model(name, args.img_size).to(device).train()
+    images = torch.randn(args.batch, 3, args.img_size, args.img_size, device=device)
+    labels = torch.randint(0, plain.num_classes, (args.batch,), device=device)
+    models = {BASELINE: plain}
+    for spec in specs:
+        models[spec] = actcomp.to_compressed(copy.deepcopy(plain), spec)
+    steps = {label: step_fn(model, images, labels) for label, model in models.items()}
+
+    def progress(index: int, seconds: dict[str, float]) -> None:
+        timings = "  ".join(f"{label} {value:.2f}s" for label, value in seconds.items())
+        print(f"{name} round {index + 1}/{args.rounds}: {timings}", flush=True)
+
+    times = time_rounds(steps, args.rounds, args.warmup, device, progress)
+    rows = []
+    for spec in specs:
+        summary = ratio_summary(times[spec], times[BASELINE])
+        rows.append({
+            "model": name, "img_size": args.img_size, "batch": args.batch, "spec": spec,
+            "ratio": summary["ratio"], "ratio_p25": summary["ratio_p25"], "ratio_p75": summary["ratio_p75"],
+            "ratio_best": summary["ratio_best"], "step_ms": summary["median_s"] * 1e3,
+            "baseline_ms": ratio_summary(times[BASELINE], times[BASELINE])["median_s"] * 1e3,
+            "converted_layers": len(actcomp.compressed_layers(models[spec])),
+        })
+        print(f"{name:>24} {spec:>16}  {rows[-1]['ratio']:5.2f}x baseline  {rows[-1]['step_ms']:8.0f} ms", flush=True)
+    return rows
+
+
+def markdown_body(rows: list[dict]) -> list[str]:
+    body = [
+        "`x baseline`: median over rounds of (spec step time / baseline step time in the same round), "
+        "with the 25th-75th percentile range; `best`: fastest spec step / fastest baseline step. "
+        "A step is forward + cross-entropy + backward + SGD (momentum) step; every converted model "
+        "starts from the baseline's weights. The first supported layer (the one that reads the "
+        f"image) stays plain. `{REFERENCE_SPEC}` is DropIT's storage format.",
+    ]
+    for model in dict.fromkeys(row["model"] for row in rows):
+        model_rows = [row for row in rows if row["model"] == model]
+        first = model_rows[0]
+        body += ["", f"## {model}, batch {first['batch']}, {first['img_size']} px, fp32 (baseline step: "
+                     f"{first['baseline_ms']:.0f} ms, {first['converted_layers']} layers converted)", ""]
+        body += ["| spec | x baseline | p25-p75 | best | step ms |", "|---|---:|---:|---:|---:|"]
+        for row in model_rows:
+            body.append(f"| `{row['spec']}` | {row['ratio']:.2f} | {row['ratio_p25']:.2f}-{row['ratio_p75']:.2f} "
+                        f"| {row['ratio_best']:.2f} | {row['step_ms']:.0f} |")
+    body += ["", f"Targets: `{TARGET_SPEC}` step <= {TARGET_RATIO:g}x the baseline's, "
+                 f"and faster than `{REFERENCE_SPEC}`."]
+    for model in dict.fromkeys(row["model"] for row in rows):
+        by_spec = {row["spec"]: row for row in rows if row["model"] == model}
+        if TARGET_SPEC not in by_spec:
+            continue
+        target = by_spec[TARGET_SPEC]
+        verdicts = [f"{target['ratio']:.2f}x baseline, {'met' if target['ratio'] <= TARGET_RATIO else 'NOT met'}"]
+        if REFERENCE_SPEC in by_spec:
+            reference = by_spec[REFERENCE_SPEC]
+            faster = target["ratio"] < reference["ratio"]
+            verdicts.append(f"vs `{REFERENCE_SPEC}` {reference['ratio']:.2f}x: {'faster' if faster else 'NOT faster'}")
+        body.append(f"- {model}: " + "; ".join(verdicts))
+    return body
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, metavar="NAME", help="timm model names")
+    parser.add_argument("--specs", nargs="+", default=DEFAULT_SPECS, metavar="SPEC",
+                        help=f"pipeline specs; registered stages: {', '.join(actcomp.list_compressors())}")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--img-size", type=int, default=224,
+                        help="image side; smaller runs faster (ViTs are built for it)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="timed rounds (each steps the baseline and every spec once)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before timing")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    if min(args.batch, args.img_size, args.rounds, args.threads) < 1 or args.warmup < 0:
+        parser.error("--batch, --img-size, --rounds and --threads must be >= 1, --warmup >= 0")
+    for spec in args.specs:
+        try:
+            actcomp.parse(spec)
+        except actcomp.ActcompError as error:
+            parser.error(str(error))
+    unknown = [name for name in args.models if not timm.is_model(name)]
+    if unknown:
+        parser.error(f"unknown timm model(s): {', '.join(unknown)}")
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    load_before = load_average()
+    started = time.perf_counter()
+    rows = [row for name in args.models for row in bench_model(name, args.specs, args, device)]
+    settings = {"batch": args.batch, "img size": args.img_size, "rounds": args.rounds, "warmup": args.warmup}
+    header = header_lines(device, args.threads, args.seed, time.perf_counter() - started, settings, load_before)
+    # The setup is in the name, so a quick run at a small size never overwrites the issue's setting.
+    write_results(f"training_speed_b{args.batch}_img{args.img_size}", device, args.threads, header,
+                  "actcomp training-step time vs the plain model", markdown_body(rows), rows, COLUMNS, args.out_dir)
+
+
+if __name__ == "__main__":
+    main()
