@@ -78,3 +78,11 @@ def test_module_entry_point_runs():
 
     assert done.returncode == 2
     assert "unknown timm model 'nope'" in done.stderr
+
+
+def test_report_measures_peak_rss_in_fresh_processes(capsys):
+    assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--rss"]) == 0
+
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("peak RSS"))
+    plain, compressed = (float(part.split()[-2]) for part in line.split(":", 1)[1].split(","))
+    assert plain > 50 and compressed > 50  # MiB: a process that imported torch and trained
