@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import RESULTS_DIR, header_lines, load_average, write_results
+from common import RESULTS_DIR, add_specs_argument, benchmark_parser, check_specs, header_lines, load_average, write_results
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
@@ -126,10 +126,8 @@ def markdown_body(rows: list[dict], test_size: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--specs", nargs="+", default=DEFAULT_SPECS, metavar="SPEC",
-                        help=f"pipeline specs; registered stages: {', '.join(actcomp.list_compressors())}")
+    parser = benchmark_parser(__doc__)
+    add_specs_argument(parser, DEFAULT_SPECS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32)
@@ -141,11 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if min(args.epochs, args.batch, args.threads) < 1 or args.lr <= 0:
         parser.error("--epochs, --batch and --threads must be >= 1, --lr > 0")
-    for spec in args.specs:
-        try:
-            actcomp.parse(spec)
-        except actcomp.ActcompError as error:
-            parser.error(str(error))
+    check_specs(parser, args.specs)
 
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")

@@ -17,19 +17,23 @@ Channel stages need the channel axis: 1 for 4-D (N, C, H, W) conv activations, -
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
-import os
-import platform
-import shlex
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import (
+    RESULTS_DIR,
+    add_specs_argument,
+    benchmark_parser,
+    check_specs,
+    header_lines,
+    load_average,
+    quantiles,
+    synchronize,
+    write_results,
+)
 
 import actcomp
 
@@ -62,11 +66,6 @@ def channel_dim_for(shape: tuple[int, ...]) -> int:
     return 1 if len(shape) >= 4 else -1
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_interleaved(first: Callable[[], object], second: Callable[[], object], repeats: int,
                      warmup: int, device: torch.device) -> tuple[list[float], list[float]]:
     """Seconds per call of ``first`` and ``second``, measured in alternating pairs."""
@@ -84,14 +83,6 @@ def time_interleaved(first: Callable[[], object], second: Callable[[], object], 
             synchronize(device)
             times[which].append(time.perf_counter() - start)
     return times
-
-
-def quantiles(values: list[float]) -> tuple[float, float, float]:
-    """25th, 50th and 75th percentiles."""
-    if len(values) == 1:
-        return values[0], values[0], values[0]
-    low, median, high = statistics.quantiles(values, n=4, method="inclusive")
-    return low, median, high
 
 
 def bench_one(x: torch.Tensor, spec: str, repeats: int, warmup: int) -> dict:
@@ -128,59 +119,8 @@ def bench_one(x: torch.Tensor, spec: str, repeats: int, warmup: int) -> dict:
     }
 
 
-def cpu_name() -> str:
-    """platform.processor() where it names the CPU, else lscpu's model name; plus the L3 size,
-    since whether a tensor fits in L3 decides how fast the clone baseline is."""
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        lscpu = ""
-    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    fields = {key.strip().lower(): value.strip() for key, value in fields.items()}
-    name = platform.processor()
-    if not name or name in ("x86_64", "aarch64", "arm", "i386"):
-        name = fields.get("model name") or name or platform.machine() or "unknown"
-    if "l3 cache" in fields:
-        name += f", L3 {fields['l3 cache'].split(' (')[0]}"
-    return name
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return cpu_name()
-
-
-def results_stem(device: torch.device, threads: int) -> str:
-    version = torch.__version__.split("+")[0]
-    return f"compressors_torch{version}_{device.type}_t{threads}"
-
-
-def load_average() -> str:
-    """1-minute load average: other work on the machine slows both sides of every pair."""
-    try:
-        return f"{os.getloadavg()[0]:.2f}"
-    except OSError:
-        return "n/a"
-
-
-def header_lines(args: argparse.Namespace, device: torch.device, elapsed_s: float, load: str) -> list[str]:
-    command = "python " + " ".join(shlex.quote(arg) for arg in sys.argv)
-    return [
-        f"command: `{command}`",
-        f"date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"torch: {torch.__version__}, actcomp: {actcomp.__version__}, python: {platform.python_version()}",
-        f"device: {device.type} ({device_name(device)}), threads: {args.threads}",
-        f"seed: {args.seed}, repeats: {args.repeats}, warmup: {args.warmup}, wall time: {elapsed_s:.0f} s, "
-        f"1-min load average before/after: {load}/{load_average()}",
-    ]
-
-
-def write_markdown(path: Path, header: list[str], rows: list[dict]) -> None:
-    lines = ["# actcomp compressor round trip vs `clone()`", ""]
-    lines += [f"- {line}" for line in header]
-    lines += [
-        "",
+def markdown_body(rows: list[dict]) -> list[str]:
+    lines = [
         "`x/clone`: median over interleaved pairs of (compress + decompress time) / (clone time), "
         "with the 25th-75th percentile range; `best`: fastest round trip / fastest clone. "
         "`stored`: packed bytes / dense bytes. "
@@ -206,24 +146,12 @@ def write_markdown(path: Path, header: list[str], rows: list[dict]) -> None:
         for row in target:
             verdict = "met" if row["ratio_vs_clone"] <= TARGET_RATIO else "NOT met"
             lines.append(f"- {row['shape']}: {row['ratio_vs_clone']:.1f}x, {verdict}")
-    path.write_text("\n".join(lines) + "\n")
-
-
-def write_csv(path: Path, header: list[str], rows: list[dict]) -> None:
-    with path.open("w", newline="") as handle:
-        for line in header:
-            handle.write(f"# {line}\n")
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({key: f"{value:.6g}" if isinstance(value, float) else value for key, value in row.items()})
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--specs", nargs="+", default=DEFAULT_SPECS, metavar="SPEC",
-                        help=f"pipeline specs; registered stages: {', '.join(actcomp.list_compressors())}")
+    parser = benchmark_parser(__doc__)
+    add_specs_argument(parser, DEFAULT_SPECS)
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=None, metavar="NxCx...",
                         help=f"fp32 tensor shapes (default: {' '.join(DEFAULT_SHAPES)})")
     parser.add_argument("--repeats", type=int, default=15, help="timed (round trip, clone) pairs per spec")
@@ -231,17 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     if args.shapes is None:
         args.shapes = [parse_shape(text) for text in DEFAULT_SHAPES]
     if args.repeats < 1 or args.warmup < 0 or args.threads < 1:
         parser.error("--repeats and --threads must be >= 1, --warmup >= 0")
-    for spec in args.specs:
-        try:
-            actcomp.parse(spec)
-        except actcomp.ActcompError as error:
-            parser.error(str(error))
+    check_specs(parser, args.specs)
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -259,12 +183,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"{row['roundtrip_ms']:8.2f} ms  stored {row['stored_fraction']:6.1%}", flush=True)
         del x
 
-    header = header_lines(args, device, time.perf_counter() - started, load_before)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = results_stem(device, args.threads)
-    write_markdown(args.out_dir / f"{stem}.md", header, rows)
-    write_csv(args.out_dir / f"{stem}.csv", header, rows)
-    print(f"wrote {args.out_dir / stem}.md and .csv")
+    settings = {"repeats": args.repeats, "warmup": args.warmup}
+    header = header_lines(device, args.threads, args.seed, time.perf_counter() - started, settings, load_before)
+    write_results("compressors", device, args.threads, header, "actcomp compressor round trip vs `clone()`",
+                  markdown_body(rows), rows, COLUMNS, args.out_dir)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from pathlib import Path
 import timm
 import torch
 import torch.nn.functional as F
-from common import RESULTS_DIR, header_lines, load_average, write_results
+from common import RESULTS_DIR, add_specs_argument, benchmark_parser, check_specs, header_lines, load_average, write_results
 from torch import nn
 
 import actcomp
@@ -288,12 +288,10 @@ def markdown_body(rows: list[dict], not_freed_notes: dict[tuple[str, str], str])
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, metavar="NAME",
                         help=f"timm model names, or {GPT2!r} for the built-in GPT-2-shaped model")
-    parser.add_argument("--specs", nargs="+", default=DEFAULT_SPECS, metavar="SPEC",
-                        help=f"pipeline specs; registered stages: {', '.join(actcomp.list_compressors())}")
+    add_specs_argument(parser, DEFAULT_SPECS)
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES),
                         help="fp32, and/or bf16 = torch.autocast('cpu', dtype=torch.bfloat16)")
     parser.add_argument("--batch", type=int, default=8)
@@ -307,11 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--batch, --img-size, --seq-len and --threads must be >= 1")
     if not 1 <= args.seq_len <= GPT2Config.max_positions:
         parser.error(f"--seq-len must be at most {GPT2Config.max_positions}")
-    for spec in args.specs:
-        try:
-            actcomp.parse(spec)
-        except actcomp.ActcompError as error:
-            parser.error(str(error))
+    check_specs(parser, args.specs)
     unknown = [name for name in args.models if name != GPT2 and not timm.is_model(name)]
     if unknown:
         parser.error(f"unknown model(s): {', '.join(unknown)}; use timm names or {GPT2!r}")

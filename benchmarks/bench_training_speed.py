@@ -26,7 +26,17 @@ from pathlib import Path
 import timm
 import torch
 import torch.nn.functional as F
-from common import RESULTS_DIR, header_lines, load_average, ratio_summary, time_rounds, write_results
+from common import (
+    RESULTS_DIR,
+    add_specs_argument,
+    benchmark_parser,
+    check_specs,
+    header_lines,
+    load_average,
+    ratio_summary,
+    time_rounds,
+    write_results,
+)
 
 import actcomp
 
@@ -121,11 +131,9 @@ def markdown_body(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, metavar="NAME", help="timm model names")
-    parser.add_argument("--specs", nargs="+", default=DEFAULT_SPECS, metavar="SPEC",
-                        help=f"pipeline specs; registered stages: {', '.join(actcomp.list_compressors())}")
+    add_specs_argument(parser, DEFAULT_SPECS)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--img-size", type=int, default=224,
                         help="image side; smaller runs faster (ViTs are built for it)")
@@ -139,11 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if min(args.batch, args.img_size, args.rounds, args.threads) < 1 or args.warmup < 0:
         parser.error("--batch, --img-size, --rounds and --threads must be >= 1, --warmup >= 0")
-    for spec in args.specs:
-        try:
-            actcomp.parse(spec)
-        except actcomp.ActcompError as error:
-            parser.error(str(error))
+    check_specs(parser, args.specs)
     unknown = [name for name in args.models if not timm.is_model(name)]
     if unknown:
         parser.error(f"unknown timm model(s): {', '.join(unknown)}")

@@ -1,18 +1,20 @@
-"""Helpers shared by the model-level benchmarks: results files, their header, interleaved timing.
+"""Helpers shared by the benchmark scripts: command line, results files and their header,
+device naming and load, synchronisation, interleaved timing and percentiles.
+
+The scripts import it as ``common`` (run as ``python benchmarks/<script>.py``, this folder
+is on ``sys.path``).
 
 >>> stem = results_stem("memory", torch.device("cpu"), threads=2)
 >>> stem.startswith("memory_torch") and stem.endswith("_cpu_t2")
 True
-
-Device naming, load average, synchronisation and percentiles come from
-``bench_compressors.py`` (run as ``python benchmarks/<script>.py``, this folder is on
-``sys.path``).
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime
+import os
 import platform
 import shlex
 import statistics
@@ -23,12 +25,86 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
-from bench_compressors import device_name, load_average, quantiles, synchronize
 
 import actcomp
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+
+def benchmark_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser described by the first paragraph of ``doc`` (the script's docstring) whose
+    ``--help`` shows every default."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def add_specs_argument(parser: argparse.ArgumentParser, default: list[str]) -> None:
+    """``--specs SPEC [SPEC ...]``; check the values with :func:`check_specs` once parsed."""
+    parser.add_argument("--specs", nargs="+", default=default, metavar="SPEC",
+                        help=f"pipeline specs; registered stages: {', '.join(actcomp.list_compressors())}")
+
+
+def check_specs(parser: argparse.ArgumentParser, specs: list[str]) -> None:
+    """Parse every spec, exiting through ``parser.error`` (status 2) at the first invalid one.
+
+    >>> check_specs(argparse.ArgumentParser(), ["mink0.9", "pmink0.9+int8"])
+    """
+    for spec in specs:
+        try:
+            actcomp.parse(spec)
+        except actcomp.ActcompError as error:
+            parser.error(str(error))
+
+
+def cpu_name() -> str:
+    """platform.processor() where it names the CPU, else lscpu's model name; plus the L3 size,
+    since whether a tensor fits in L3 decides how fast the clone baseline is."""
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        lscpu = ""
+    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    fields = {key.strip().lower(): value.strip() for key, value in fields.items()}
+    name = platform.processor()
+    if not name or name in ("x86_64", "aarch64", "arm", "i386"):
+        name = fields.get("model name") or name or platform.machine() or "unknown"
+    if "l3 cache" in fields:
+        name += f", L3 {fields['l3 cache'].split(' (')[0]}"
+    return name
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_name()
+
+
+def load_average() -> str:
+    """1-minute load average: other work on the machine slows every timed call."""
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:
+        return "n/a"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def quantiles(values: list[float]) -> tuple[float, float, float]:
+    """25th, 50th and 75th percentiles.
+
+    >>> quantiles([1.0, 2.0, 3.0])
+    (1.5, 2.0, 2.5)
+    >>> quantiles([4.0])
+    (4.0, 4.0, 4.0)
+    """
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    low, median, high = statistics.quantiles(values, n=4, method="inclusive")
+    return low, median, high
 
 
 def results_stem(benchmark: str, device: torch.device, threads: int) -> str:
