@@ -157,11 +157,12 @@ def _print_table(rows: list[dict], batch: int) -> None:
               f"{row['saved_vs_plain']:>8.2f}x {row['step_time_vs_plain']:>9.2f}x")
     print("saved = bytes autograd keeps for backward, deduplicated by storage; step time = median ratio to the "
           "plain model, steps interleaved")
-    for row in rows:
-        if row["layers_freeing_nothing"]:
-            print(f"note: {row['model']} + {row['pipeline']}: {row['layers_freeing_nothing']} of "
-                  f"{row['layers_compressed']} compressed layers free nothing, because another op (e.g. ReLU) keeps "
-                  "the same input tensor")
+    # The same layers free nothing whatever the pipeline: one note per model.
+    notes = {(row["model"], row["layers_freeing_nothing"], row["layers_compressed"]) for row in rows}
+    for model_name, lost, total in sorted(notes):
+        if lost:
+            print(f"note: {model_name}: {lost} of {total} compressed layers free nothing: another op keeps their input "
+                  "(a ReLU's or the attention's output); see 'Shared tensors' in the README")
 
 
 def _plot(curves: dict, path: str) -> None:
