@@ -70,10 +70,12 @@ class GroupQuant(Compressor):
         # Offsets in the input dtype are exact: every value, the minimum too, came from it.
         offset = low.to(x.dtype)
         step = scale.float().unsqueeze(1)
-        safe_step = torch.where(step > 0, step, 1.0)
-        codes = (values - low.unsqueeze(1)).div_(safe_step)
-        codes.add_(torch.rand_like(codes)).floor_().clamp_(0, levels)
-        codes.masked_fill_(~finite.unsqueeze(1), 0)
+        inverse_step = 1 / torch.where(step > 0, step, 1.0)
+        # codes = floor((x - min) / step + u): one fused multiply-add onto the noise, and the
+        # uint8 cast truncates, which is floor for the clamped, non-negative values.
+        codes = torch.rand_like(values).addcmul_(values - low.unsqueeze(1), inverse_step).clamp_(0, levels)
+        if not bool(finite.all()):
+            codes.masked_fill_(~finite.unsqueeze(1), 0)
         packed = pack_codes(codes.view(-1)[:count].to(torch.uint8), self.bits)
         return Encoded(owned(packed), (owned(offset), scale), (x.shape, x.dtype))
 
