@@ -39,8 +39,9 @@ class PackedLayout:
 class Packed:
     """A compressed tensor: the tensors kept plus their layout.
 
-    ``tensors`` are exactly what is stored, so ``nbytes`` is exact; pass them to
-    ``ctx.save_for_backward`` and rebuild with :meth:`with_tensors`.
+    ``tensors`` are exactly what is stored, so ``nbytes`` is exact. To route them through
+    autograd, pass them to ``ctx.save_for_backward``, keep ``layout`` on the side, and rebuild
+    with ``Packed(ctx.saved_tensors, layout)``.
     """
 
     tensors: tuple[torch.Tensor, ...]
@@ -50,10 +51,6 @@ class Packed:
     def nbytes(self) -> int:
         """Bytes of the kept tensors (sum of numel * element size)."""
         return sum(t.numel() * t.element_size() for t in self.tensors)
-
-    def with_tensors(self, tensors) -> Packed:
-        """The same layout around other tensors (e.g. ``ctx.saved_tensors``)."""
-        return Packed(tuple(tensors), self.layout)
 
 
 class Pipeline:
