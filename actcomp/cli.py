@@ -121,7 +121,8 @@ def _report(args: argparse.Namespace) -> int:
 
         sizes = dict(batch=args.batch, img_size=args.img_size, amp=args.amp)
         rss_plain, rss_packed = peak_rss(args.model, None, **sizes), peak_rss(args.model, pipeline.spec, **sizes)
-        print(f"peak RSS of 3 training steps: plain {format_bytes(rss_plain)}, compressed {format_bytes(rss_packed)}")
+        print(f"peak RSS of 3 training steps: plain {format_bytes(rss_plain)}, compressed {format_bytes(rss_packed)}"
+              " (fresh processes; freed memory returned to the OS, see actcomp.peak_rss)")
     if plt is not None:
         names = list(plain_types)
         figure, axes = plt.subplots(figsize=(8, 4))

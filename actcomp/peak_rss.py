@@ -4,6 +4,12 @@ Saved-tensor accounting (:mod:`actcomp.memory`) counts what autograd keeps; peak
 what the operating system saw, allocator slack and temporaries included. A fresh process
 per measurement keeps one run's high-water mark from leaking into the next.
 
+glibc keeps part of the freed heap for reuse, so RSS also remembers activations that were
+freed (a compressed layer's full input, once compressed). The probe therefore sets
+``MALLOC_MMAP_THRESHOLD_=65536``: blocks from 64 KiB up are mapped and unmapped one by one, and
+RSS follows live memory (``return_freed_memory=False`` turns it off). Measured on ViT-S, batch
+32, one step, plain vs ``mink0.9+int8``: 2.60 vs 2.18 GiB with it, 2.73 vs 2.42 GiB without.
+
 >>> peak_rss("resnet18", None, batch=2, img_size=32, steps=1) > 0  # doctest: +SKIP
 True
 """
@@ -11,6 +17,7 @@ True
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -31,17 +38,28 @@ for _ in range(args["steps"]):
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+try:
+    # VmHWM belongs to this process's memory map, which exec created fresh. ru_maxrss would
+    # also remember the parent's size at fork, whatever the probe itself used.
+    status = open("/proc/self/status").read()
+    peak = int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
+except (OSError, StopIteration):
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps(peak))
 """
 
 
-def peak_rss(model: str, spec: str | None, *, batch: int, img_size: int, steps: int = 3, amp: str | None = None) -> int:
+def peak_rss(model: str, spec: str | None, *, batch: int, img_size: int, steps: int = 3, amp: str | None = None,
+             return_freed_memory: bool = True) -> int:
     """Peak RSS in bytes of ``steps`` training steps of timm ``model`` (``spec`` None = plain).
 
-    Linux reports ru_maxrss in KiB, which is what this assumes.
+    Read from ``VmHWM`` in ``/proc/self/status`` (Linux), else ``ru_maxrss`` (in KiB on Linux).
     """
     args = json.dumps({"model": model, "spec": spec, "batch": batch, "img_size": img_size, "steps": steps, "amp": amp})
-    done = subprocess.run([sys.executable, "-c", _PROBE, args], capture_output=True, text=True, check=False)
+    env = dict(os.environ)
+    if return_freed_memory:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    done = subprocess.run([sys.executable, "-c", _PROBE, args], capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"peak-RSS probe failed for {model} {spec!r}:\n{done.stderr[-2000:]}")
     return int(json.loads(done.stdout.strip().splitlines()[-1]))

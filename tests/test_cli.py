@@ -85,6 +85,7 @@ def test_report_measures_peak_rss_in_fresh_processes(capsys):
 
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("peak RSS"))
     units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-    sizes = [float(part.split()[-2]) * units[part.split()[-1]] for part in line.split(":", 1)[1].split(",")]
+    figures = line.split(":", 1)[1].split(" (")[0].split(",")
+    sizes = [float(part.split()[-2]) * units[part.split()[-1]] for part in figures]
     # Each process imported torch and trained: well over 50 MiB, far under the machine's memory.
     assert all(50 * 2**20 < size < 16 * 2**30 for size in sizes)
