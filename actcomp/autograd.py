@@ -50,8 +50,8 @@ def _restride(x: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
 
 class CompressedInputFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x, weight, bias, op, pipeline: Pipeline, compute_dtype):  # type: ignore[override]
-        ctx.op, ctx.pipeline, ctx.x_shape, ctx.x_dtype = op, pipeline, x.shape, x.dtype
+    def forward(ctx: FunctionCtx, x, weight, bias, op, pipeline: Pipeline, compute_dtype, where):  # type: ignore[override]
+        ctx.op, ctx.pipeline, ctx.x_shape, ctx.x_dtype, ctx.where = op, pipeline, x.shape, x.dtype, where
         # The cast happens in here, not before, so the input gradient is cast back before the
         # op's own padding backward runs, exactly as in plain autocast.
         if compute_dtype is not None:
@@ -82,13 +82,19 @@ class CompressedInputFunction(torch.autograd.Function):
         weight, *packed_tensors = ctx.saved_tensors
         x = None
         if ctx.layout is not None:
-            x = ctx.pipeline.decompress(Packed(tuple(packed_tensors), ctx.layout))
+            try:
+                x = ctx.pipeline.decompress(Packed(tuple(packed_tensors), ctx.layout))
+            except ActcompError as error:
+                raise ActcompError(f"in the backward of layer {ctx.where}: {error}") from None
             x = _restride(x, ctx.x_stride)
         grad_input, grad_weight, grad_bias = ctx.op.backward(grad, x, weight, ctx.x_shape, ctx.x_dtype, needs)
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 def compressed_apply(op, pipeline: Pipeline, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     compute_dtype: torch.dtype | None = None):
-    """Apply ``op`` to ``(x, weight, bias)`` keeping only a compressed copy of ``x``."""
-    return CompressedInputFunction.apply(x, weight, bias, op, pipeline, compute_dtype)
+                     compute_dtype: torch.dtype | None = None, where: str = "(unnamed)"):
+    """Apply ``op`` to ``(x, weight, bias)`` keeping only a compressed copy of ``x``.
+
+    ``where`` names the layer in errors raised during backward.
+    """
+    return CompressedInputFunction.apply(x, weight, bias, op, pipeline, compute_dtype, where)

@@ -4,12 +4,13 @@
 >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 >>> actcomp.to_compressed(model, "mink0.9")
 Sequential(
-  (0): Linear(in_features=8, out_features=8, bias=True)
+  (0): CompressedLinear(in_features=8, out_features=8, bias=True, compress='mink0.9')
   (1): ReLU()
   (2): CompressedLinear(in_features=8, out_features=2, bias=True, compress='mink0.9')
 )
 
-The first layer (``0``) is left alone: see :func:`to_compressed`.
+Layer ``0`` reads the model's input, so it runs plain (``first_layer="auto"``, see
+:func:`to_compressed`); ``2`` keeps 10% of its input.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from actcomp.errors import ActcompError
 from actcomp.layers import compress_layer, is_supported, uncompress_layer
+from actcomp.model_inputs import unwatch_model_inputs, watch_model_inputs
 from actcomp.pipeline import Pipeline, parse
 
 PipelineLike = str | Pipeline
@@ -42,11 +44,18 @@ def to_compressed(
     layer gets its own fresh pipeline instance (stateful stages such as ``mesa8`` keep
     per-layer ranges).
 
-    ``filter_fn(module, name)`` may veto layers. ``first_layer`` is the layer that consumes
-    the raw input, left uncompressed as in DropIT §3.4 (the caller keeps the input anyway,
-    so compressing its copy frees nothing): ``"auto"`` skips the first supported layer in
-    ``model.named_modules()`` order (definition order: ``conv1`` of a ResNet,
-    ``patch_embed.proj`` of a ViT), a module name skips that layer, ``None`` skips none.
+    ``filter_fn(module, name)`` may veto layers. ``first_layer`` keeps the layer that reads the
+    raw input uncompressed (DropIT §3.4: the caller keeps that data anyway, so compressing the
+    layer's copy frees nothing, and dropping elements of raw data hurts learning):
+
+    - ``"auto"`` (default): decided by what a layer actually receives, on every call. A layer
+      whose input is (a view of) a tensor passed to ``model``'s forward runs plain for that call;
+      every other call is compressed. A ResNet's ``conv1`` and a ViT's ``patch_embed.proj`` read
+      the image and stay plain; BERT's or Llama's first projections read a LayerNorm output and
+      are compressed. (A forward pre-hook on ``model`` records its inputs; see
+      :mod:`actcomp.model_inputs`.)
+    - a module name: that layer is not converted at all;
+    - ``None``: every layer is compressed.
 
     Converting an already converted model replaces the pipelines of the layers it selects
     (never nests); other layers keep theirs.
@@ -68,6 +77,12 @@ def to_compressed(
         chosen = choose(name)
         if chosen is not None:
             compress_layer(module, chosen.fresh())
+            module.actcomp_name = name
+            module.actcomp_plain_on_model_input = first_layer == "auto"
+    if any(getattr(m, "actcomp_plain_on_model_input", False) for m in model.modules()):
+        watch_model_inputs(model)
+    else:
+        unwatch_model_inputs(model)
     return model
 
 
@@ -75,6 +90,7 @@ def from_compressed(model: nn.Module) -> nn.Module:
     """Restore every converted layer of ``model`` to its plain class, in place; returns it."""
     for module in model.modules():
         uncompress_layer(module)
+    unwatch_model_inputs(model)
     return model
 
 
@@ -109,10 +125,8 @@ def _chooser(pipeline: PipelineChoice) -> Callable[[str], Pipeline | None]:
 
 
 def _first_layer_name(candidates: list[tuple[str, nn.Module]], first_layer: str | None) -> str | None:
-    if first_layer is None:
+    if first_layer is None or first_layer == "auto":
         return None
-    if first_layer == "auto":
-        return candidates[0][0] if candidates else None
     names = [name for name, _ in candidates]
     if first_layer not in names:
         raise ActcompError(

@@ -16,11 +16,16 @@ CompressedLinear(in_features=4, out_features=2, bias=True, compress='mink0.5')
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
 from actcomp.autograd import compressed_apply
-from actcomp.ops import ConvOp, GPT2Conv1DOp, LinearOp
+from actcomp.errors import ActcompError
+from actcomp.model_inputs import is_model_input
+from actcomp.ops import ConvOp, GPT2Conv1DOp, LinearOp, conv_op
+from actcomp.own_forward import OwnForwardMode
 from actcomp.pipeline import Pipeline
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -42,23 +47,13 @@ def is_supported(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, *_CONVS)) or is_gpt2_conv1d(module)
 
 
-def _conv_op(module: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> ConvOp:
-    """Mirror ``_ConvNd._conv_forward``: non-zero padding modes and odd 'same' pad first."""
-    dims = len(module.kernel_size)
-    padding, pre_pad, pre_pad_mode = module.padding, (), "constant"
-    if module.padding_mode != "zeros":
-        pre_pad, pre_pad_mode = tuple(module._reversed_padding_repeated_twice), module.padding_mode
-        padding = (0,) * dims
-    elif padding == "valid":
-        padding = (0,) * dims
-    elif padding == "same":
-        totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
-        # As torch does for 'same': pad the odd extra element on the right, then symmetrically.
-        if any(total % 2 for total in totals):
-            pre_pad = tuple(side for total in reversed(totals) for side in (0, total % 2))
-        padding = tuple(total // 2 for total in totals)
-    stride, dilation = tuple(module.stride), tuple(module.dilation)
-    return ConvOp(stride, tuple(padding), dilation, module.groups, pre_pad, pre_pad_mode)
+def _has_own_forward(base: type) -> bool:
+    """Whether ``base`` overrides the forward of the layer it derives from (timm's
+    ``StdConv2d``, ``Conv2dSame``, QAT layers, a user's subclass)."""
+    for plain in (nn.Linear, *_CONVS):
+        if issubclass(base, plain):
+            return base.forward is not plain.forward
+    return False  # GPT-2's Conv1D: its forward is the one GPT2Conv1DOp reproduces
 
 
 class CompressedLayer:
@@ -66,12 +61,22 @@ class CompressedLayer:
 
     actcomp_pipeline: Pipeline
     actcomp_base: type
+    actcomp_own_forward: bool
+    # Set by to_compressed: the qualified name (for errors) and whether a call that receives
+    # the model's own input runs plain (first_layer="auto").
+    actcomp_name: str = ""
+    actcomp_plain_on_model_input: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Eval and no_grad run the plain op: nothing is saved, so there is no overhead to pay.
         # A frozen weight still goes through the Function when the input needs a gradient:
         # plain convolution would keep the whole input, the Function keeps none of it.
-        if not (self.training and torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
+        # Meta tensors carry no data, so there is nothing to compress (shape inference,
+        # deferred init): the plain op runs.
+        if (
+            not (self.training and torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad))
+            or x.device.type == "meta"
+        ):
             return super().forward(x)  # type: ignore[misc]
         return _compressed_forward(self, x)
 
@@ -104,26 +109,69 @@ _skip_forward_frame_under_compile()
 def _compressed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # Compression has data-dependent sizes (how many values a sparsifier keeps), so under
     # torch.compile this is one graph break per compressed layer; the rest still compiles.
-    weight, bias = module.weight, module.bias
+    if module.actcomp_plain_on_model_input and is_model_input(x):
+        return super(CompressedLayer, module).forward(x)  # type: ignore[misc]
+    if module.actcomp_own_forward:
+        return _own_forward(module, x)
     if isinstance(module, _CONVS):
-        if x.dim() == len(module.kernel_size) + 1:
-            # Unbatched input, which plain convolutions accept: add the batch axis around it.
-            return _compressed_forward(module, x.unsqueeze(0)).squeeze(0)
-        op = _conv_op(module)
+        op = conv_op(module.kernel_size, module.stride, module.padding, module.dilation, module.groups,
+                     module.padding_mode, module._reversed_padding_repeated_twice)
     elif isinstance(module, nn.Linear):
         op = LinearOp()
     else:
         op = GPT2Conv1DOp()
+    return _apply(module, op, x, module.weight, module.bias)
+
+
+def _own_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Run the layer's own forward; its weight's linear/conv calls go through :func:`_apply`."""
+    mode = OwnForwardMode(module, lambda op, x, weight, bias: _apply(module, op, x, weight, bias))
+    with mode:
+        out = super(CompressedLayer, module).forward(x)  # type: ignore[misc]
+    # A frozen weight hides where it came from (no autograd graph), so only the weight itself is
+    # matched then; nothing is lost by not compressing: correctness never depends on it.
+    if mode.calls == 0 and module.weight.requires_grad:
+        _warn_uncompressed(module)
+    return out
+
+
+def _warn_uncompressed(module: nn.Module) -> None:
+    key = (type(module), module.actcomp_name)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(
+            f"layer {_describe(module)} has its own forward, and it made no linear/conv call on a weight "
+            "computed from the layer's (trainable) weight: it ran unchanged and nothing was compressed",
+            stacklevel=4,
+        )
+
+
+_WARNED: set = set()
+
+
+def _describe(module: nn.Module) -> str:
+    kind = type(module).actcomp_base.__qualname__
+    return f"{module.actcomp_name!r} ({kind})" if module.actcomp_name else f"of type {kind}"
+
+
+def _apply(module: nn.Module, op, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Run ``op`` through the compressed Function, as autocast would run it; errors name the layer."""
+    if isinstance(op, ConvOp) and x.dim() == len(op.stride) + 1:
+        # Unbatched input, which plain convolutions accept: add the batch axis around it.
+        return _apply(module, op, x.unsqueeze(0), weight, bias).squeeze(0)
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        # Do what autocast does for linear/conv (cast all floating inputs to its dtype; the
-        # input is cast inside the Function), with autocast off so nothing is cast twice.
-        dtype = torch.get_autocast_dtype(device_type)
-        weight = weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-        with torch.autocast(device_type, enabled=False):
-            return compressed_apply(op, module.actcomp_pipeline, x, weight, bias, dtype)
-    return compressed_apply(op, module.actcomp_pipeline, x, weight, bias)
+    try:
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+            # Do what autocast does for linear/conv (cast all floating inputs to its dtype; the
+            # input is cast inside the Function), with autocast off so nothing is cast twice.
+            dtype = torch.get_autocast_dtype(device_type)
+            weight = weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+            with torch.autocast(device_type, enabled=False):
+                return compressed_apply(op, module.actcomp_pipeline, x, weight, bias, dtype, where=_describe(module))
+        return compressed_apply(op, module.actcomp_pipeline, x, weight, bias, where=_describe(module))
+    except ActcompError as error:
+        raise ActcompError(f"in layer {_describe(module)}, input of shape {tuple(x.shape)} {x.dtype}: {error}") from None
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -132,7 +180,7 @@ _SUBCLASSES: dict[type, type] = {}
 def compressed_class(base: type) -> type:
     """The (cached) compressed subclass of ``base``."""
     if base not in _SUBCLASSES:
-        namespace = {"__module__": __name__, "actcomp_base": base}
+        namespace = {"__module__": __name__, "actcomp_base": base, "actcomp_own_forward": _has_own_forward(base)}
         _SUBCLASSES[base] = type(f"Compressed{base.__name__}", (CompressedLayer, base), namespace)
     return _SUBCLASSES[base]
 
@@ -151,7 +199,8 @@ def uncompress_layer(module: nn.Module) -> None:
     """Undo :func:`compress_layer`."""
     if isinstance(module, CompressedLayer):
         module.__class__ = type(module).actcomp_base
-        del module.actcomp_pipeline
+        for attribute in ("actcomp_pipeline", "actcomp_name", "actcomp_plain_on_model_input"):
+            module.__dict__.pop(attribute, None)
 
 
 def _rebuild_compressed(base: type) -> nn.Module:

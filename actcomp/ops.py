@@ -16,6 +16,7 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -117,3 +118,35 @@ class ConvOp:
             stand_in = grad_padded.new_zeros(()).expand(x_shape).requires_grad_()
             (grad_input,) = torch.autograd.grad(self._pad(stand_in), stand_in, grad_padded)
         return grad_input
+
+
+def _per_axis(value: int | Sequence[int], dims: int) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, Sequence) else (value,) * dims
+
+
+def conv_op(kernel_size: Sequence[int], stride, padding, dilation, groups: int, padding_mode: str = "zeros",
+            reversed_padding: Sequence[int] = ()) -> ConvOp:
+    """The :class:`ConvOp` of a convolution, as ``nn.ConvNd`` or ``F.conv{1,2,3}d`` would run it.
+
+    Mirrors ``_ConvNd._conv_forward``: a non-zero ``padding_mode`` pads explicitly by
+    ``reversed_padding`` (the module's ``_reversed_padding_repeated_twice``) first, and
+    ``padding="same"`` with an odd total pads the extra element on the right first.
+
+    >>> conv_op((3, 3), 1, "same", 2, 1)
+    ConvOp(stride=(1, 1), padding=(2, 2), dilation=(2, 2), groups=1, pre_pad=(), pre_pad_mode='constant')
+    """
+    dims = len(kernel_size)
+    stride, dilation = _per_axis(stride, dims), _per_axis(dilation, dims)
+    pre_pad, pre_pad_mode = (), "constant"
+    if padding_mode != "zeros":
+        pre_pad, pre_pad_mode = tuple(reversed_padding), padding_mode
+        padding = (0,) * dims
+    elif padding == "valid":
+        padding = (0,) * dims
+    elif padding == "same":
+        totals = [d * (k - 1) for d, k in zip(dilation, kernel_size)]
+        # As torch does for 'same': pad the odd extra element on the right, then symmetrically.
+        if any(total % 2 for total in totals):
+            pre_pad = tuple(side for total in reversed(totals) for side in (0, total % 2))
+        padding = tuple(total // 2 for total in totals)
+    return ConvOp(stride, _per_axis(padding, dims), dilation, groups, pre_pad, pre_pad_mode)

@@ -7,7 +7,6 @@ import io
 import pickle
 
 import pytest
-import timm
 import torch
 import torch.nn.functional as F
 from models import Conv1D, TinyGPT2, loss_and_grads
@@ -48,12 +47,16 @@ def mixed_batch():
     return torch.randn(2, 3, 8, 8), torch.tensor([1, 3])
 
 
-def test_converts_every_supported_kind_and_skips_the_first():
+def test_converts_every_supported_kind_and_runs_the_input_layer_plain(compress_calls):
     model = actcomp.to_compressed(Mixed(), "mink0.9")
-    assert sorted(actcomp.compressed_layers(model)) == sorted(SUPPORTED[1:])
-    assert not isinstance(model.stem, CompressedLayer)
+    assert sorted(actcomp.compressed_layers(model)) == sorted(SUPPORTED)
     for module in (model.bn, model.norm, model.body[1]):
         assert not isinstance(module, CompressedLayer)
+    # "stem" reads the model input (first_layer="auto"): it runs plain, every other layer compresses.
+    x, _ = mixed_batch()
+    model(x)
+    assert len(compress_calls) == len(SUPPORTED) - 1
+    assert (2, 3, 8, 8) not in compress_calls
 
 
 def test_parameters_state_dict_isinstance_and_repr_unchanged():
@@ -158,7 +161,7 @@ def test_converting_twice_replaces_the_pipeline():
     assert layers["head"].spec == "int8"
     assert layers["seq"].spec == "mink0.9"  # not selected this time: keeps its pipeline
     assert layers["vol"].spec == "pmink0.5"
-    assert "stem" not in layers  # "auto" skips the first layer again
+    assert layers["stem"].spec == "pmink0.5"  # "auto" converts it too (it runs plain on the model input)
     for name, cls in first_classes.items():
         module = model.get_submodule(name)
         assert type(module) is cls  # same subclass, no CompressedCompressed...
@@ -196,25 +199,6 @@ def test_every_layer_gets_its_own_pipeline_instance():
     assert len({id(s) for s in stages}) == len(stages)
 
 
-@pytest.mark.parametrize(
-    "name, kwargs, first",
-    [
-        ("resnet18", {}, "conv1"),
-        ("vit_tiny_patch16_224", {"img_size": 32}, "patch_embed.proj"),
-    ],
-)
-def test_first_layer_auto_skips_the_input_layer_of_timm_models(name, kwargs, first):
-    model = timm.create_model(name, pretrained=False, num_classes=3, **kwargs)
-    candidates = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
-
-    def converted(**options) -> set[str]:
-        return set(actcomp.compressed_layers(actcomp.to_compressed(copy.deepcopy(model), "mink0.9", **options)))
-
-    assert converted() == set(candidates) - {first}
-    assert converted(first_layer=None) == set(candidates)
-    assert converted(first_layer=candidates[-1]) == set(candidates) - {candidates[-1]}
-
-
 def test_first_layer_by_name_and_bad_name():
     model = actcomp.to_compressed(Mixed(), "mink0.9", first_layer="proj")
     assert set(actcomp.compressed_layers(model)) == set(SUPPORTED) - {"proj"}
@@ -234,8 +218,8 @@ def test_filter_fn_vetoes_layers():
         return isinstance(module, nn.modules.conv._ConvNd)
 
     model = actcomp.to_compressed(Mixed(), "mink0.9", filter_fn=only_convs)
-    assert set(actcomp.compressed_layers(model)) == {"body.0", "seq", "vol"}
-    assert set(seen) == set(SUPPORTED[1:])  # asked about supported layers only, not the skipped one
+    assert set(actcomp.compressed_layers(model)) == {"stem", "body.0", "seq", "vol"}
+    assert set(seen) == set(SUPPORTED)  # asked about supported layers only
 
 
 @pytest.mark.parametrize(

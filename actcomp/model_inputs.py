@@ -1,0 +1,85 @@
+"""Which tensors are the caller's data: the inputs of a converted model's forward.
+
+``to_compressed(model, ..., first_layer="auto")`` leaves a layer uncompressed on any call where
+the tensor it receives *is* data passed to the model (DropIT §3.4: the caller keeps that data
+anyway, so compressing the layer's copy frees nothing, and dropping elements of raw input data
+hurts learning). What a layer receives decides, not module order: a ViT's ``patch_embed.proj``
+reads the image, but BERT's first Linear reads a LayerNorm output and is compressed.
+
+A forward pre-hook on the converted model records its tensor arguments in a weak registry
+keyed by storage; a layer asks :func:`is_model_input` about its own input. Entries die with the
+caller's tensors, so a freed input's address, reused by an activation, never matches. Views of
+an input share its storage and count as the input; casts and other new tensors do not.
+
+>>> import torch
+>>> model = torch.nn.Linear(4, 4)
+>>> watch_model_inputs(model)
+>>> x = torch.randn(2, 4)
+>>> _ = model(x)
+>>> is_model_input(x[0]), is_model_input(x * 2)
+(True, False)
+>>> unwatch_model_inputs(model)
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+_INPUTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _key(tensor: torch.Tensor) -> tuple[str, int] | None:
+    try:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        # Tensors without real storage (meta, some tensor subclasses) are nobody's data.
+        return None
+    return (str(tensor.device), pointer) if storage.nbytes() else None
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+# Storage addresses are not traceable: under torch.compile this hook runs eagerly (one graph
+# break at the model's entry), the rest of the forward still compiles.
+@torch.compiler.disable
+def _record_model_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    for tensor in _tensors((args, kwargs)):
+        key = _key(tensor)
+        if key is not None:
+            _INPUTS[key] = tensor
+
+
+def is_model_input(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` shares storage with a live tensor passed to a watched model."""
+    key = _key(tensor)
+    return key is not None and key in _INPUTS
+
+
+def watch_model_inputs(model: nn.Module) -> None:
+    """Record ``model``'s tensor arguments on every call (idempotent)."""
+    if _record_model_inputs not in model._forward_pre_hooks.values():
+        model.register_forward_pre_hook(_record_model_inputs, with_kwargs=True)
+
+
+def unwatch_model_inputs(model: nn.Module) -> None:
+    """Undo :func:`watch_model_inputs` on ``model`` and its submodules."""
+    for module in model.modules():
+        # The hook is found by identity rather than through a kept handle: handles do not
+        # follow the model through deepcopy or pickle, the hook itself does.
+        for hook_id, hook in list(module._forward_pre_hooks.items()):
+            if hook is _record_model_inputs:
+                del module._forward_pre_hooks[hook_id]
+                module._forward_pre_hooks_with_kwargs.pop(hook_id, None)

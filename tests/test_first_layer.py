@@ -1,0 +1,141 @@
+"""first_layer="auto": a layer runs plain exactly when what it receives is the model's input.
+
+The rule is decided by data flow, not module order: a CNN's stem and a ViT's patch embedding
+read the image and stay plain; in BERT, GPT-2, Llama and T5 the first Linear reads a LayerNorm
+(or RMSNorm) output, so every layer compresses, and the first attention's sibling projections
+really free their shared input.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+from zoo import ZOO, train_step
+
+import actcomp
+from actcomp.layers import is_supported
+
+pytestmark = [
+    pytest.mark.usefixtures("single_thread"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+# Model -> the layers that read the model input (and so run plain under "auto").
+EXPECTED_PLAIN = {
+    "resnet18": {"conv1"},
+    "vit_tiny_patch16_224": {"patch_embed.proj"},
+    "bert": set(),
+    "gpt2": set(),
+    "llama": set(),
+    "t5": set(),
+}
+ENTRIES = {entry.id: entry for entry in ZOO}
+
+
+@pytest.fixture
+def compressed_layer_names(monkeypatch):
+    """Returns a function: model -> the converted layers that compressed during the test."""
+    calls: list[int] = []
+    original = actcomp.Pipeline.compress
+
+    def recording(self, x, **kwargs):
+        calls.append(id(self))
+        return original(self, x, **kwargs)
+
+    monkeypatch.setattr(actcomp.Pipeline, "compress", recording)
+
+    def names(model) -> set[str]:
+        return {name for name, pipeline in actcomp.compressed_layers(model).items() if id(pipeline) in calls}
+
+    return names
+
+
+@pytest.mark.parametrize("model_id", list(EXPECTED_PLAIN))
+def test_auto_runs_plain_exactly_the_layers_that_read_the_model_input(model_id, compressed_layer_names):
+    entry = ENTRIES[model_id]
+    torch.manual_seed(0)
+    model = actcomp.to_compressed(entry.build(), "mink0.9")
+    supported = {name for name, module in model.named_modules() if is_supported(module)}
+    train_step(model, entry.batch())
+    assert supported - compressed_layer_names(model) == EXPECTED_PLAIN[model_id]
+
+
+@pytest.mark.parametrize("model_id, projections", [
+    ("bert", [f"bert.encoder.layer.0.attention.self.{name}" for name in ("query", "key", "value")]),
+    ("llama", [f"model.layers.0.self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj")]),
+])
+def test_first_attention_projections_free_their_shared_input(model_id, projections):
+    # The bug this guards: "auto" used to leave the first Linear in module order (BERT's query,
+    # Llama's q_proj) plain; it then kept the LayerNorm output whole and its siblings (key,
+    # value) freed nothing.
+    entry = ENTRIES[model_id]
+    torch.manual_seed(0)
+    model = actcomp.to_compressed(entry.build(), "mink0.9")
+    batch = entry.batch()
+    report = actcomp.memory_report(model, **batch)
+    assert set(projections) <= set(actcomp.compressed_layers(model))
+    assert [item.layer for item in report.not_freed if item.layer in projections] == []
+
+
+def test_explicit_names_and_none_still_work(compressed_layer_names):
+    entry = ENTRIES["resnet18"]
+    torch.manual_seed(0)
+    everything = actcomp.to_compressed(entry.build(), "mink0.9", first_layer=None)
+    train_step(everything, entry.batch())
+    assert compressed_layer_names(everything) == set(actcomp.compressed_layers(everything))
+    named = actcomp.to_compressed(entry.build(), "mink0.9", first_layer="fc")
+    assert "fc" not in actcomp.compressed_layers(named)
+
+
+def test_views_of_the_input_count_as_the_input_and_casts_do_not(compressed_layer_names):
+    class TwoReads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.reads_view, self.reads_copy = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.reads_view(x[:, 1:]) + self.reads_copy(x[:, 1:] * 1.0)
+
+    model = actcomp.to_compressed(TwoReads(), "mink0.5")
+    model(torch.randn(3, 5, 8)).sum().backward()
+    assert compressed_layer_names(model) == {"reads_copy"}
+
+
+def test_input_layer_inside_a_checkpoint_recomputes_consistently():
+    # Recomputation sees the same tensor (the checkpoint keeps the inputs), so the plain/compressed
+    # decision is the same as in the forward: no checkpoint mismatch, gradients as without it.
+    entry = ENTRIES["resnet18"]
+    torch.manual_seed(0)
+    model = actcomp.to_compressed(entry.build(), "mink0")
+    batch = entry.batch()
+    _, expected = train_step(model, batch)
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    wrapped = Checkpointed(model)
+    _, grads = train_step(wrapped, batch)
+    for name, grad in expected.items():
+        assert torch.equal(grads["inner." + name], grad), name
+
+
+def test_from_compressed_removes_the_input_hook():
+    model = actcomp.to_compressed(copy.deepcopy(ENTRIES["resnet18"].build()), "mink0.9")
+    assert len(model._forward_pre_hooks) == 1
+    copied = copy.deepcopy(model)
+    assert len(copied._forward_pre_hooks) == 1  # the hook travels with deepcopy
+    actcomp.to_compressed(model, "int8")  # converting again does not add a second hook
+    assert len(model._forward_pre_hooks) == 1
+    actcomp.from_compressed(model)
+    assert len(model._forward_pre_hooks) == 0
+    actcomp.to_compressed(copied, "int8", first_layer=None)  # no layer needs it any more
+    assert len(copied._forward_pre_hooks) == 0

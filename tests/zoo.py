@@ -1,0 +1,131 @@
+"""A model zoo for exactness tests: timm families covering every Linear/Conv variant timm uses,
+and Hugging Face models built from small configs (no weights are downloaded).
+
+Each entry builds a model and one batch, small enough that a training step takes well under a
+second on one CPU thread. ``train_step`` runs one training forward/backward and returns the
+logits and every parameter gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    id: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[], dict]
+    # The Linear/Conv subclasses with a forward of their own this model brings (checked).
+    own_forward_layers: tuple[str, ...] = ()
+
+
+def _images(size: int) -> Callable[[], dict]:
+    return lambda: {"x": torch.randn(2, 3, size, size), "targets": torch.tensor([0, 2])}
+
+
+def _timm(name: str, size: int = 32, own: tuple[str, ...] = (), **kwargs) -> ZooModel:
+    return ZooModel(name, lambda: timm.create_model(name, pretrained=False, num_classes=3, **kwargs), _images(size), own)
+
+
+def _tokens(labels: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], dict]:
+    def batch() -> dict:
+        ids = torch.randint(0, 64, (2, 12))
+        return {"input_ids": ids, "labels": labels(ids)}
+
+    return batch
+
+
+def _hf(name: str, build: Callable[[], nn.Module], labels: Callable[[torch.Tensor], torch.Tensor]) -> ZooModel:
+    return ZooModel(name, build, _tokens(labels))
+
+
+def _bert() -> nn.Module:
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=32, num_labels=3)
+    return transformers.BertForSequenceClassification(config)
+
+
+def _gpt2() -> nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _llama() -> nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _t5() -> nn.Module:
+    import transformers
+
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+TIMM_ZOO = [
+    _timm("resnet18"),
+    # BiT: every conv is timm's StdConv2d (weight standardisation in its own forward).
+    _timm("resnetv2_50x1_bit", own=("StdConv2d",)),
+    # NFNet: ScaledStdConv2d (standardised, gain-scaled weight).
+    _timm("nfnet_l0", own=("ScaledStdConv2d",)),
+    # TF ports: Conv2dSame pads TF-style in its own forward (stride 2 changes the shape if skipped).
+    _timm("tf_efficientnet_b0", own=("Conv2dSame",)),
+    _timm("efficientnet_b0"),
+    # timm's own Linear subclass (a forward of its own for torchscript).
+    _timm("mobilenetv3_small_050", own=("Linear",)),
+    _timm("regnetx_002"),
+    _timm("convnext_atto", size=64),
+    _timm("swin_tiny_patch4_window7_224", size=56, img_size=56),
+    _timm("vit_tiny_patch16_224", img_size=32),
+    _timm("deit_tiny_patch16_224", img_size=32),
+    _timm("levit_128s", size=64, img_size=64),
+    _timm("maxvit_nano_rw_256", size=64, img_size=64),
+]
+
+HF_ZOO = [
+    _hf("bert", _bert, lambda ids: torch.tensor([0, 2])),
+    # GPT-2's projections are transformers' Conv1D (weight shaped in x out).
+    _hf("gpt2", _gpt2, lambda ids: ids),
+    _hf("llama", _llama, lambda ids: ids),
+    _hf("t5", _t5, lambda ids: ids[:, :6].contiguous()),
+]
+
+ZOO = TIMM_ZOO + HF_ZOO
+
+
+def train_step(model: nn.Module, batch: dict, autocast: bool = False, seed: int = 1):
+    """One training forward/backward; returns (logits, {name: grad}).
+
+    The RNG is seeded right before the forward so dropout draws the same masks for every model.
+    """
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with amp:
+        if "x" in batch:
+            logits = model(batch["x"])
+            loss = F.cross_entropy(logits.float(), batch["targets"])
+        else:
+            output = model(**batch)
+            logits, loss = output.logits, output.loss
+    loss.backward()
+    return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
