@@ -27,9 +27,8 @@ from typing import ClassVar
 
 import torch
 
-from actcomp.compressors.base import Compressor, Encoded, Hints, owned
+from actcomp.compressors.base import Compressor, Encoded, Hints, owned, setting
 from actcomp.compressors.bitpack import pack_codes, unpack_codes
-from actcomp.errors import ActcompError
 from actcomp.registry import register_compressor
 
 _MAX_FINITE_BF16_BITS = 0x7F7F
@@ -47,11 +46,6 @@ class GroupQuant(Compressor):
 
     kind = "quantizer"
     bits: ClassVar[int] = 8
-
-    def check(self) -> None:
-        super().check()
-        if not isinstance(self.group, int) or self.group < 1:  # type: ignore[attr-defined]
-            raise ActcompError(f"group of {self.name!r} must be a positive integer, got {self.group!r}")  # type: ignore[attr-defined]
 
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
         flat = x.reshape(-1)
@@ -101,7 +95,7 @@ class Int8(GroupQuant):
 
     name = "int8"
     bits = 8
-    group: int = 256
+    group: int = setting(256, minimum=1)
 
 
 @register_compressor
@@ -111,7 +105,7 @@ class Int4(GroupQuant):
 
     name = "int4"
     bits = 4
-    group: int = 256
+    group: int = setting(256, minimum=1)
 
 
 @register_compressor
@@ -121,4 +115,4 @@ class Int2(GroupQuant):
 
     name = "int2"
     bits = 2
-    group: int = 256
+    group: int = setting(256, minimum=1)

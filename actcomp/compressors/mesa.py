@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actcomp.compressors.base import Compressor, Encoded, Hints
+from actcomp.compressors.base import Compressor, Encoded, Hints, setting
 from actcomp.errors import ActcompError
 from actcomp.registry import register_compressor
 
@@ -34,16 +34,10 @@ _LEVELS = 255
 class Mesa8(Compressor):
     name = "mesa8"
     kind = "quantizer"
-    groups: int = 1
-    momentum: float = 0.9
+    groups: int = setting(1, minimum=1)
+    momentum: float = setting(0.9, minimum=0, below=1)
     # Runtime state: running ranges of this instance; not a setting, not compared.
     _ranges: dict = field(default_factory=dict, init=False, compare=False, repr=False)
-
-    def check(self) -> None:
-        if not isinstance(self.groups, int) or self.groups < 1:
-            raise ActcompError(f"groups of 'mesa8' must be a positive integer, got {self.groups!r}")
-        if not isinstance(self.momentum, (int, float)) or not 0 <= self.momentum < 1:
-            raise ActcompError(f"momentum of 'mesa8' must be in [0, 1), got {self.momentum!r}")
 
     def _grouped(self, x: torch.Tensor, channel_dim: int | None) -> tuple[torch.Tensor, int | None]:
         if channel_dim is None or x.dim() == 0:
