@@ -7,9 +7,8 @@ constant group is exact), and ``scale = (max - min) / (2**bits - 1)`` stored as 
 Codes ``floor((x - offset) / scale + u)``, ``u ~ U[0, 1)``, are unbiased
 (E[decompress(x)] = x), clamped to ``[0, 2**bits - 1]`` and bit-packed.
 
-Non-finite values: a group holding a NaN or an infinity decodes to NaN in all its elements
-(its scale is stored as NaN), so overflow still shows in gradients the way it would without
-compression (loss scalers rely on that); other groups are untouched.
+Inputs are finite: the pipeline sets NaN and +-inf aside and puts them back at their
+positions, so a non-finite value costs its group nothing.
 
 >>> import torch
 >>> x = torch.linspace(-1, 1, 1000)
@@ -56,11 +55,9 @@ class GroupQuant(Compressor):
             flat = torch.cat([flat, flat[-1:].expand(groups * group - count)])
         values = flat.view(groups, group).float()
         low, high = values.aminmax(dim=1)
-        finite = low.isfinite() & high.isfinite()
         levels = 2**self.bits - 1
         # max/levels - min/levels cannot overflow where (max - min) could.
-        scale = round_up_to_bf16(torch.where(finite, high / levels - low / levels, 0.0))
-        scale = torch.where(finite, scale, torch.nan)
+        scale = round_up_to_bf16(high / levels - low / levels)
         # Offsets in the input dtype are exact: every value, the minimum too, came from it.
         offset = low.to(x.dtype)
         step = scale.float().unsqueeze(1)
@@ -68,8 +65,6 @@ class GroupQuant(Compressor):
         # codes = floor((x - min) / step + u): one fused multiply-add onto the noise, and the
         # uint8 cast truncates, which is floor for the clamped, non-negative values.
         codes = torch.rand_like(values).addcmul_(values - low.unsqueeze(1), inverse_step).clamp_(0, levels)
-        if not bool(finite.all()):
-            codes.masked_fill_(~finite.unsqueeze(1), 0)
         packed = pack_codes(codes.view(-1)[:count].to(torch.uint8), self.bits)
         return Encoded(owned(packed), (owned(offset), scale), (x.shape, x.dtype))
 
@@ -83,7 +78,7 @@ class GroupQuant(Compressor):
         if count % group:
             codes = torch.cat([codes, codes.new_zeros(groups * group - count)])
         values = torch.addcmul(offset.float().unsqueeze(1), codes.view(groups, group), scale.float().unsqueeze(1))
-        # The rounded-up scale can step past the dtype's largest value; saturate (NaN stays).
+        # The rounded-up scale can step past the dtype's largest value; saturate.
         limit = torch.finfo(dtype).max
         return values.view(-1)[:count].clamp(-limit, limit).to(dtype).view(shape)
 

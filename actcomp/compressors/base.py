@@ -118,7 +118,8 @@ class Compressor:
     field, always in [0, 1)), and implement :meth:`encode` / :meth:`decode`. Dataclass
     fields other than ``drop_rate`` are the spec options, typed int or float (or either
     ``| None``), with a range from :func:`setting`; a field named with a leading underscore
-    is runtime state, not a setting.
+    is runtime state, not a setting. :meth:`encode` sees only finite values: the pipeline
+    sets NaN and +-inf aside and puts them back after :meth:`decode`.
 
     >>> import torch, actcomp
     >>> stage = actcomp.compressors.MinK(0.5)

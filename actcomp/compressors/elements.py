@@ -55,7 +55,6 @@ class MinK(_ElementSparsifier):
     """Exact global min-k: drops the ``drop_rate`` fraction of smallest |x|.
 
     Ties at the threshold are broken by ``torch.topk`` (unspecified but exact in count).
-    NaN counts as the largest magnitude, so it is kept and reaches the gradient.
     """
 
     name = "mink"
