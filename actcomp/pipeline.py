@@ -55,7 +55,11 @@ class Packed:
 
     ``tensors`` are exactly what is stored, so ``nbytes`` is exact. To route them through
     autograd, pass them to ``ctx.save_for_backward``, keep ``layout`` on the side, and rebuild
-    with ``Packed(ctx.saved_tensors, layout)``.
+    with ``Packed(ctx.saved_tensors, layout)``. Its repr shows what is kept, not the values:
+
+    >>> import actcomp
+    >>> actcomp.parse("int8").compress(torch.zeros(4, 256))
+    Packed('int8', float32[4, 256] on cpu, 1,048 of 4,096 bytes (25.6%): float32[4], bfloat16[4], uint8[1024])
     """
 
     tensors: tuple[torch.Tensor, ...]
@@ -65,6 +69,21 @@ class Packed:
     def nbytes(self) -> int:
         """Bytes of the kept tensors (sum of numel * element size)."""
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def __repr__(self) -> str:
+        layout = self.layout
+        dense = layout.shape.numel() * layout.dtype.itemsize
+        share = f" ({self.nbytes / dense:.1%})" if dense else ""
+        kept = ", ".join(_typed_shape(t.dtype, t.shape) for t in self.tensors)
+        return (
+            f"Packed({layout.spec!r}, {_typed_shape(layout.dtype, layout.shape)} on {layout.device}, "
+            f"{self.nbytes:,} of {dense:,} bytes{share}: {kept})"
+        )
+
+
+def _typed_shape(dtype: torch.dtype, shape: torch.Size) -> str:
+    """``float32[4, 256]``: a tensor's dtype and shape, without its values."""
+    return f"{str(dtype).removeprefix('torch.')}[{', '.join(map(str, shape))}]"
 
 
 class Pipeline:

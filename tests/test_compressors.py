@@ -169,6 +169,19 @@ def test_packed_state_is_tensors_plus_plain_metadata(name):
     assert torch.equal(pipeline.decompress(rebuilt), expected)
 
 
+def test_printing_packed_data_shows_what_is_kept_not_the_values(million):
+    packed = parse("mink0.9+int8").compress(million)
+
+    text = str(packed)
+
+    assert text == repr(packed)
+    assert len(text) < 250 and "\n" not in text and "tensor" not in text
+    assert text.startswith(f"Packed('mink0.9+int8', float32[1000, 1000] on cpu, {packed.nbytes:,} of 4,000,000 bytes (4.0%): ")
+    # Positions (two Rice-coded byte streams), then int8's offsets, scales and codes.
+    assert text.endswith(", float32[391], bfloat16[391], uint8[100000])")
+    assert text.count("uint8[") == 3
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", ALL)
 def test_non_contiguous_input_gives_what_a_contiguous_copy_gives(name, dtype):
