@@ -8,7 +8,6 @@ True
 from __future__ import annotations
 
 import re
-import typing
 from typing import Any
 
 from actcomp.errors import ActcompError
@@ -50,6 +49,7 @@ def register_compressor(cls: type | None = None, *, replace: bool = False):
             )
         if klass.kind not in _KINDS:
             raise ActcompError(f"compressor {name!r} has kind {klass.kind!r}; valid kinds: {', '.join(_KINDS)}")
+        klass.rules()  # a setting that could not be written in a spec fails here, not at first use
         if name in _REGISTRY and not replace:
             raise ActcompError(f"a compressor named {name!r} is already registered; pass replace=True to override")
         _REGISTRY[name] = klass
@@ -102,32 +102,18 @@ def build_stage(stage: StageSpec, spec: str):
         kwargs["drop_rate"] = stage.rate
     elif stage.rate is not None:
         raise fail(f"stage {stage.name!r} takes no drop rate", f"write just '{stage.name}'")
-    fields = {f.name: f for f in cls.settings()}
-    hints = typing.get_type_hints(cls)
+    rules = cls.rules()
+    options = [f.name for f in cls.settings()]
     for key, text in stage.options:
-        if key not in fields:
-            valid = ", ".join(fields) or "none"
-            raise fail(f"unknown option {key!r} for stage {stage.name!r}", f"valid options: {valid}", key)
-        kwargs[key] = _convert(text, hints[key], lambda why, k=key, t=text: fail(f"option {k}={t!r}: {why}", key=k))
+        if key not in options:
+            raise fail(f"unknown option {key!r} for stage {stage.name!r}", f"valid options: {', '.join(options) or 'none'}", key)
+        kwargs[key] = rules[key].parse(text)
+    # The constructor validates, so a spec and Python code accept exactly the same values.
     try:
         return cls(**kwargs)
     except ActcompError as error:
-        bad_option = next((key for key, _ in stage.options if f" {key} " in f" {error} "), None)
+        bad_option = next((key for key, _ in stage.options if str(error).startswith(f"{key} of ")), None)
         raise fail(str(error), key=bad_option) from None
-
-
-def _convert(text: str, annotation: Any, fail) -> Any:
-    types = typing.get_args(annotation) or (annotation,)
-    if text == "None" and type(None) in types:
-        return None
-    for kind in (int, float, str):
-        if kind in types:
-            try:
-                return kind(text)
-            except ValueError:
-                continue
-    names = " or ".join(t.__name__ for t in types)
-    raise fail(f"expected {names}")
 
 
 def _ensure_builtins() -> None:

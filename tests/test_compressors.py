@@ -4,6 +4,7 @@ The first section runs over ``actcomp.list_compressors()``, so a newly registere
 interface checks (shape, dtype, device, bytes, layouts, empty tensors) without new code.
 """
 
+import copy
 import dataclasses
 import math
 from fractions import Fraction
@@ -168,6 +169,19 @@ def test_packed_state_is_tensors_plus_plain_metadata(name):
     assert torch.equal(pipeline.decompress(rebuilt), expected)
 
 
+def test_printing_packed_data_shows_what_is_kept_not_the_values(million):
+    packed = parse("mink0.9+int8").compress(million)
+
+    text = str(packed)
+
+    assert text == repr(packed)
+    assert len(text) < 250 and "\n" not in text and "tensor" not in text
+    assert text.startswith(f"Packed('mink0.9+int8', float32[1000, 1000] on cpu, {packed.nbytes:,} of 4,000,000 bytes (4.0%): ")
+    # Positions (two Rice-coded byte streams), then int8's offsets, scales and codes.
+    assert text.endswith(", float32[391], bfloat16[391], uint8[100000])")
+    assert text.count("uint8[") == 3
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", ALL)
 def test_non_contiguous_input_gives_what_a_contiguous_copy_gives(name, dtype):
@@ -234,6 +248,70 @@ def test_single_element_tensors_round_trip(name, shape):
 def test_channel_stages_refuse_to_guess_the_axis(name):
     with pytest.raises(ActcompError, match=r"needs to know the channel axis of a tensor of shape \(4, 6\)"):
         parse(f"{name}0.5").compress(torch.randn(4, 6))
+
+
+def with_non_finite(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with NaN, +inf and -inf at a few known positions (two of them in one row)."""
+    x = x.clone()
+    flat = x.view(-1)
+    flat[[0, 5, 6, 100, 257, flat.numel() - 1]] = torch.tensor([NAN, INF, -INF, NAN, -INF, INF]).to(x.dtype)
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ALL)
+def test_non_finite_values_come_back_exactly_where_they_were(name, dtype):
+    torch.manual_seed(0)
+    finite_batch = torch.randn(4, 8, 16).to(dtype)
+    x = with_non_finite(torch.randn(4, 8, 16).to(dtype))
+    finite = x.isfinite()
+    pipeline = parse(spec_of(name))
+
+    # First on a fresh pipeline, then after a finite batch (mesa8 keeps a running range).
+    for batch in (x, finite_batch, x):
+        packed = pipeline.compress(batch, channel_dim=1)
+        y = pipeline.decompress(packed)
+    positions, values = packed.tensors[:packed.layout.non_finite]
+
+    assert positions.dtype == torch.int32 and values.dtype == dtype
+    assert positions.tolist() == [0, 5, 6, 100, 257, x.numel() - 1]
+    assert packed.nbytes == tensor_bytes(packed.tensors)
+    assert torch.equal(y.isnan(), x.isnan())
+    assert torch.equal(y.isposinf(), x.isposinf())
+    assert torch.equal(y.isneginf(), x.isneginf())
+    assert_faithful(name, x[finite], y[finite])
+
+
+@pytest.mark.parametrize("x", [
+    torch.tensor([3e38, 3e38, -1.0]),  # fp32 values whose sum overflows
+    torch.full((100,), 60000.0, dtype=torch.float16),  # fp16 values whose fp16 sum would
+], ids=["fp32", "fp16"])
+def test_finite_inputs_whose_sum_overflows_keep_no_extra_tensors(x):
+    packed, y = round_trip("int8", x)
+
+    assert packed.layout.non_finite == 0
+    assert len(packed.tensors) == 3
+    assert y.isfinite().all()
+
+
+@pytest.mark.parametrize("spec", ["int8", "mink0.9+int8", "mesa8", "random0.5"])
+def test_one_nan_in_a_linear_input_reaches_only_its_weight_gradient_column(spec):
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(64, 8)
+    layer = actcomp.to_compressed(copy.deepcopy(plain), spec, first_layer=None)
+    layer(torch.randn(16, 64)).sum().backward()  # a finite first batch (mesa8's running range)
+    x = torch.randn(16, 64)
+    x[3, 10] = NAN
+
+    # Several steps: random0.5 keeps any one element only every other step on average.
+    for _ in range(4):
+        plain.zero_grad()
+        layer.zero_grad()
+        plain(x).sum().backward()
+        layer(x).sum().backward()
+
+        assert plain.weight.grad.isnan().sum(0).tolist() == [0] * 10 + [8] + [0] * 53
+        assert torch.equal(layer.weight.grad.isnan(), plain.weight.grad.isnan())
 
 
 def test_compress_rejects_bad_arguments():
@@ -337,14 +415,14 @@ def test_drop_count_absorbs_binary_rounding_for_large_tensors(count, drop_rate, 
     assert drop_count(count, drop_rate) == dropped
 
 
-def test_mink_keeps_nan_as_the_largest_magnitude():
+def test_mink_keeps_nan_in_place_and_chooses_among_the_finite_values():
     x = torch.arange(1.0, 11.0)
-    x[0] = NAN
+    x[9] = NAN  # would be the largest magnitude if it took a place
 
     _, y = round_trip("mink0.8", x)
 
-    assert y[0].isnan()
-    assert torch.equal(y[1:], torch.tensor([0.0] * 8 + [10.0]))
+    assert y[9].isnan()
+    assert torch.equal(y[:9], torch.tensor([0.0] * 7 + [8.0, 9.0]))
 
 
 @pytest.mark.parametrize("count, block, drop_rate", [
@@ -686,7 +764,7 @@ def test_constant_groups_are_exact(name, dtype):
 @pytest.mark.parametrize("bad", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", INT_STAGES)
-def test_a_non_finite_value_makes_its_group_nan_and_spares_the_others(name, dtype, bad):
+def test_a_non_finite_value_comes_back_alone_and_its_group_stays_finite(name, dtype, bad):
     torch.manual_seed(0)
     x = torch.randn(4 * 64 + 10).to(dtype)
     x[64 + 10] = bad  # group 1 of 5, the last one partial
@@ -694,13 +772,17 @@ def test_a_non_finite_value_makes_its_group_nan_and_spares_the_others(name, dtyp
 
     packed, y = round_trip(f"{name}:group=64", x)
 
-    assert y[64:128].isnan().all()
-    assert y[256:].isnan().all()
-    good = torch.cat([torch.arange(64), torch.arange(128, 256)])
-    assert y[good].isfinite().all()
-    step = steps(packed, x.numel(), 64)[good]
-    assert ((y[good].float() - x[good].float()).abs() <= step + torch.finfo(dtype).eps * x[good].float().abs()).all()
-    assert packed.tensors[1].float().isnan().tolist() == [False, True, False, False, True]
+    positions, values, offset, scale, codes = packed.tensors
+    assert positions.tolist() == [74, x.numel() - 1]
+    torch.testing.assert_close(values, x[[74, -1]], rtol=0, atol=0, equal_nan=True)
+    assert scale.float().isfinite().all()
+    finite = x.isfinite()
+    torch.testing.assert_close(y[~finite], x[~finite], rtol=0, atol=0, equal_nan=True)
+    # Every other element, in its group's range too, is within one step (the set-aside
+    # values count as 0 in their groups' ranges).
+    step = scale.float().repeat_interleave(64)[:x.numel()]
+    error = (y.float() - x.float()).abs()[finite]
+    assert (error <= step[finite] + torch.finfo(dtype).eps * x[finite].float().abs()).all()
 
 
 # --- mesa8 ------------------------------------------------------------------------------------
@@ -737,17 +819,17 @@ def test_mesa8_clamps_instead_of_wrapping():
     assert abs(y[2] - 0.5) <= 1.99 / 255
 
 
-def test_mesa8_non_finite_batches_leave_the_range_alone():
+def test_mesa8_non_finite_values_come_back_in_place_and_count_as_zero_in_the_range():
     stage = Mesa8(momentum=0.5)
     stage.compress(torch.linspace(-1, 1, 11))
 
     packed = stage.compress(torch.tensor([0.5, INF, -INF, NAN, 5.0]))
     y = stage.decompress(packed)
 
-    assert torch.equal(packed.tensors[0], torch.tensor([-1.0]))
-    # +inf and 5.0 saturate to the high end, -inf and NaN to the low end.
-    torch.testing.assert_close(y, torch.tensor([0.5, 1.0, -1.0, -1.0, 1.0]), rtol=0, atol=0.5 * 2 / 255)
-    assert y[2] == y[3] == -1.0
+    # The batch range is that of [0.5, 0, 0, 0, 5]: [0, 5], halfway from [-1, 1].
+    low, scale, codes = packed.tensors[2:]
+    assert torch.equal(low, torch.tensor([-0.5]))
+    torch.testing.assert_close(y, torch.tensor([0.5, INF, -INF, NAN, 3.0]), rtol=0, atol=0.5 * 3.5 / 255, equal_nan=True)
 
 
 @pytest.mark.parametrize("bad", [NAN, INF], ids=["nan", "inf"])
@@ -805,20 +887,16 @@ def test_mesa8_group_errors():
 def test_fp8_scales_by_amax_and_saturates():
     torch.manual_seed(0)
     x = torch.randn(10_000) * 1000
-    x[:3] = torch.tensor([INF, -INF, NAN])
-    finite = x.isfinite()
-    amax = x[finite].abs().max()
+    amax = x.abs().max()
 
     packed, y = round_trip("fp8", x)
 
     scale, codes = packed.tensors
     assert (scale.dtype, scale.shape, codes.dtype) == (torch.float32, torch.Size([]), torch.float8_e4m3fn)
     assert scale == amax / 448
-    assert y[:3].isnan().all()  # e4m3 has no infinity
-    assert y[finite].isfinite().all()
-    assert y[finite].abs().max() <= amax * (1 + 1e-6)
+    assert y.abs().max() <= amax * (1 + 1e-6)
     # e4m3: 3 mantissa bits (half-ulp 2**-4 relative), subnormal spacing 2**-9 times the scale.
-    assert ((y - x)[finite].abs() <= 2**-4 * x[finite].abs() + 2**-10 * scale).all()
+    assert ((y - x).abs() <= 2**-4 * x.abs() + 2**-10 * scale).all()
     assert packed.nbytes == x.numel() + 4
 
 

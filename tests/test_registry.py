@@ -7,7 +7,7 @@ import torch
 
 import actcomp
 from actcomp import ActcompError, Pipeline, parse
-from actcomp.compressors import Compressor, Encoded, Int8, MinK
+from actcomp.compressors import Compressor, Encoded, Int8, MinK, setting
 
 BUILTINS = actcomp.list_compressors()
 
@@ -164,6 +164,48 @@ def test_non_compressors_and_bad_kinds_are_rejected():
         actcomp.register_compressor(make_stage("codec_stage", kind="codec"))
 
     assert "codec_stage" not in actcomp.list_compressors()
+
+
+def test_a_registered_stage_settings_are_validated_like_the_builtins(registry):
+    @dataclasses.dataclass(frozen=True)
+    class Scale(Compressor):
+        name, kind = "scale", "quantizer"
+        factor: float = setting(2.0, minimum=1)
+        shift: int | None = None
+
+        def encode(self, x, hints):
+            return Encoded(x * self.factor, (), None)
+
+        def decode(self, payload, saved, meta):
+            return payload / self.factor
+
+    registry(Scale)
+
+    assert parse("scale:factor=4:shift=-1").stages == (Scale(4.0, -1),)
+    assert str(Scale(factor=3)) == "scale:factor=3.0"
+    with pytest.raises(ActcompError, match=r"factor of 'scale' must be a finite number >= 1, got 0.5"):
+        Scale(factor=0.5)
+    with pytest.raises(ActcompError, match=r"factor of 'scale' must be a finite number >= 1, got inf"):
+        parse("scale:factor=inf")
+    with pytest.raises(ActcompError, match=r"shift of 'scale' must be an integer or None, got True"):
+        Scale(shift=True)
+
+
+@pytest.mark.parametrize("annotation", [bool, str, "int | str", list])
+def test_settings_that_a_spec_cannot_write_are_refused_at_registration(annotation, registry):
+    cls = dataclasses.make_dataclass(
+        "Flagged", [("flag", annotation, dataclasses.field(default=None))], bases=(make_stage("flagged"),), frozen=True,
+    )
+
+    with pytest.raises(ActcompError, match="setting 'flag' of compressor 'flagged' is annotated .*; a setting is int, float"):
+        registry(cls)
+
+    assert "flagged" not in actcomp.list_compressors()
+
+
+def test_a_stage_that_takes_a_rate_needs_a_drop_rate_field(registry):
+    with pytest.raises(ActcompError, match="compressor 'halve' takes a rate but has no 'drop_rate: float' field"):
+        registry(make_stage("halve", takes_rate=True))
 
 
 def test_unregister_removes_the_name(registry):

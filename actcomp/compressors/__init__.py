@@ -17,7 +17,7 @@ fp8         quantizer   e4m3 storage with a per-tensor scale
 """
 
 from actcomp.compressors.affine import GroupQuant, Int2, Int4, Int8
-from actcomp.compressors.base import Compressor, Encoded, Hints, drop_count
+from actcomp.compressors.base import Compressor, Encoded, Hints, drop_count, setting
 from actcomp.compressors.casts import Bf16, Fp8, Fp16
 from actcomp.compressors.channels import ChannelMinK, RandomChannels
 from actcomp.compressors.elements import DropITReference, MinK, ParallelMinK, RandomDrop
@@ -26,5 +26,5 @@ from actcomp.compressors.mesa import Mesa8
 __all__ = [
     "Bf16", "ChannelMinK", "Compressor", "DropITReference", "Encoded", "Fp16", "Fp8", "GroupQuant",
     "Hints", "Int2", "Int4", "Int8", "Mesa8", "MinK", "ParallelMinK", "RandomChannels", "RandomDrop",
-    "drop_count",
+    "drop_count", "setting",
 ]

@@ -7,9 +7,8 @@ constant group is exact), and ``scale = (max - min) / (2**bits - 1)`` stored as 
 Codes ``floor((x - offset) / scale + u)``, ``u ~ U[0, 1)``, are unbiased
 (E[decompress(x)] = x), clamped to ``[0, 2**bits - 1]`` and bit-packed.
 
-Non-finite values: a group holding a NaN or an infinity decodes to NaN in all its elements
-(its scale is stored as NaN), so overflow still shows in gradients the way it would without
-compression (loss scalers rely on that); other groups are untouched.
+Inputs are finite: the pipeline sets NaN and +-inf aside and puts them back at their
+positions, so a non-finite value costs its group nothing.
 
 >>> import torch
 >>> x = torch.linspace(-1, 1, 1000)
@@ -27,9 +26,8 @@ from typing import ClassVar
 
 import torch
 
-from actcomp.compressors.base import Compressor, Encoded, Hints, owned
+from actcomp.compressors.base import Compressor, Encoded, Hints, owned, setting
 from actcomp.compressors.bitpack import pack_codes, unpack_codes
-from actcomp.errors import ActcompError
 from actcomp.registry import register_compressor
 
 _MAX_FINITE_BF16_BITS = 0x7F7F
@@ -48,11 +46,6 @@ class GroupQuant(Compressor):
     kind = "quantizer"
     bits: ClassVar[int] = 8
 
-    def check(self) -> None:
-        super().check()
-        if not isinstance(self.group, int) or self.group < 1:  # type: ignore[attr-defined]
-            raise ActcompError(f"group of {self.name!r} must be a positive integer, got {self.group!r}")  # type: ignore[attr-defined]
-
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
         flat = x.reshape(-1)
         count, group = flat.numel(), self.group  # type: ignore[attr-defined]
@@ -62,11 +55,9 @@ class GroupQuant(Compressor):
             flat = torch.cat([flat, flat[-1:].expand(groups * group - count)])
         values = flat.view(groups, group).float()
         low, high = values.aminmax(dim=1)
-        finite = low.isfinite() & high.isfinite()
         levels = 2**self.bits - 1
         # max/levels - min/levels cannot overflow where (max - min) could.
-        scale = round_up_to_bf16(torch.where(finite, high / levels - low / levels, 0.0))
-        scale = torch.where(finite, scale, torch.nan)
+        scale = round_up_to_bf16(high / levels - low / levels)
         # Offsets in the input dtype are exact: every value, the minimum too, came from it.
         offset = low.to(x.dtype)
         step = scale.float().unsqueeze(1)
@@ -74,8 +65,6 @@ class GroupQuant(Compressor):
         # codes = floor((x - min) / step + u): one fused multiply-add onto the noise, and the
         # uint8 cast truncates, which is floor for the clamped, non-negative values.
         codes = torch.rand_like(values).addcmul_(values - low.unsqueeze(1), inverse_step).clamp_(0, levels)
-        if not bool(finite.all()):
-            codes.masked_fill_(~finite.unsqueeze(1), 0)
         packed = pack_codes(codes.view(-1)[:count].to(torch.uint8), self.bits)
         return Encoded(owned(packed), (owned(offset), scale), (x.shape, x.dtype))
 
@@ -89,7 +78,7 @@ class GroupQuant(Compressor):
         if count % group:
             codes = torch.cat([codes, codes.new_zeros(groups * group - count)])
         values = torch.addcmul(offset.float().unsqueeze(1), codes.view(groups, group), scale.float().unsqueeze(1))
-        # The rounded-up scale can step past the dtype's largest value; saturate (NaN stays).
+        # The rounded-up scale can step past the dtype's largest value; saturate.
         limit = torch.finfo(dtype).max
         return values.view(-1)[:count].clamp(-limit, limit).to(dtype).view(shape)
 
@@ -101,7 +90,7 @@ class Int8(GroupQuant):
 
     name = "int8"
     bits = 8
-    group: int = 256
+    group: int = setting(256, minimum=1)
 
 
 @register_compressor
@@ -111,7 +100,7 @@ class Int4(GroupQuant):
 
     name = "int4"
     bits = 4
-    group: int = 256
+    group: int = setting(256, minimum=1)
 
 
 @register_compressor
@@ -121,4 +110,4 @@ class Int2(GroupQuant):
 
     name = "int2"
     bits = 2
-    group: int = 256
+    group: int = setting(256, minimum=1)

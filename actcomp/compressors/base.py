@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import typing
 from dataclasses import dataclass
 from fractions import Fraction
@@ -41,14 +42,84 @@ class Encoded(NamedTuple):
 
 
 @dataclass(frozen=True)
+class Rule:
+    """The values a setting accepts: a real int (never a bool) or a finite number, maybe
+    None, and an optional range (``minimum`` included, ``below`` excluded).
+
+    >>> Rule(int, minimum=1).describe(), Rule(float, minimum=0, below=1).describe()
+    ('an integer >= 1', 'a number in [0, 1)')
+    >>> Rule(int, optional=True).parse("None"), Rule(int).parse("64"), Rule(int).parse("2.5")
+    (None, 64, '2.5')
+    """
+
+    kind: type
+    optional: bool = False
+    minimum: float | None = None
+    below: float | None = None
+
+    def describe(self) -> str:
+        bounded = self.minimum is not None and self.below is not None
+        text = "an integer" if self.kind is int else "a number" if bounded else "a finite number"
+        if bounded:
+            text += f" in [{self.minimum}, {self.below})"
+        elif self.minimum is not None:
+            text += f" >= {self.minimum}"
+        elif self.below is not None:
+            text += f" < {self.below}"
+        return text + " or None" if self.optional else text
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        # bool is an int subclass, but True would print a spec that does not parse back.
+        if isinstance(value, bool) or not isinstance(value, (int, float) if self.kind is float else int):
+            return False
+        # NaN, +-inf and ints too large for a float are not finite numbers.
+        if self.kind is float and not abs(value) <= sys.float_info.max:
+            return False
+        return (self.minimum is None or value >= self.minimum) and (self.below is None or value < self.below)
+
+    def parse(self, text: str) -> Any:
+        """Spec text as this rule's type; text that is not one comes back as is, for the
+        constructor to reject with the same message as a bad Python value."""
+        if text == "None" and self.optional:
+            return None
+        try:
+            return self.kind(text)
+        except ValueError:
+            return text
+
+
+_DROP_RATE = Rule(float, minimum=0, below=1)
+
+
+def setting(default: Any, *, minimum: float | None = None, below: float | None = None) -> Any:
+    """A stage option as a dataclass field: the constructor and the spec parser accept only
+    values of its annotated type (int, float, or either ``| None``) in ``[minimum, below)``.
+
+    >>> @dataclass(frozen=True)
+    ... class Blur(Compressor):
+    ...     name, kind = "blur", "quantizer"
+    ...     radius: int = setting(2, minimum=1)
+    >>> Blur(radius=True)
+    Traceback (most recent call last):
+    ...
+    actcomp.errors.ActcompError: radius of 'blur' must be an integer >= 1, got True
+    """
+    return dataclasses.field(default=default, metadata={"minimum": minimum, "below": below})
+
+
+@dataclass(frozen=True)
 class Compressor:
     """Base class of every stage. Subclasses are frozen dataclasses of their settings.
 
     Subclasses set ``name`` (registry name), ``kind`` ("sparsifier" or "quantizer") and
     ``takes_rate`` (whether the spec carries a drop rate, stored in the ``drop_rate``
-    field), and implement :meth:`encode` / :meth:`decode`. Dataclass fields other than
-    ``drop_rate`` are the spec options; a field named with a leading underscore is
-    runtime state, not a setting.
+    field, always in [0, 1)), and implement :meth:`encode` / :meth:`decode`. Dataclass
+    fields other than ``drop_rate`` are the spec options, typed int or float (or either
+    ``| None``), with a range from :func:`setting`; a field named with a leading underscore
+    is runtime state, not a setting. :meth:`encode` sees only finite values: the pipeline
+    sets NaN and +-inf aside and puts them back after :meth:`decode`.
 
     >>> import torch, actcomp
     >>> stage = actcomp.compressors.MinK(0.5)
@@ -71,22 +142,37 @@ class Compressor:
         """A copy with the same settings and fresh runtime state (one per layer)."""
         return dataclasses.replace(self)
 
-    def check(self) -> None:
-        """Validate settings; raise ActcompError naming the bad one and what is valid."""
-        if self.takes_rate:
-            rate = self.drop_rate  # type: ignore[attr-defined]
-            if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate < 1:
-                raise ActcompError(f"drop rate of {self.name!r} must be in [0, 1), got {rate!r}")
-
     def __post_init__(self) -> None:
-        # An int given for a float setting becomes a float, so it prints back as one
-        # ("momentum=0" would otherwise round-trip to a different spec than "momentum=0.0").
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if hints.get(f.name) is float and isinstance(value, int) and not isinstance(value, bool):
-                object.__setattr__(self, f.name, float(value))
-        self.check()
+        for name, rule in self.rules().items():
+            value = getattr(self, name)
+            if not rule.accepts(value):
+                label = "drop rate" if name == "drop_rate" else name
+                raise ActcompError(f"{label} of {self.name!r} must be {rule.describe()}, got {value!r}")
+            # An int given for a float setting becomes a float, so it prints back as one
+            # ("momentum=0" would otherwise round-trip to a different spec than "momentum=0.0").
+            if rule.kind is float and value is not None:
+                object.__setattr__(self, name, float(value))
+
+    @classmethod
+    def rules(cls) -> dict[str, Rule]:
+        """What the drop rate (for stages that take one) and each setting accept, by field name."""
+        hints = typing.get_type_hints(cls)
+        rules = {}
+        if cls.takes_rate:
+            if "drop_rate" not in {f.name for f in dataclasses.fields(cls)}:
+                raise ActcompError(f"compressor {cls.name!r} takes a rate but has no 'drop_rate: float' field")
+            rules["drop_rate"] = _DROP_RATE
+        for f in cls.settings():
+            kinds = set(typing.get_args(hints[f.name]) or (hints[f.name],))
+            optional = type(None) in kinds
+            kinds.discard(type(None))
+            if kinds not in ({int}, {float}):
+                raise ActcompError(
+                    f"setting {f.name!r} of compressor {cls.name!r} is annotated {hints[f.name]}; "
+                    "a setting is int, float, int | None or float | None"
+                )
+            rules[f.name] = Rule(kinds.pop(), optional, f.metadata.get("minimum"), f.metadata.get("below"))
+        return rules
 
     @classmethod
     def settings(cls) -> list[dataclasses.Field]:

@@ -1,9 +1,9 @@
 """Storage casts: keep the tensor in fp16, bf16 or fp8 (e4m3) and cast back on decompress.
 
-Casts saturate: a finite value beyond the target's range becomes its largest finite value
-instead of overflowing to inf. NaN and +-inf stay non-finite (fp8 e4m3 has no inf, so they
-become NaN there). ``fp8`` scales the tensor by ``amax / 448`` (one fp32 scalar kept) so the
-e4m3 range is used fully.
+Casts saturate: a value beyond the target's range becomes its largest finite value instead
+of overflowing to inf. Inputs are finite: the pipeline sets NaN and +-inf aside and puts them
+back exactly (even for fp8 e4m3, which has no inf). ``fp8`` scales the tensor by
+``amax / 448`` (one fp32 scalar kept) so the e4m3 range is used fully.
 
 >>> import torch
 >>> x = torch.tensor([1.0, 1e6, -float("inf")])
@@ -23,15 +23,18 @@ from actcomp.registry import register_compressor
 
 
 def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cast with finite values clamped into ``dtype``'s range; non-finite values kept."""
+    """Cast with values clamped into ``dtype``'s range (NaN stays NaN).
+
+    >>> saturating_cast(torch.tensor([1e6, -1.0]), torch.float16).tolist()
+    [65504.0, -1.0]
+    """
     if x.dtype == dtype:
         return x
     limit = torch.finfo(dtype).max
     if torch.finfo(x.dtype).max <= limit:
         return x.to(dtype)
     # Clamp in fp32: the limit may not exist in x's dtype (bf16 rounds 65504 up to 65536).
-    wide = x.float()
-    return torch.where(wide.isfinite(), wide.clamp(-limit, limit), wide).to(dtype)
+    return x.float().clamp(-limit, limit).to(dtype)
 
 
 class _Cast(Compressor):
@@ -67,13 +70,11 @@ class Fp8(Compressor):
     kind = "quantizer"
 
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
-        finite = x.isfinite()
-        amax = torch.where(finite, x, 0).abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+        amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
         scale = amax / torch.finfo(torch.float8_e4m3fn).max
         # Zero (or an amax so small the division underflows) keeps scale 1: no 0/0.
         scale = torch.where(scale > 0, scale, 1.0)
-        scaled = torch.where(finite, x.float() / scale, torch.nan)
-        return Encoded(saturating_cast(scaled, torch.float8_e4m3fn), (scale,), x.dtype)
+        return Encoded(saturating_cast(x.float() / scale, torch.float8_e4m3fn), (scale,), x.dtype)
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
         return saturating_cast(payload.float() * saved[0], meta)

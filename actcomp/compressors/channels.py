@@ -51,11 +51,6 @@ class _ChannelSparsifier(Compressor):
         shape[dim] = channels
         return payload.new_zeros(shape).index_copy_(dim, saved[0].long(), payload)
 
-    def check(self) -> None:
-        super().check()
-        if self.dim is not None and not isinstance(self.dim, int):  # type: ignore[attr-defined]
-            raise ActcompError(f"dim of {self.name!r} must be an integer axis, got {self.dim!r}")  # type: ignore[attr-defined]
-
 
 @register_compressor
 @dataclass(frozen=True)

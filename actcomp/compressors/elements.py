@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from actcomp.compressors.base import Compressor, Encoded, Hints, drop_count
+from actcomp.compressors.base import Compressor, Encoded, Hints, drop_count, setting
 from actcomp.compressors.positions import encode_positions, scatter_kept
-from actcomp.errors import ActcompError
 from actcomp.registry import register_compressor
 
 
@@ -56,7 +55,6 @@ class MinK(_ElementSparsifier):
     """Exact global min-k: drops the ``drop_rate`` fraction of smallest |x|.
 
     Ties at the threshold are broken by ``torch.topk`` (unspecified but exact in count).
-    NaN counts as the largest magnitude, so it is kept and reaches the gradient.
     """
 
     name = "mink"
@@ -78,12 +76,7 @@ class ParallelMinK(_ElementSparsifier):
 
     name = "pmink"
     drop_rate: float = 0.9
-    block: int = 2**14
-
-    def check(self) -> None:
-        super().check()
-        if not isinstance(self.block, int) or self.block < 1:
-            raise ActcompError(f"block of 'pmink' must be a positive integer, got {self.block!r}")
+    block: int = setting(2**14, minimum=1)
 
     def keep_index(self, flat: torch.Tensor, kept: int) -> torch.Tensor:
         count = flat.numel()

@@ -3,8 +3,8 @@
 Each stage instance (one per converted layer) keeps running ``min``/``max`` per channel
 group, updated on every compress: ``r = momentum * r + (1 - momentum) * batch``. Values are
 quantized to the nearest of 256 levels of the running range; values outside it are clamped
-to the nearest end (never wrapped). Non-finite batch statistics leave the range untouched;
-NaN saturates to the low end, +-inf to the ends.
+to the nearest end (never wrapped). Inputs are finite: the pipeline sets NaN and +-inf aside
+(they count as 0 in the batch range) and puts them back at their positions.
 
 Groups split the channel axis (given by the caller, e.g. 1 for conv inputs) into ``groups``
 equal parts. A payload without a channel axis (after an element sparsifier) has one group.
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actcomp.compressors.base import Compressor, Encoded, Hints
+from actcomp.compressors.base import Compressor, Encoded, Hints, setting
 from actcomp.errors import ActcompError
 from actcomp.registry import register_compressor
 
@@ -34,16 +34,10 @@ _LEVELS = 255
 class Mesa8(Compressor):
     name = "mesa8"
     kind = "quantizer"
-    groups: int = 1
-    momentum: float = 0.9
+    groups: int = setting(1, minimum=1)
+    momentum: float = setting(0.9, minimum=0, below=1)
     # Runtime state: running ranges of this instance; not a setting, not compared.
     _ranges: dict = field(default_factory=dict, init=False, compare=False, repr=False)
-
-    def check(self) -> None:
-        if not isinstance(self.groups, int) or self.groups < 1:
-            raise ActcompError(f"groups of 'mesa8' must be a positive integer, got {self.groups!r}")
-        if not isinstance(self.momentum, (int, float)) or not 0 <= self.momentum < 1:
-            raise ActcompError(f"momentum of 'mesa8' must be in [0, 1), got {self.momentum!r}")
 
     def _grouped(self, x: torch.Tensor, channel_dim: int | None) -> tuple[torch.Tensor, int | None]:
         if channel_dim is None or x.dim() == 0:
@@ -63,14 +57,11 @@ class Mesa8(Compressor):
         ranges = self._ranges
         previous = ranges.get("low")
         if previous is None or previous.shape != low.shape or previous.device != low.device:
-            # NaN marks a group that has not seen a finite batch yet.
-            ranges["low"] = ranges["high"] = torch.full_like(low, torch.nan)
-        finite = low.isfinite() & high.isfinite()
-        weight = 1 - self.momentum
-        for key, batch in (("low", low), ("high", high)):
-            running = ranges[key]
-            updated = torch.where(running.isnan(), batch, running.lerp(batch, weight))
-            ranges[key] = torch.where(finite, updated, running)
+            # The first batch (or a new layout) starts the running range.
+            ranges["low"], ranges["high"] = low, high
+        else:
+            weight = 1 - self.momentum
+            ranges["low"], ranges["high"] = previous.lerp(low, weight), ranges["high"].lerp(high, weight)
         return ranges["low"], ranges["high"]
 
     def _broadcast(self, per_group: torch.Tensor, shape: torch.Size, channel_dim: int | None) -> torch.Tensor:
@@ -92,7 +83,7 @@ class Mesa8(Compressor):
         safe_scale = torch.where(scale > 0, scale, 1.0)
         low_b = self._broadcast(low, x.shape, channel_dim)
         scale_b = self._broadcast(safe_scale, x.shape, channel_dim)
-        codes = ((x.float() - low_b) / scale_b).round_().nan_to_num_(nan=0.0).clamp_(0, _LEVELS)
+        codes = ((x.float() - low_b) / scale_b).round_().clamp_(0, _LEVELS)
         return Encoded(codes.to(torch.uint8), (low.clone(), scale), (channel_dim, x.dtype))
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
