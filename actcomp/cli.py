@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import sys
+from pathlib import Path
 
 from actcomp.errors import ActcompError
 
@@ -60,14 +62,33 @@ def _timm():
     return timm
 
 
-def _matplotlib_pyplot():
+def _pyplot_for(path: str):
+    """pyplot, once ``path`` is known to be a file matplotlib can write.
+
+    Called before any model is built or trained, so a bad ``--plot`` fails in a second, not
+    after the whole run.
+    """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise ActcompError("--plot needs matplotlib: pip install matplotlib (or pip install 'actcomp[plot]')") from None
+    target = Path(path)
+    formats = FigureCanvasBase.get_supported_filetypes()
+    # savefig reads the format from the suffix, lower-cased; without one it would write FILE.png instead.
+    suffix = target.suffix.lower()
+    if suffix.lstrip(".") not in formats:
+        found = f"suffix {suffix!r}" if suffix else "no suffix"
+        raise ActcompError(f"--plot {path!r} has {found}; matplotlib writes {', '.join('.' + f for f in formats)}")
+    if target.is_dir():
+        raise ActcompError(f"--plot {path!r} is a directory; give a file name such as {str(target / 'plot.png')!r}")
+    if not target.parent.is_dir():
+        raise ActcompError(f"--plot {path!r}: directory {str(target.parent)!r} does not exist")
+    if not os.access(target.parent, os.W_OK):
+        raise ActcompError(f"--plot {path!r}: directory {str(target.parent)!r} is not writable")
     return plt
 
 
@@ -78,7 +99,7 @@ def _report(args: argparse.Namespace) -> int:
     from actcomp.memory import format_bytes
 
     pipeline = actcomp.parse(args.pipeline)
-    plt = _matplotlib_pyplot() if args.plot else None
+    plt = _pyplot_for(args.plot) if args.plot else None
     timm = _timm()
     if not timm.is_model(args.model):
         close = timm.list_models(f"*{args.model.split('_')[0]}*")[:8]

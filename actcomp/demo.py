@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import actcomp
+from actcomp.cli import _pyplot_for
 from actcomp.errors import ActcompError
 from actcomp.memory import format_bytes
 
@@ -91,10 +92,7 @@ def run_demo(epochs: int = 12, specs=("mink0.9", "pmink0.9+int8", "int8"), model
     """
     pipelines = [actcomp.parse(spec) for spec in specs]
     torch.set_num_threads(threads)
-    if plot:
-        from actcomp.cli import _matplotlib_pyplot
-
-        _matplotlib_pyplot()
+    plt = _pyplot_for(plot) if plot else None
     train_x, train_y, test_x, test_y = load_digits_tensors(seed)
     labels = ["plain", *(p.spec for p in pipelines)]
     rows, curves = [], {}
@@ -138,8 +136,8 @@ def run_demo(epochs: int = 12, specs=("mink0.9", "pmink0.9+int8", "int8"), model
                          "layers_compressed": len(actcomp.compressed_layers(net))})
         curves[model_name] = dict(zip(labels, losses))
     _print_table(rows, batch)
-    if plot:
-        _plot(curves, plot)
+    if plt is not None:
+        _plot(plt, curves, plot)
     return rows
 
 
@@ -165,10 +163,7 @@ def _print_table(rows: list[dict], batch: int) -> None:
                   "(a ReLU's or the attention's output); see 'Shared tensors' in the README")
 
 
-def _plot(curves: dict, path: str) -> None:
-    from actcomp.cli import _matplotlib_pyplot
-
-    plt = _matplotlib_pyplot()
+def _plot(plt, curves: dict, path: str) -> None:
     figure, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False)
     for ax, (model_name, by_label) in zip(axes[0], curves.items()):
         for label, losses in by_label.items():

@@ -40,6 +40,38 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys, tmp_pat
     assert "pip install matplotlib" in capsys.readouterr().err
 
 
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if the command builds a timm model or loads the demo's data."""
+    import timm
+
+    import actcomp.demo
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("started the real work before checking the arguments")
+
+    monkeypatch.setattr(timm, "create_model", too_late)
+    monkeypatch.setattr(actcomp.demo, "load_digits_tensors", too_late)
+
+
+@pytest.mark.parametrize("command", [["report", "--model", "resnet18", "--pipeline", "int8", *TINY], ["demo"]])
+@pytest.mark.parametrize("plot, message", [
+    ("/no/such/dir/x.png", "directory '/no/such/dir' does not exist"),
+    ("{tmp}/bars.txt", "has suffix '.txt'; matplotlib writes"),
+    ("{tmp}/bars", "has no suffix; matplotlib writes"),
+    ("{tmp}/taken.png", "is a directory"),
+])
+def test_bad_plot_path_fails_before_any_work(command, plot, message, no_work, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "taken.png").mkdir()
+
+    assert main([*command, "--plot", plot.format(tmp=tmp_path)]) == 2
+
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
 def test_unknown_model_is_a_clear_error(capsys):
     assert main(["report", "--model", "resnet1888", "--pipeline", "int8", *TINY]) == 2
 
