@@ -14,6 +14,9 @@ from pathlib import Path
 
 from actcomp.errors import ActcompError
 
+# One convention for every memory ratio the CLI prints, so "2x" always means half the bytes.
+_X_LESS_NOTE = "x less = plain / compressed bytes, higher is better"
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m actcomp", description="Activation compression for training.")
@@ -122,7 +125,8 @@ def _report(args: argparse.Namespace) -> int:
     plain_types, packed_types = before.by_type(), after.by_type()
     precision = "bf16 autocast" if args.amp else "fp32"
     print(f"{args.model}, batch {args.batch}, {args.img_size}x{args.img_size}, {precision}, pipeline {pipeline.spec!r}")
-    print(f"{'layer type':<24} {'plain':>11} {'compressed':>11} {'ratio':>7}")
+    print(f"memory: {_X_LESS_NOTE}")
+    print(f"{'layer type':<24} {'plain':>11} {'compressed':>11} {'x less':>7}")
     for name in sorted(set(plain_types) | set(packed_types), key=lambda t: -plain_types.get(t, 0)):
         a, b = plain_types.get(name, 0), packed_types.get(name, 0)
         print(f"{name:<24} {format_bytes(a):>11} {format_bytes(b):>11} {_ratio(a, b):>7}")

@@ -15,8 +15,11 @@ def test_report_prints_per_type_and_total_bytes(capsys):
 
     out = capsys.readouterr().out
     assert "pipeline 'mink0.9+int8'" in out
+    assert "x less = plain / compressed bytes, higher is better" in out
     for line_start in ("Conv2d", "BatchNorm2d", "ReLU", "total"):
         assert any(line.startswith(line_start) for line in out.splitlines()), line_start
+    conv = next(line.split() for line in out.splitlines() if line.startswith("Conv2d"))
+    assert float(conv[-1].rstrip("x")) > 1  # compressing the convs' inputs shrinks them
     # A ResNet's convs follow ReLUs, which keep the same tensors: the report says so.
     assert "free nothing because another op keeps their input" in out
 
@@ -102,6 +105,10 @@ def test_demo_runs_end_to_end(capsys):
     assert [row[1] for row in rows] == ["plain", "mink0.9"]
     accuracy = float(rows[1][2].rstrip("%"))
     assert accuracy > 50  # three short epochs on digits are far above chance (10%): 90% measured
+    # Memory is plain / compressed like the report's: mink0.9 keeps fewer bytes, so above 1.
+    assert "x less = plain / compressed bytes, higher is better; step time = compressed / plain" in out
+    x_less = [float(row[-2].rstrip("x")) for row in rows]
+    assert x_less[0] == 1 and x_less[1] > 1
 
 
 def test_module_entry_point_runs():
@@ -121,3 +128,12 @@ def test_report_measures_peak_rss_in_fresh_processes(capsys):
     sizes = [float(part.split()[-2]) * units[part.split()[-1]] for part in figures]
     # Each process imported torch and trained: well over 50 MiB, far under the machine's memory.
     assert all(50 * 2**20 < size < 16 * 2**30 for size in sizes)
+
+
+def test_demo_rows_give_memory_as_plain_over_compressed(capsys):
+    from actcomp.demo import run_demo
+
+    plain, compressed = run_demo(epochs=1, specs=["mink0.9"], models=["cnn"])
+
+    assert compressed["memory_reduction"] == plain["saved_bytes"] / compressed["saved_bytes"] > 1
+    assert plain["memory_reduction"] == 1
