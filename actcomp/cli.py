@@ -10,6 +10,7 @@ import contextlib
 import copy
 import os
 import sys
+import time
 from pathlib import Path
 
 from actcomp.errors import ActcompError
@@ -145,7 +146,14 @@ def _report(args: argparse.Namespace) -> int:
         from actcomp.peak_rss import peak_rss
 
         sizes = dict(batch=args.batch, img_size=args.img_size, amp=args.amp)
-        rss_plain, rss_packed = peak_rss(args.model, None, **sizes), peak_rss(args.model, pipeline.spec, **sizes)
+        rss = []
+        # Each probe trains in a fresh process and can take minutes on a large model: say what is running.
+        for number, (label, spec) in enumerate([("plain", None), ("compressed", pipeline.spec)], start=1):
+            print(f"measuring peak RSS: {label} ({number}/2) ...", end="", file=sys.stderr, flush=True)
+            started = time.perf_counter()
+            rss.append(peak_rss(args.model, spec, **sizes))
+            print(f" done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+        rss_plain, rss_packed = rss
         print(f"peak RSS of 3 training steps: plain {format_bytes(rss_plain)}, compressed {format_bytes(rss_packed)}"
               " (fresh processes; freed memory returned to the OS, see actcomp.peak_rss)")
     if plt is not None:

@@ -130,6 +130,26 @@ def test_report_measures_peak_rss_in_fresh_processes(capsys):
     assert all(50 * 2**20 < size < 16 * 2**30 for size in sizes)
 
 
+def test_report_says_which_peak_rss_probe_is_running(monkeypatch, capsys):
+    import actcomp.peak_rss
+
+    seen_before_each_probe = []
+
+    def fake_peak_rss(model, spec, **sizes):
+        # What stderr holds when the probe starts: the user sees what they are waiting for.
+        seen_before_each_probe.append(capsys.readouterr().err)
+        return 100 * 2**20 if spec is None else 80 * 2**20
+
+    monkeypatch.setattr(actcomp.peak_rss, "peak_rss", fake_peak_rss)
+
+    assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--rss"]) == 0
+
+    assert seen_before_each_probe[0].endswith("measuring peak RSS: plain (1/2) ...")
+    assert seen_before_each_probe[1].startswith(" done in ")
+    assert seen_before_each_probe[1].endswith("measuring peak RSS: compressed (2/2) ...")
+    assert capsys.readouterr().err.startswith(" done in ")
+
+
 def test_demo_rows_give_memory_as_plain_over_compressed(capsys):
     from actcomp.demo import run_demo
 
