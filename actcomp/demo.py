@@ -93,6 +93,7 @@ def run_demo(epochs: int = 12, specs=("mink0.9", "pmink0.9+int8", "int8"), model
 
     One thread by default: these models are tiny, and more threads only add contention.
     """
+    demo_started = time.perf_counter()
     pipelines = [actcomp.parse(spec) for spec in specs]
     torch.set_num_threads(threads)
     plt = _pyplot_for(plot) if plot else None
@@ -141,6 +142,9 @@ def run_demo(epochs: int = 12, specs=("mink0.9", "pmink0.9+int8", "int8"), model
     _print_table(rows, batch)
     if plt is not None:
         _plot(plt, curves, plot)
+    # Timings depend on the thread count, so the line quoted with them names it.
+    used = torch.get_num_threads()
+    print(f"total wall time {time.perf_counter() - demo_started:.0f} s on {used} torch thread{'s' * (used != 1)}")
     return rows
 
 

@@ -1,5 +1,6 @@
 """The command line end to end on tiny settings, and its error paths."""
 
+import re
 import subprocess
 import sys
 
@@ -109,6 +110,7 @@ def test_demo_runs_end_to_end(capsys):
     assert "x less = plain / compressed bytes, higher is better; step time = compressed / plain" in out
     x_less = [float(row[-2].rstrip("x")) for row in rows]
     assert x_less[0] == 1 and x_less[1] > 1
+    assert re.fullmatch(r"total wall time \d+ s on 1 torch thread", out.splitlines()[-1])
 
 
 def test_module_entry_point_runs():
