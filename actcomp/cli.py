@@ -8,9 +8,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import sys
+import time
+from pathlib import Path
 
 from actcomp.errors import ActcompError
+
+# One convention for every memory ratio the CLI prints, so "2x" always means half the bytes.
+_X_LESS_NOTE = "x less = plain / compressed bytes, higher is better"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,14 +66,33 @@ def _timm():
     return timm
 
 
-def _matplotlib_pyplot():
+def _pyplot_for(path: str):
+    """pyplot, once ``path`` is known to be a file matplotlib can write.
+
+    Called before any model is built or trained, so a bad ``--plot`` fails in a second, not
+    after the whole run.
+    """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise ActcompError("--plot needs matplotlib: pip install matplotlib (or pip install 'actcomp[plot]')") from None
+    target = Path(path)
+    formats = FigureCanvasBase.get_supported_filetypes()
+    # savefig reads the format from the suffix, lower-cased; without one it would write FILE.png instead.
+    suffix = target.suffix.lower()
+    if suffix.lstrip(".") not in formats:
+        found = f"suffix {suffix!r}" if suffix else "no suffix"
+        raise ActcompError(f"--plot {path!r} has {found}; matplotlib writes {', '.join('.' + f for f in formats)}")
+    if target.is_dir():
+        raise ActcompError(f"--plot {path!r} is a directory; give a file name such as {str(target / 'plot.png')!r}")
+    if not target.parent.is_dir():
+        raise ActcompError(f"--plot {path!r}: directory {str(target.parent)!r} does not exist")
+    if not os.access(target.parent, os.W_OK):
+        raise ActcompError(f"--plot {path!r}: directory {str(target.parent)!r} is not writable")
     return plt
 
 
@@ -78,7 +103,7 @@ def _report(args: argparse.Namespace) -> int:
     from actcomp.memory import format_bytes
 
     pipeline = actcomp.parse(args.pipeline)
-    plt = _matplotlib_pyplot() if args.plot else None
+    plt = _pyplot_for(args.plot) if args.plot else None
     timm = _timm()
     if not timm.is_model(args.model):
         close = timm.list_models(f"*{args.model.split('_')[0]}*")[:8]
@@ -101,7 +126,8 @@ def _report(args: argparse.Namespace) -> int:
     plain_types, packed_types = before.by_type(), after.by_type()
     precision = "bf16 autocast" if args.amp else "fp32"
     print(f"{args.model}, batch {args.batch}, {args.img_size}x{args.img_size}, {precision}, pipeline {pipeline.spec!r}")
-    print(f"{'layer type':<24} {'plain':>11} {'compressed':>11} {'ratio':>7}")
+    print(f"memory: {_X_LESS_NOTE}")
+    print(f"{'layer type':<24} {'plain':>11} {'compressed':>11} {'x less':>7}")
     for name in sorted(set(plain_types) | set(packed_types), key=lambda t: -plain_types.get(t, 0)):
         a, b = plain_types.get(name, 0), packed_types.get(name, 0)
         print(f"{name:<24} {format_bytes(a):>11} {format_bytes(b):>11} {_ratio(a, b):>7}")
@@ -120,7 +146,14 @@ def _report(args: argparse.Namespace) -> int:
         from actcomp.peak_rss import peak_rss
 
         sizes = dict(batch=args.batch, img_size=args.img_size, amp=args.amp)
-        rss_plain, rss_packed = peak_rss(args.model, None, **sizes), peak_rss(args.model, pipeline.spec, **sizes)
+        rss = []
+        # Each probe trains in a fresh process and can take minutes on a large model: say what is running.
+        for number, (label, spec) in enumerate([("plain", None), ("compressed", pipeline.spec)], start=1):
+            print(f"measuring peak RSS: {label} ({number}/2) ...", end="", file=sys.stderr, flush=True)
+            started = time.perf_counter()
+            rss.append(peak_rss(args.model, spec, **sizes))
+            print(f" done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+        rss_plain, rss_packed = rss
         print(f"peak RSS of 3 training steps: plain {format_bytes(rss_plain)}, compressed {format_bytes(rss_packed)}"
               " (fresh processes; freed memory returned to the OS, see actcomp.peak_rss)")
     if plt is not None:

@@ -1,5 +1,6 @@
 """The command line end to end on tiny settings, and its error paths."""
 
+import re
 import subprocess
 import sys
 
@@ -15,8 +16,11 @@ def test_report_prints_per_type_and_total_bytes(capsys):
 
     out = capsys.readouterr().out
     assert "pipeline 'mink0.9+int8'" in out
+    assert "x less = plain / compressed bytes, higher is better" in out
     for line_start in ("Conv2d", "BatchNorm2d", "ReLU", "total"):
         assert any(line.startswith(line_start) for line in out.splitlines()), line_start
+    conv = next(line.split() for line in out.splitlines() if line.startswith("Conv2d"))
+    assert float(conv[-1].rstrip("x")) > 1  # compressing the convs' inputs shrinks them
     # A ResNet's convs follow ReLUs, which keep the same tensors: the report says so.
     assert "free nothing because another op keeps their input" in out
 
@@ -38,6 +42,38 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys, tmp_pat
     assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--plot", str(tmp_path / "x.png")]) == 2
 
     assert "pip install matplotlib" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if the command builds a timm model or loads the demo's data."""
+    import timm
+
+    import actcomp.demo
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("started the real work before checking the arguments")
+
+    monkeypatch.setattr(timm, "create_model", too_late)
+    monkeypatch.setattr(actcomp.demo, "load_digits_tensors", too_late)
+
+
+@pytest.mark.parametrize("command", [["report", "--model", "resnet18", "--pipeline", "int8", *TINY], ["demo"]])
+@pytest.mark.parametrize("plot, message", [
+    ("/no/such/dir/x.png", "directory '/no/such/dir' does not exist"),
+    ("{tmp}/bars.txt", "has suffix '.txt'; matplotlib writes"),
+    ("{tmp}/bars", "has no suffix; matplotlib writes"),
+    ("{tmp}/taken.png", "is a directory"),
+])
+def test_bad_plot_path_fails_before_any_work(command, plot, message, no_work, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "taken.png").mkdir()
+
+    assert main([*command, "--plot", plot.format(tmp=tmp_path)]) == 2
+
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
 
 
 def test_unknown_model_is_a_clear_error(capsys):
@@ -70,6 +106,11 @@ def test_demo_runs_end_to_end(capsys):
     assert [row[1] for row in rows] == ["plain", "mink0.9"]
     accuracy = float(rows[1][2].rstrip("%"))
     assert accuracy > 50  # three short epochs on digits are far above chance (10%): 90% measured
+    # Memory is plain / compressed like the report's: mink0.9 keeps fewer bytes, so above 1.
+    assert "x less = plain / compressed bytes, higher is better; step time = compressed / plain" in out
+    x_less = [float(row[-2].rstrip("x")) for row in rows]
+    assert x_less[0] == 1 and x_less[1] > 1
+    assert re.fullmatch(r"total wall time \d+ s on 1 torch thread", out.splitlines()[-1])
 
 
 def test_module_entry_point_runs():
@@ -89,3 +130,32 @@ def test_report_measures_peak_rss_in_fresh_processes(capsys):
     sizes = [float(part.split()[-2]) * units[part.split()[-1]] for part in figures]
     # Each process imported torch and trained: well over 50 MiB, far under the machine's memory.
     assert all(50 * 2**20 < size < 16 * 2**30 for size in sizes)
+
+
+def test_report_says_which_peak_rss_probe_is_running(monkeypatch, capsys):
+    import actcomp.peak_rss
+
+    seen_before_each_probe = []
+
+    def fake_peak_rss(model, spec, **sizes):
+        # What stderr holds when the probe starts: the user sees what they are waiting for.
+        seen_before_each_probe.append(capsys.readouterr().err)
+        return 100 * 2**20 if spec is None else 80 * 2**20
+
+    monkeypatch.setattr(actcomp.peak_rss, "peak_rss", fake_peak_rss)
+
+    assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--rss"]) == 0
+
+    assert seen_before_each_probe[0].endswith("measuring peak RSS: plain (1/2) ...")
+    assert seen_before_each_probe[1].startswith(" done in ")
+    assert seen_before_each_probe[1].endswith("measuring peak RSS: compressed (2/2) ...")
+    assert capsys.readouterr().err.startswith(" done in ")
+
+
+def test_demo_rows_give_memory_as_plain_over_compressed(capsys):
+    from actcomp.demo import run_demo
+
+    plain, compressed = run_demo(epochs=1, specs=["mink0.9"], models=["cnn"])
+
+    assert compressed["memory_reduction"] == plain["saved_bytes"] / compressed["saved_bytes"] > 1
+    assert plain["memory_reduction"] == 1
