@@ -30,7 +30,8 @@ def is_gpt2_conv1d(module: nn.Module) -> bool:
     """Duck-typed check for ``transformers.pytorch_utils.Conv1D`` (no transformers import)."""
     weight = getattr(module, "weight", None)
     return (
-        getattr(type(module), "actcomp_base", type(module)).__name__ == "Conv1D"
+        # By name through subclasses: actcomp's CompressedConv1D, FSDP2's FSDPConv1D.
+        any(cls.__name__ == "Conv1D" for cls in type(module).__mro__)
         and isinstance(weight, torch.Tensor)
         and weight.dim() == 2
         and weight.shape[1] == getattr(module, "nf", None)

@@ -5,13 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import socket
+import functools
 
 import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from models import TinyGPT2, conv1d_net, conv3d_net, ddp_worker, loss_and_grads, small_cnn
+from models import (
+    FSDP_ORDERS,
+    TinyGPT2,
+    conv1d_net,
+    conv3d_net,
+    ddp_worker,
+    free_port,
+    fsdp_worker,
+    loss_and_grads,
+    small_cnn,
+)
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -198,12 +208,6 @@ def test_model_cast_to_bf16_trains(build, batch):
     assert losses[-1] < losses[0]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_ddp_two_processes_match_single_process(tmp_path):
     torch.manual_seed(0)
     state = small_cnn(classes=4, channels=4).state_dict()
@@ -227,6 +231,44 @@ def test_ddp_two_processes_match_single_process(tmp_path):
     # close rather than bit-equal. Tolerances are ~100x float32 epsilon relative.
     for name, grad in grads.items():
         torch.testing.assert_close(ranks[0]["grads"][name], grad, rtol=1e-5, atol=1e-7)
+
+
+FSDP_MODELS = [
+    ("small_cnn", functools.partial(small_cnn, classes=4, channels=4),
+     lambda: (torch.randn(8, 1, 8, 8), torch.tensor([0, 1, 2, 3, 3, 2, 1, 0]))),
+    ("tiny_gpt2", TinyGPT2, lambda: (torch.randint(0, 50, (4, 12)), torch.randint(0, 50, (4, 12)))),
+]
+
+
+@pytest.mark.parametrize("model_id, build, batch", FSDP_MODELS, ids=[m[0] for m in FSDP_MODELS])
+def test_fsdp2_two_processes_match_single_process(model_id, build, batch, tmp_path):
+    # Each rank shards every block, then the root (fully_shard, gloo, a 1-d CPU mesh), and
+    # trains one step: unconverted, converted then sharded, sharded then converted.
+    torch.manual_seed(0)
+    state = build().state_dict()
+    inputs, targets = batch()
+    torch.multiprocessing.spawn(
+        fsdp_worker, args=(2, free_port(), build, inputs, targets, state, str(tmp_path)), nprocs=2, join=True
+    )
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+
+    model = build()
+    model.load_state_dict(state)
+    actcomp.to_compressed(model, "mink0", first_layer=None)
+    _, grads = loss_and_grads(model, inputs, targets)
+    for rank in ranks:
+        assert rank["plain"]["nodes"] == {}
+        for order in FSDP_ORDERS[1:]:
+            # Both orders convert every layer, and every converted layer ran the compressing Function.
+            assert rank[order]["nodes"] == dict.fromkeys(actcomp.compressed_layers(model), "CompressedInputFunctionBackward")
+            # Same processes, same collectives: mink0 is lossless, so exactly the plain FSDP2 gradients.
+            for name, grad in rank["plain"]["grads"].items():
+                assert torch.equal(rank[order]["grads"][name], grad), (order, name)
+    for name, grad in grads.items():
+        assert torch.equal(ranks[0]["plain"]["grads"][name], ranks[1]["plain"]["grads"][name]), name
+        # As with DDP, FSDP2's reduce-scatter averages the two half-batch gradients where the
+        # single process sums over the full batch inside the kernels: close, not bit-equal.
+        torch.testing.assert_close(ranks[0]["plain"]["grads"][name], grad, rtol=1e-5, atol=1e-7)
 
 
 def test_torch_compile_converted_model_trains(compress_calls):
