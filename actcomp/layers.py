@@ -72,7 +72,9 @@ class CompressedLayer:
         # Eval and no_grad run the plain op: nothing is saved, so there is no overhead to pay.
         # A frozen weight still goes through the Function when the input needs a gradient:
         # plain convolution would keep the whole input, the Function keeps none of it.
-        if not (self.training and torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
+        # Meta tensors (deferred init, shape inference) hold no values to compress: the plain op
+        # gives the same shapes and saves nothing of size.
+        if x.is_meta or not (self.training and torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
             return super().forward(x)  # type: ignore[misc]
         return _compressed_forward(self, x)
 

@@ -123,6 +123,18 @@ def small_cnn(classes: int = 10, channels: int = 8) -> nn.Module:
     )
 
 
+def reset_parameters(model: nn.Module) -> None:
+    """Initialise a model materialised from the meta device as its constructors would have,
+    drawing random numbers in the same order. GPT-2's Conv1D has no ``reset_parameters``
+    (transformers initialises it from the model); it gets what its ``__init__`` does."""
+    for module in model.modules():
+        if isinstance(module, Conv1D):
+            nn.init.normal_(module.weight, std=0.02)
+            nn.init.zeros_(module.bias)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
 def loss_and_grads(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor):
     """Cross-entropy loss of one training forward/backward and every parameter's gradient."""
     model.train()

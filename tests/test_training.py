@@ -20,6 +20,7 @@ from models import (
     free_port,
     fsdp_worker,
     loss_and_grads,
+    reset_parameters,
     small_cnn,
 )
 from torch import nn
@@ -269,6 +270,48 @@ def test_fsdp2_two_processes_match_single_process(model_id, build, batch, tmp_pa
         # As with DDP, FSDP2's reduce-scatter averages the two half-batch gradients where the
         # single process sums over the full batch inside the kernels: close, not bit-equal.
         torch.testing.assert_close(ranks[0]["plain"]["grads"][name], grad, rtol=1e-5, atol=1e-7)
+
+
+SMALL_MODELS = [
+    ("small_cnn", functools.partial(small_cnn, classes=3), lambda: (torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 0]))),
+    ("tiny_gpt2", TinyGPT2, lambda: (torch.randint(0, 50, (2, 12)), torch.randint(0, 50, (2, 12)))),
+]
+
+
+@pytest.mark.parametrize("model_id, build, batch", SMALL_MODELS, ids=[m[0] for m in SMALL_MODELS])
+def test_meta_forward_of_converted_model_runs_the_plain_op(model_id, build, batch, compress_calls):
+    with torch.device("meta"):
+        plain = build()
+    model = actcomp.to_compressed(copy.deepcopy(plain), "mink0.9+int8", first_layer=None)
+    inputs = batch()[0].to("meta")
+
+    output = model(inputs)
+
+    assert output.is_meta and output.shape == plain(inputs).shape
+    assert compress_calls == []  # meta tensors have no values to compress
+    output.sum().backward()  # the plain op's autograd: gradients of the right shapes, still on meta
+    assert all(p.grad.is_meta and p.grad.shape == p.shape for p in model.parameters())
+
+
+@pytest.mark.parametrize("model_id, build, batch", SMALL_MODELS, ids=[m[0] for m in SMALL_MODELS])
+def test_deferred_init_on_meta_trains_like_a_model_built_on_cpu(model_id, build, batch, compress_calls):
+    with torch.device("meta"):
+        model = actcomp.to_compressed(build(), "mink0", first_layer=None)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    reset_parameters(model)
+    torch.manual_seed(0)
+    reference = actcomp.to_compressed(build(), "mink0", first_layer=None)
+    inputs, targets = batch()
+
+    loss, grads = loss_and_grads(model, inputs, targets)
+
+    # Still converted once materialised, and compression ran: once per layer in the forward.
+    assert len(compress_calls) == len(actcomp.compressed_layers(model)) == len(actcomp.compressed_layers(reference))
+    ref_loss, ref_grads = loss_and_grads(reference, inputs, targets)
+    assert torch.equal(loss, ref_loss)
+    for name, grad in ref_grads.items():
+        assert torch.equal(grads[name], grad), name
 
 
 def test_torch_compile_converted_model_trains(compress_calls):
