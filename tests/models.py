@@ -6,6 +6,7 @@ The tests build one of these (or a timm model), convert a deep copy, and compare
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 
@@ -123,6 +124,15 @@ def small_cnn(classes: int = 10, channels: int = 8) -> nn.Module:
     )
 
 
+# (id, model builder, batch builder): models that run a step in well under a second, with a
+# batch that splits between two processes.
+SMALL_MODELS = [
+    ("small_cnn", functools.partial(small_cnn, classes=4, channels=4),
+     lambda: (torch.randn(8, 1, 8, 8), torch.tensor([0, 1, 2, 3, 3, 2, 1, 0]))),
+    ("tiny_gpt2", TinyGPT2, lambda: (torch.randint(0, 50, (4, 12)), torch.randint(0, 50, (4, 12)))),
+]
+
+
 def reset_parameters(model: nn.Module) -> None:
     """Initialise a model materialised from the meta device as its constructors would have,
     drawing random numbers in the same order. GPT-2's Conv1D has no ``reset_parameters``
@@ -146,6 +156,7 @@ def loss_and_grads(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
 
 
 def free_port() -> int:
+    """A free local TCP port for a process group to meet on."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

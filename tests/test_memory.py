@@ -1,10 +1,8 @@
 """memory_report on small graphs whose saved bytes are known by construction."""
 
-import functools
-
 import pytest
 import torch
-from models import TinyGPT2, free_port, fsdp_memory_worker, small_cnn
+from models import SMALL_MODELS, free_port, fsdp_memory_worker
 from torch import nn
 
 import actcomp
@@ -151,11 +149,8 @@ def test_report_of_fsdp2_sharded_model_equals_unsharded_report(tmp_path):
     # for the forward are parameters too: the report is the unsharded model's, field by field.
     torch.manual_seed(0)
     cases = []
-    for build, inputs in [
-        (functools.partial(small_cnn, classes=4, channels=4), torch.randn(8, 1, 8, 8)),
-        (TinyGPT2, torch.randint(0, 50, (4, 12))),
-    ]:
-        state = build().state_dict()
+    for _, build, batch in SMALL_MODELS:
+        state, (inputs, _) = build().state_dict(), batch()
         cases += [(build, state, spec, inputs) for spec in (None, "mink0.9+int8")]
     torch.multiprocessing.spawn(fsdp_memory_worker, args=(2, free_port(), cases, str(tmp_path)), nprocs=2, join=True)
 
