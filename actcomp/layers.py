@@ -35,7 +35,8 @@ def is_gpt2_conv1d(module: nn.Module) -> bool:
     """Duck-typed check for ``transformers.pytorch_utils.Conv1D`` (no transformers import)."""
     weight = getattr(module, "weight", None)
     return (
-        getattr(type(module), "actcomp_base", type(module)).__name__ == "Conv1D"
+        # By name through subclasses: actcomp's CompressedConv1D, FSDP2's FSDPConv1D.
+        any(cls.__name__ == "Conv1D" for cls in type(module).__mro__)
         and isinstance(weight, torch.Tensor)
         and weight.dim() == 2
         and weight.shape[1] == getattr(module, "nf", None)
@@ -53,7 +54,9 @@ def _has_own_forward(base: type) -> bool:
     for plain in (nn.Linear, *_CONVS):
         if issubclass(base, plain):
             return base.forward is not plain.forward
-    return False  # GPT-2's Conv1D: its forward is the one GPT2Conv1DOp reproduces
+    # GPT-2's Conv1D (found by name): its forward is the one GPT2Conv1DOp reproduces.
+    conv1d = next(cls for cls in base.__mro__ if cls.__name__ == "Conv1D")
+    return base.forward is not conv1d.forward
 
 
 class CompressedLayer:
@@ -71,12 +74,9 @@ class CompressedLayer:
         # Eval and no_grad run the plain op: nothing is saved, so there is no overhead to pay.
         # A frozen weight still goes through the Function when the input needs a gradient:
         # plain convolution would keep the whole input, the Function keeps none of it.
-        # Meta tensors carry no data, so there is nothing to compress (shape inference,
-        # deferred init): the plain op runs.
-        if (
-            not (self.training and torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad))
-            or x.device.type == "meta"
-        ):
+        # Meta tensors (deferred init, shape inference) hold no values to compress: the plain op
+        # gives the same shapes and saves nothing of size.
+        if x.is_meta or not (self.training and torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
             return super().forward(x)  # type: ignore[misc]
         return _compressed_forward(self, x)
 

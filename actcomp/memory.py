@@ -4,9 +4,11 @@
 ``torch.autograd.graph.saved_tensors_hooks`` and records every tensor saved for backward,
 deduplicated by storage (a tensor saved by two ops, or two views of one buffer, count
 once, at the size of the whole storage), attributed to the innermost module running when
-it was saved. Parameters are not activations and are left out; the model's own inputs
-are reported apart (the caller keeps them anyway), and so are copies of parameters
-(autocast's low-precision weights): real bytes, but they scale with the model, not the batch.
+it was saved. Parameters are not activations and are left out, including the unsharded
+parameters FSDP2 all-gathers for the forward (so a sharded model reports what the same model
+reports unsharded on the same per-rank batch). The model's own inputs are reported apart
+(the caller keeps them anyway), and so are copies of parameters (autocast's low-precision
+weights): real bytes, but they scale with the model, not the batch.
 
 For each compressed layer it also checks whether the layer's *input* storage is still
 kept by another op (ReLU keeps its output, which is the next conv's input): then the
@@ -118,11 +120,29 @@ def format_bytes(count: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this process holds: a DTensor's local shard (FSDP2 and tensor
+    parallel parameters), any other tensor itself. A DTensor has no storage of its own."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(tensor, DTensor):
+            return tensor.to_local()
+    return tensor
+
+
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
-    storage = tensor.untyped_storage()
+    storage = _local(tensor).untyped_storage()
+    # Empty, or freed by resizing to zero (FSDP2 does that to its all-gathered parameters).
     if storage.nbytes() == 0:
         return None
     return str(tensor.device), storage.data_ptr()
+
+
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a parameter or a view of one, including the unsharded parameters
+    FSDP2 all-gathers for the forward (``model.parameters()`` returns the shards meanwhile)."""
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
 
 
 # Autograd nodes of ops that only cast or re-view a tensor.
@@ -132,7 +152,7 @@ _CAST_OR_VIEW = {
 }
 
 
-def _parameter_copy(tensor: torch.Tensor, parameters: set[int]) -> bool:
+def _parameter_copy(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a parameter after casts and views only (autocast's bf16 weight).
 
     Only cast/view nodes are followed: a conv output whose input needs no gradient also has
@@ -143,7 +163,7 @@ def _parameter_copy(tensor: torch.Tensor, parameters: set[int]) -> bool:
         if node is None:
             return False
         if type(node).__name__ == "AccumulateGrad":
-            return id(node.variable) in parameters
+            return isinstance(node.variable, nn.Parameter)
         if type(node).__name__ not in _CAST_OR_VIEW or len(node.next_functions) != 1:
             return False
         node = node.next_functions[0][0]
@@ -161,7 +181,6 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
     names = {module: name or "(model)" for name, module in model.named_modules()}
     excluded = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
     input_keys = {_storage_key(t) for t in [*inputs, *kwargs.values()] if isinstance(t, torch.Tensor)}
-    parameter_ids = {id(p) for p in model.parameters()}
     copy_keys: set[tuple] = set()
     stack: list[nn.Module] = []
     order: list[tuple] = []
@@ -172,18 +191,19 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
     alive: list[torch.Tensor] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        if key is None or key in excluded:
+        local = _local(tensor)
+        key = _storage_key(local)
+        if key is None or key in excluded or _is_parameter(tensor):
             return tensor
         saver = names[stack[-1]] if stack else "(model)"
         entry = seen.get(key)
         if entry is None:
             entry = seen[key] = {
-                "nbytes": tensor.untyped_storage().nbytes(), "shape": tuple(tensor.shape),
+                "nbytes": local.untyped_storage().nbytes(), "shape": tuple(local.shape),
                 "dtype": tensor.dtype, "savers": [],
             }
             order.append(key)
-            if _parameter_copy(tensor, parameter_ids):
+            if _parameter_copy(tensor):
                 copy_keys.add(key)
         if saver not in entry["savers"]:
             entry["savers"].append(saver)
@@ -240,8 +260,14 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
 
 
 def _type_name(module: nn.Module) -> str:
-    # A compressed layer reports its plain type, so plain and compressed reports line up.
-    return getattr(type(module), "actcomp_base", type(module)).__name__
+    # A compressed layer reports its plain type, so plain and compressed reports line up; so
+    # does a module that fully_shard gave an FSDP<Class> subclass (before or after conversion).
+    cls = getattr(type(module), "actcomp_base", type(module))
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule
+
+        cls = next(base for base in cls.__mro__ if not issubclass(base, FSDPModule))
+    return cls.__name__
 
 
 def _spec_of(module: nn.Module) -> str | None:

@@ -5,7 +5,10 @@ The tests build one of these (or a timm model), convert a deep copy, and compare
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import socket
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +124,27 @@ def small_cnn(classes: int = 10, channels: int = 8) -> nn.Module:
     )
 
 
+# (id, model builder, batch builder): models that run a step in well under a second, with a
+# batch that splits between two processes.
+SMALL_MODELS = [
+    ("small_cnn", functools.partial(small_cnn, classes=4, channels=4),
+     lambda: (torch.randn(8, 1, 8, 8), torch.tensor([0, 1, 2, 3, 3, 2, 1, 0]))),
+    ("tiny_gpt2", TinyGPT2, lambda: (torch.randint(0, 50, (4, 12)), torch.randint(0, 50, (4, 12)))),
+]
+
+
+def reset_parameters(model: nn.Module) -> None:
+    """Initialise a model materialised from the meta device as its constructors would have,
+    drawing random numbers in the same order. GPT-2's Conv1D has no ``reset_parameters``
+    (transformers initialises it from the model); it gets what its ``__init__`` does."""
+    for module in model.modules():
+        if isinstance(module, Conv1D):
+            nn.init.normal_(module.weight, std=0.02)
+            nn.init.zeros_(module.bias)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
 def loss_and_grads(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor):
     """Cross-entropy loss of one training forward/backward and every parameter's gradient."""
     model.train()
@@ -131,13 +155,29 @@ def loss_and_grads(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-def ddp_worker(rank: int, world_size: int, port: int, spec: str, inputs, targets, state, out_dir: str):
-    """One DDP rank: train step on its half of the batch, save the averaged gradients."""
+def free_port() -> int:
+    """A free local TCP port for a process group to meet on."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world_size: int, port: int):
+    """This process as ``rank`` of a CPU (gloo) process group, single-threaded, for the block."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def ddp_worker(rank: int, world_size: int, port: int, spec: str, inputs, targets, state, out_dir: str):
+    """One DDP rank: train step on its half of the batch, save the averaged gradients."""
+    with gloo_group(rank, world_size, port):
         model = small_cnn(classes=4, channels=4)
         model.load_state_dict(state)
         actcomp.to_compressed(model, spec, first_layer=None)
@@ -148,5 +188,70 @@ def ddp_worker(rank: int, world_size: int, port: int, spec: str, inputs, targets
         grads = {name: p.grad for name, p in model.named_parameters()}
         layers = sorted(actcomp.compressed_layers(model))
         torch.save({"grads": grads, "layers": layers}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        torch.distributed.destroy_process_group()
+
+
+def fully_shard_blocks(model: nn.Module, mesh) -> nn.Module:
+    """FSDP2 bottom-up: every Linear/Conv/Conv1D layer (so they become ``FSDP<Class>`` too),
+    then TinyGPT2's blocks (holding the LayerNorms), then the root (embeddings)."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = [m for m in model.modules() if actcomp.layers.is_supported(m)]
+    for block in [*layers, *getattr(model, "h", [])]:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def output_nodes(model: nn.Module) -> dict[str, str]:
+    """Filled by each forward: the autograd node that made each converted layer's output. A
+    lossless pipeline's gradients cannot tell whether the compressing Function ran; this can."""
+    nodes: dict[str, str] = {}
+    modules = dict(model.named_modules())
+    for name in actcomp.compressed_layers(model):
+        modules[name].register_forward_hook(
+            lambda module, args, out, name=name: nodes.__setitem__(name, type(out.grad_fn).__name__)
+        )
+    return nodes
+
+
+FSDP_ORDERS = ("plain", "convert_then_shard", "shard_then_convert")
+
+
+def fsdp_worker(rank: int, world_size: int, port: int, build, inputs, targets, state, out_dir: str):
+    """One FSDP2 rank: for each of :data:`FSDP_ORDERS`, a train step on its half of the batch
+    with ``mink0`` (or no) conversion; saves the full gradients and :func:`output_nodes`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with gloo_group(rank, world_size, port):
+        mesh = init_device_mesh("cpu", (world_size,))
+        shard = inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank]
+        results = {}
+        for order in FSDP_ORDERS:
+            model = build()
+            model.load_state_dict(state)
+            if order == "convert_then_shard":
+                actcomp.to_compressed(model, "mink0", first_layer=None)
+            fully_shard_blocks(model, mesh)
+            if order == "shard_then_convert":
+                actcomp.to_compressed(model, "mink0", first_layer=None)
+            nodes = output_nodes(model)
+            _, grads = loss_and_grads(model, *shard)
+            results[order] = {"grads": {name: grad.full_tensor() for name, grad in grads.items()}, "nodes": nodes}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def fsdp_memory_worker(rank: int, world_size: int, port: int, cases, out_dir: str):
+    """One FSDP2 rank: the :func:`actcomp.memory_report` of each ``(build, state, spec, inputs)``
+    case, converted with ``spec`` (None: not converted), sharded, on its part of ``inputs``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with gloo_group(rank, world_size, port):
+        mesh = init_device_mesh("cpu", (world_size,))
+        reports = []
+        for build, state, spec, inputs in cases:
+            model = build()
+            model.load_state_dict(state)
+            if spec is not None:
+                actcomp.to_compressed(model, spec)
+            fully_shard_blocks(model, mesh)
+            reports.append(actcomp.memory_report(model, inputs.chunk(world_size)[rank]))
+        torch.save(reports, os.path.join(out_dir, f"rank{rank}.pt"))

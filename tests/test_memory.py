@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from models import SMALL_MODELS, free_port, fsdp_memory_worker
 from torch import nn
 
 import actcomp
@@ -140,6 +141,32 @@ def test_report_of_frozen_compressed_layer_counts_no_compressed_bytes():
     report = actcomp.memory_report(model, x)
 
     assert report.total_bytes == BATCH * WIDTH * FP32  # ReLU's output only
+
+
+def test_report_of_fsdp2_sharded_model_equals_unsharded_report(tmp_path):
+    # Two gloo processes shard each model (layers, blocks, root) and report on their half of
+    # the batch. Sharded parameters are DTensors, and the unsharded ones FSDP2 all-gathers
+    # for the forward are parameters too: the report is the unsharded model's, field by field.
+    torch.manual_seed(0)
+    cases = []
+    for _, build, batch in SMALL_MODELS:
+        state, (inputs, _) = build().state_dict(), batch()
+        cases += [(build, state, spec, inputs) for spec in (None, "mink0.9+int8")]
+    torch.multiprocessing.spawn(fsdp_memory_worker, args=(2, free_port(), cases, str(tmp_path)), nprocs=2, join=True)
+
+    for rank in range(2):
+        reports = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for (build, state, spec, inputs), report in zip(cases, reports, strict=True):
+            model = build()
+            model.load_state_dict(state)
+            if spec is not None:
+                actcomp.to_compressed(model, spec)
+
+            expected = actcomp.memory_report(model, inputs.chunk(2)[rank])
+
+            assert report == expected
+            assert report.total_bytes > 0
+            assert {row.compressed for row in report.rows} - {None} == ({spec} if spec else set())
 
 
 @pytest.mark.parametrize("count, text", [(0, "0 B"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB")])

@@ -168,3 +168,18 @@ def test_backward_error_names_the_layer(broken_decode):
     out = model(torch.randn(3, 4))
     with pytest.raises(actcomp.ActcompError, match=r"in the backward of layer '1' \(Linear\): cannot decode"):
         out.sum().backward()
+
+
+def test_gpt2_conv1d_subclass_with_its_own_forward_is_never_replaced():
+    from models import Conv1D
+
+    class ScaledConv1D(Conv1D):
+        def forward(self, x):
+            return super().forward(x) * 3
+
+    layer = actcomp.to_compressed(ScaledConv1D(4, 6), "mink0.9", first_layer=None)
+    assert type(layer).actcomp_own_forward
+    x = torch.randn(2, 6, requires_grad=True)
+    with pytest.warns(UserWarning, match="has its own forward"):
+        out = layer(x)
+    assert torch.equal(out, (torch.addmm(layer.bias, x, layer.weight) * 3))
