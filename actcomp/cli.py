@@ -138,7 +138,9 @@ def _report(args: argparse.Namespace) -> int:
               f"plain {format_bytes(before.parameter_copy_bytes)}, compressed {format_bytes(after.parameter_copy_bytes)})")
     layers = actcomp.compressed_layers(compressed)
     lost = sum(item.input_bytes for item in after.not_freed)
-    print(f"{len(layers)} layers compressed; {len(after.not_freed)} of them free nothing because another op keeps "
+    reads, runs = ("reads", "it runs") if len(after.plain_on_input) == 1 else ("read", "they run")
+    plain_note = f" ({', '.join(after.plain_on_input)} {reads} the model input, so {runs} plain)" if after.plain_on_input else ""
+    print(f"{len(layers)} layers converted{plain_note}; {len(after.not_freed)} free nothing because another op keeps "
           f"their input ({format_bytes(lost)} kept anyway)")
     if args.layers:
         print(after.table())

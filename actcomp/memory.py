@@ -74,6 +74,8 @@ class MemoryReport:
     input_bytes: int
     parameter_copy_bytes: int = 0
     not_freed: list[NotFreed] = field(default_factory=list)
+    # Converted layers that ran plain because they read the model input (first_layer="auto").
+    plain_on_input: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -251,12 +253,15 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
         ModuleRow(name, _type_name(modules[name]), nbytes, _spec_of(modules[name]))
         for name, nbytes in per_module.items()
     ]
-    not_freed = []
+    not_freed, plain_on_input = [], []
     for layer, key in layer_inputs.items():
         entry = seen.get(key)
-        if entry is not None and key not in input_keys:
+        if key in input_keys:
+            if modules[layer].actcomp_plain_on_model_input:
+                plain_on_input.append(layer)
+        elif entry is not None:
             not_freed.append(NotFreed(layer, entry["nbytes"], tuple(s for s in entry["savers"] if s != layer)))
-    return MemoryReport(rows, storages, input_bytes, copy_bytes, not_freed)
+    return MemoryReport(rows, storages, input_bytes, copy_bytes, not_freed, plain_on_input)
 
 
 def _type_name(module: nn.Module) -> str:

@@ -139,3 +139,15 @@ def test_from_compressed_removes_the_input_hook():
     assert len(model._forward_pre_hooks) == 0
     actcomp.to_compressed(copied, "int8", first_layer=None)  # no layer needs it any more
     assert len(copied._forward_pre_hooks) == 0
+
+
+def test_memory_report_names_the_layers_that_ran_plain_on_the_model_input():
+    entry = ENTRIES["resnet18"]
+    torch.manual_seed(0)
+    plain = entry.build()
+    x = entry.batch()["x"]
+    auto = actcomp.memory_report(actcomp.to_compressed(copy.deepcopy(plain), "mink0.9"), x)
+    assert auto.plain_on_input == ["conv1"]
+    assert "conv1" not in {item.layer for item in auto.not_freed}
+    everything = actcomp.memory_report(actcomp.to_compressed(copy.deepcopy(plain), "mink0.9", first_layer=None), x)
+    assert everything.plain_on_input == []
