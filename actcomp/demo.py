@@ -167,7 +167,7 @@ def _print_table(rows: list[dict], batch: int) -> None:
     notes = {(row["model"], row["layers_freeing_nothing"], row["layers_compressed"]) for row in rows}
     for model_name, lost, total in sorted(notes):
         if lost:
-            print(f"note: {model_name}: {lost} of {total} compressed layers free nothing: another op keeps their input "
+            print(f"note: {model_name}: {lost} of {total} converted layers free nothing: another op keeps their input "
                   "(a ReLU's or the attention's output); see 'Shared tensors' in the README")
 
 
