@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from actcomp.storage import local_part, storage_key
+
 
 @dataclass(frozen=True)
 class SavedStorage:
@@ -122,25 +124,6 @@ def format_bytes(count: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of ``tensor`` this process holds: a DTensor's local shard (FSDP2 and tensor
-    parallel parameters), any other tensor itself. A DTensor has no storage of its own."""
-    if torch.distributed.is_available():
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(tensor, DTensor):
-            return tensor.to_local()
-    return tensor
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
-    storage = _local(tensor).untyped_storage()
-    # Empty, or freed by resizing to zero (FSDP2 does that to its all-gathered parameters).
-    if storage.nbytes() == 0:
-        return None
-    return str(tensor.device), storage.data_ptr()
-
-
 def _is_parameter(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a parameter or a view of one, including the unsharded parameters
     FSDP2 all-gathers for the forward (``model.parameters()`` returns the shards meanwhile)."""
@@ -181,8 +164,8 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
     from actcomp.layers import CompressedLayer
 
     names = {module: name or "(model)" for name, module in model.named_modules()}
-    excluded = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
-    input_keys = {_storage_key(t) for t in [*inputs, *kwargs.values()] if isinstance(t, torch.Tensor)}
+    excluded = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+    input_keys = {storage_key(t) for t in [*inputs, *kwargs.values()] if isinstance(t, torch.Tensor)}
     copy_keys: set[tuple] = set()
     stack: list[nn.Module] = []
     order: list[tuple] = []
@@ -193,8 +176,8 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
     alive: list[torch.Tensor] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        local = _local(tensor)
-        key = _storage_key(local)
+        local = local_part(tensor)
+        key = storage_key(local)
         if key is None or key in excluded or _is_parameter(tensor):
             return tensor
         saver = names[stack[-1]] if stack else "(model)"
@@ -214,7 +197,7 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
     def before(module: nn.Module, args) -> None:
         stack.append(module)
         if isinstance(module, CompressedLayer) and args and isinstance(args[0], torch.Tensor):
-            layer_inputs[names[module]] = _storage_key(args[0])
+            layer_inputs[names[module]] = storage_key(args[0])
             alive.append(args[0])
 
     def after(module: nn.Module, args, output) -> None:

@@ -28,17 +28,9 @@ import weakref
 import torch
 from torch import nn
 
+from actcomp.storage import storage_key
+
 _INPUTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def _key(tensor: torch.Tensor) -> tuple[str, int] | None:
-    try:
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-    except (RuntimeError, NotImplementedError):
-        # Tensors without real storage (meta, some tensor subclasses) are nobody's data.
-        return None
-    return (str(tensor.device), pointer) if storage.nbytes() else None
 
 
 def _tensors(value):
@@ -57,14 +49,14 @@ def _tensors(value):
 @torch.compiler.disable
 def _record_model_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     for tensor in _tensors((args, kwargs)):
-        key = _key(tensor)
+        key = storage_key(tensor)
         if key is not None:
             _INPUTS[key] = tensor
 
 
 def is_model_input(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` shares storage with a live tensor passed to a watched model."""
-    key = _key(tensor)
+    key = storage_key(tensor)
     return key is not None and key in _INPUTS
 
 
