@@ -19,7 +19,7 @@ bf16 autocast. Two views per model and spec:
 A converted layer "frees nothing" when another op keeps its input anyway (a conv after a
 ReLU: ReLU keeps its output): its packed copy is then an extra cost (``report.not_freed``).
 As ``to_compressed`` does by default, the timm models' first layer (the one that reads the
-image) stays plain; the GPT-2 model has no layer that reads its raw input (token ids go to
+image) runs plain and is left out of the per-layer columns; the GPT-2 model has no layer that reads its raw input (token ids go to
 an embedding), so all its layers are converted.
 """
 
@@ -195,7 +195,10 @@ def bench_model(name: str, args: argparse.Namespace) -> tuple[list[dict], dict[t
     compressed = {
         spec: actcomp.to_compressed(copy.deepcopy(plain), spec, first_layer=first_layer) for spec in args.specs
     }
-    converted_names = list(actcomp.compressed_layers(next(iter(compressed.values()))))
+    # Layers that read the model input are converted but run plain (first_layer="auto"): they
+    # compress nothing, so the per-layer columns leave them out.
+    reads_input = set(actcomp.memory_report(next(iter(compressed.values())), batch).plain_on_input)
+    converted_names = [n for n in actcomp.compressed_layers(next(iter(compressed.values()))) if n not in reads_input]
     rows, not_freed_notes = [], {}
     for dtype_name in args.dtypes:
         with precision(dtype_name):
