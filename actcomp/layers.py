@@ -159,7 +159,7 @@ def _apply(module: nn.Module, op, x: torch.Tensor, weight: torch.Tensor, bias: t
     if isinstance(op, ConvOp) and x.dim() == len(op.stride) + 1:
         # Unbatched input, which plain convolutions accept: add the batch axis around it.
         return _apply(module, op, x.unsqueeze(0), weight, bias).squeeze(0)
-    device_type = x.device.type
+    device_type, where = x.device.type, _describe(module)
     try:
         if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
             # Do what autocast does for linear/conv (cast all floating inputs to its dtype; the
@@ -168,10 +168,10 @@ def _apply(module: nn.Module, op, x: torch.Tensor, weight: torch.Tensor, bias: t
             weight = weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
             with torch.autocast(device_type, enabled=False):
-                return compressed_apply(op, module.actcomp_pipeline, x, weight, bias, dtype, where=_describe(module))
-        return compressed_apply(op, module.actcomp_pipeline, x, weight, bias, where=_describe(module))
+                return compressed_apply(op, module.actcomp_pipeline, x, weight, bias, dtype, where=where)
+        return compressed_apply(op, module.actcomp_pipeline, x, weight, bias, where=where)
     except ActcompError as error:
-        raise ActcompError(f"in layer {_describe(module)}, input of shape {tuple(x.shape)} {x.dtype}: {error}") from None
+        raise ActcompError(f"in layer {where}, input of shape {tuple(x.shape)} {x.dtype}: {error}") from None
 
 
 _SUBCLASSES: dict[type, type] = {}

@@ -32,3 +32,22 @@ def compress_calls(monkeypatch):
 
     monkeypatch.setattr(actcomp.Pipeline, "compress", counting)
     return calls
+
+
+@pytest.fixture
+def compressing_layers(monkeypatch):
+    """A function ``model -> names of its converted layers whose pipeline compressed something``
+    while the test ran (each converted layer has its own pipeline instance)."""
+    compressed_by: set[int] = set()
+    original = actcomp.Pipeline.compress
+
+    def recording(self, x, **kwargs):
+        compressed_by.add(id(self))
+        return original(self, x, **kwargs)
+
+    monkeypatch.setattr(actcomp.Pipeline, "compress", recording)
+
+    def names(model) -> set[str]:
+        return {name for name, pipeline in actcomp.compressed_layers(model).items() if id(pipeline) in compressed_by}
+
+    return names
