@@ -26,26 +26,8 @@ from torch.autograd.function import FunctionCtx
 
 from actcomp.errors import ActcompError
 from actcomp.pipeline import Packed, Pipeline
-
-
-def _dense_strides(x: torch.Tensor) -> tuple[int, ...] | None:
-    """``x``'s strides if it is dense and non-overlapping in some dimension order, else None."""
-    expected = 1
-    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda pair: pair[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return None
-        expected *= size
-    return x.stride()
-
-
-def _restride(x: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
-    """``x`` laid out with the forward input's strides, so backward picks the same kernels
-    (channels_last, and size-1 dims whose strides decide how a layout is read)."""
-    if stride is None or x.stride() == stride:
-        return x
-    return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
+from actcomp.saved_tensors import saving_compressed_layer
+from actcomp.storage import dense_strides, restride
 
 
 class CompressedInputFunction(torch.autograd.Function):
@@ -65,7 +47,7 @@ class CompressedInputFunction(torch.autograd.Function):
         if needs_weight:
             packed = pipeline.compress(x, channel_dim=op.channel_dim)
             ctx.layout = packed.layout
-            ctx.x_stride = _dense_strides(x)
+            ctx.x_stride = dense_strides(x)
             saved.extend(packed.tensors)
         ctx.save_for_backward(*saved)
         return out
@@ -86,7 +68,7 @@ class CompressedInputFunction(torch.autograd.Function):
                 x = ctx.pipeline.decompress(Packed(tuple(packed_tensors), ctx.layout))
             except ActcompError as error:
                 raise ActcompError(f"in the backward of layer {ctx.where}: {error}") from None
-            x = _restride(x, ctx.x_stride)
+            x = restride(x, ctx.x_stride)
         grad_input, grad_weight, grad_bias = ctx.op.backward(grad, x, weight, ctx.x_shape, ctx.x_dtype, needs)
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
@@ -97,4 +79,6 @@ def compressed_apply(op, pipeline: Pipeline, x: torch.Tensor, weight: torch.Tens
 
     ``where`` names the layer in errors raised during backward.
     """
-    return CompressedInputFunction.apply(x, weight, bias, op, pipeline, compute_dtype, where)
+    # What the Function saves is already its compressed form: whole-model hooks leave it alone.
+    with saving_compressed_layer():
+        return CompressedInputFunction.apply(x, weight, bias, op, pipeline, compute_dtype, where)

@@ -24,9 +24,11 @@ from actcomp.errors import ActcompError
 from actcomp.layers import compress_layer, is_supported, uncompress_layer
 from actcomp.model_inputs import unwatch_model_inputs, watch_model_inputs
 from actcomp.pipeline import Pipeline, parse
+from actcomp.whole_model import RestPolicy, compress_whole_model, uncompress_whole_model
 
 PipelineLike = str | Pipeline
 PipelineChoice = PipelineLike | Mapping[str, PipelineLike | None]
+RestLike = PipelineLike | Mapping[str, PipelineLike | None] | RestPolicy
 
 
 def to_compressed(
@@ -35,6 +37,7 @@ def to_compressed(
     *,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     first_layer: str | None = "auto",
+    rest: RestLike | None = None,
 ) -> nn.Module:
     """Convert supported layers of ``model`` in place to cache compressed inputs; returns it.
 
@@ -57,12 +60,20 @@ def to_compressed(
     - a module name: that layer is not converted at all;
     - ``None``: every layer is compressed.
 
+    ``rest`` switches on whole-model mode (:mod:`actcomp.whole_model`): every other tensor autograd
+    keeps is compressed too, by the kind of op saving it. ``rest="int8"`` (the default preset)
+    keeps ReLU-family outputs, dropout masks and MaxPool argmaxes exactly in 1-4 bits, and norm,
+    smooth-activation and attention tensors in int8; a mapping sets kinds one by one, e.g.
+    ``rest={"normalization": "int4", "attention": "int8", "other": None}``. ``None`` (default)
+    leaves the rest as it is (Linear/Conv mode), or as a previous conversion set it.
+
     Converting an already converted model replaces the pipelines of the layers it selects
     (never nests); other layers keep theirs.
     """
     if not isinstance(model, nn.Module):
         raise ActcompError(f"to_compressed expects an nn.Module, got {type(model).__name__}")
     choose = _chooser(pipeline)
+    policy = None if rest is None else RestPolicy.parse(rest)
     candidates = [(name, module) for name, module in model.named_modules() if is_supported(module)]
     for name, module in candidates:
         if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
@@ -79,6 +90,8 @@ def to_compressed(
             compress_layer(module, chosen.fresh())
             module.actcomp_name = name
             module.actcomp_plain_on_model_input = first_layer == "auto"
+    if policy is not None:
+        compress_whole_model(model, policy)
     if any(getattr(m, "actcomp_plain_on_model_input", False) for m in model.modules()):
         watch_model_inputs(model)
     else:
@@ -87,7 +100,9 @@ def to_compressed(
 
 
 def from_compressed(model: nn.Module) -> nn.Module:
-    """Restore every converted layer of ``model`` to its plain class, in place; returns it."""
+    """Restore every converted layer of ``model`` (and a whole-model root) to its plain class, in
+    place; returns it."""
+    uncompress_whole_model(model)
     for module in model.modules():
         uncompress_layer(module)
     unwatch_model_inputs(model)

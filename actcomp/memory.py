@@ -30,6 +30,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from actcomp.op_kinds import KINDS
+from actcomp.saved_tensors import (
+    SavedEvent,
+    in_compressed_layer,
+    innermost_kind,
+    innermost_module,
+    is_parameter,
+    is_parameter_copy,
+    listening,
+    tracking_scopes,
+)
 from actcomp.storage import local_part, storage_key
 
 
@@ -38,7 +49,9 @@ class SavedStorage:
     """One distinct storage that autograd keeps, and every module whose ops saved it.
 
     ``kind`` is ``"activation"``, ``"input"`` (a model input) or ``"parameter_copy"``
-    (a parameter after casts/views, e.g. autocast's bf16 weight).
+    (a parameter after casts/views, e.g. autocast's bf16 weight). ``op_kind`` is the kind of the
+    op that saved it first (see :mod:`actcomp.op_kinds`) and ``codec`` what it is: the spec or
+    exact codec it was compressed with, None for a tensor kept as is.
     """
 
     nbytes: int
@@ -46,6 +59,22 @@ class SavedStorage:
     dtype: torch.dtype
     savers: tuple[str, ...]
     kind: str = "activation"
+    op_kind: str = "other"
+    codec: str | None = None
+
+
+@dataclass(frozen=True)
+class KindRow:
+    """Bytes kept for one op kind: what plain PyTorch keeps, what is kept, and how.
+
+    A storage saved by ops of two kinds (a ReLU output that a conv also keeps) counts in
+    ``plain_bytes`` once, for the kind that saved it first.
+    """
+
+    kind: str
+    plain_bytes: int
+    kept_bytes: int
+    codecs: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -78,11 +107,34 @@ class MemoryReport:
     not_freed: list[NotFreed] = field(default_factory=list)
     # Converted layers that ran plain because they read the model input (first_layer="auto").
     plain_on_input: list[str] = field(default_factory=list)
+    kinds: list[KindRow] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
         """Saved activation bytes, deduplicated, without parameters and model inputs."""
         return sum(row.nbytes for row in self.rows)
+
+    @property
+    def plain_bytes(self) -> int:
+        """What plain PyTorch would keep for the same forward (deduplicated, without parameters
+        and model inputs): the bytes before compression."""
+        return sum(row.plain_bytes for row in self.kinds)
+
+    def kept_as_is(self) -> list[SavedStorage]:
+        """Activation storages kept whole (no codec), largest first: what compression left."""
+        whole = [s for s in self.storages if s.kind == "activation" and s.codec is None]
+        return sorted(whole, key=lambda s: -s.nbytes)
+
+    def kind_table(self) -> str:
+        """Plain vs kept bytes per op kind, and the codecs that kept them."""
+        lines = [f"{'op kind':<14} {'plain':>10} {'kept':>10} {'ratio':>7}  kept as"]
+        for row in self.kinds:
+            ratio = f"{row.plain_bytes / row.kept_bytes:.1f}x" if row.kept_bytes else "-"
+            lines.append(f"{row.kind:<14} {format_bytes(row.plain_bytes):>10} {format_bytes(row.kept_bytes):>10} "
+                         f"{ratio:>7}  {', '.join(row.codecs)}")
+        ratio = f"{self.plain_bytes / self.total_bytes:.1f}x" if self.total_bytes else "-"
+        lines.append(f"{'total':<14} {format_bytes(self.plain_bytes):>10} {format_bytes(self.total_bytes):>10} {ratio:>7}")
+        return "\n".join(lines)
 
     def by_type(self) -> dict[str, int]:
         """Bytes per module type (``"Conv2d"``, ``"ReLU"``, ...), largest first."""
@@ -112,7 +164,7 @@ class MemoryReport:
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        return self.table()
+        return self.table() + "\n\n" + self.kind_table()
 
 
 def format_bytes(count: float) -> str:
@@ -122,37 +174,6 @@ def format_bytes(count: float) -> str:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1024
     raise AssertionError("unreachable")
-
-
-def _is_parameter(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a parameter or a view of one, including the unsharded parameters
-    FSDP2 all-gathers for the forward (``model.parameters()`` returns the shards meanwhile)."""
-    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
-
-
-# Autograd nodes of ops that only cast or re-view a tensor.
-_CAST_OR_VIEW = {
-    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "ViewBackward0", "UnsafeViewBackward0",
-    "PermuteBackward0", "ExpandBackward0", "AliasBackward0", "ReshapeAliasBackward0",
-}
-
-
-def _parameter_copy(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a parameter after casts and views only (autocast's bf16 weight).
-
-    Only cast/view nodes are followed: a conv output whose input needs no gradient also has
-    the weight as its only autograd input, yet it is an activation.
-    """
-    node = tensor.grad_fn
-    for _ in range(8):
-        if node is None:
-            return False
-        if type(node).__name__ == "AccumulateGrad":
-            return isinstance(node.variable, nn.Parameter)
-        if type(node).__name__ not in _CAST_OR_VIEW or len(node.next_functions) != 1:
-            return False
-        node = node.next_functions[0][0]
-    return False
 
 
 def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
@@ -167,62 +188,87 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
     excluded = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
     input_keys = {storage_key(t) for t in [*inputs, *kwargs.values()] if isinstance(t, torch.Tensor)}
     copy_keys: set[tuple] = set()
-    stack: list[nn.Module] = []
     order: list[tuple] = []
     seen: dict[tuple, dict] = {}
+    # What plain PyTorch would keep, by storage: its bytes and the op kind that saved it first.
+    plain: dict[tuple, tuple[int, str]] = {}
     layer_inputs: dict[str, tuple] = {}
-    # Holding the compressed layers' inputs until the end keeps their addresses from being
-    # reused by later tensors, which would make storage keys collide.
+    # Holding every saved tensor (and the compressed layers' inputs) until the end keeps their
+    # addresses from being reused by later tensors, which would make storage keys collide.
     alive: list[torch.Tensor] = []
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    def record(event: SavedEvent) -> None:
+        tensor = event.tensor
         local = local_part(tensor)
         key = storage_key(local)
-        if key is None or key in excluded or _is_parameter(tensor):
-            return tensor
-        saver = names[stack[-1]] if stack else "(model)"
-        entry = seen.get(key)
-        if entry is None:
-            entry = seen[key] = {
-                "nbytes": local.untyped_storage().nbytes(), "shape": tuple(local.shape),
-                "dtype": tensor.dtype, "savers": [],
-            }
-            order.append(key)
-            if _parameter_copy(tensor):
-                copy_keys.add(key)
-        if saver not in entry["savers"]:
-            entry["savers"].append(saver)
+        if key is None or key in excluded or is_parameter(tensor):
+            return
+        alive.append(tensor)
+        module = innermost_module()
+        saver = names.get(module, "(model)") if module is not None else "(model)"
+        copy = is_parameter_copy(tensor)
+        codec = event.codec
+        if in_compressed_layer():
+            # A compressed layer's packed input: plain PyTorch would keep the input itself
+            # (recorded by ``before``), not these.
+            codec = _spec_of(module) if module is not None else "layer"
+        elif not copy and key not in input_keys:
+            plain.setdefault(key, (local.untyped_storage().nbytes(), event.kind))
+        for kept in event.kept:
+            kept_local = local_part(kept)
+            kept_key = storage_key(kept_local)
+            if kept_key is None:
+                continue
+            entry = seen.get(kept_key)
+            if entry is None:
+                entry = seen[kept_key] = {
+                    "nbytes": kept_local.untyped_storage().nbytes(), "shape": tuple(kept.shape),
+                    "dtype": kept.dtype, "savers": [], "op_kind": event.kind, "codec": codec,
+                }
+                order.append(kept_key)
+                if kept is tensor and copy:
+                    copy_keys.add(kept_key)
+            if saver not in entry["savers"]:
+                entry["savers"].append(saver)
+
+    def observe(tensor: torch.Tensor) -> torch.Tensor:
+        # Plain tensors and the compressed layers' own packed tensors (whole-model mode's hooks
+        # tell ``record`` about theirs directly).
+        scope = innermost_kind()
+        kind = "linear" if in_compressed_layer() else scope.kind if scope is not None else "other"
+        record(SavedEvent(tensor, (tensor,), kind, None))
         return tensor
 
+    observe.actcomp_observer = True  # type: ignore[attr-defined]
+
     def before(module: nn.Module, args) -> None:
-        stack.append(module)
-        if isinstance(module, CompressedLayer) and args and isinstance(args[0], torch.Tensor):
-            layer_inputs[names[module]] = storage_key(args[0])
+        if args and isinstance(args[0], torch.Tensor):
+            key = storage_key(args[0])
+            layer_inputs[names[module]] = key
             alive.append(args[0])
+            if key is not None and key not in input_keys:
+                plain.setdefault(key, (local_part(args[0]).untyped_storage().nbytes(), "linear"))
 
-    def after(module: nn.Module, args, output) -> None:
-        stack.pop()
-
-    handles = []
-    for module in model.modules():
-        handles.append(module.register_forward_pre_hook(before))
-        handles.append(module.register_forward_hook(after))
+    handles = [m.register_forward_pre_hook(before) for m in model.modules() if isinstance(m, CompressedLayer)]
     was_training = model.training
     model.train()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), torch.enable_grad():
-            output = model(*inputs, **kwargs)
-        del output, alive[:]
+        with tracking_scopes(), listening(record), torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(observe, lambda tensor: tensor):
+                output = model(*inputs, **kwargs)
+        del output
     finally:
         model.train(was_training)
         for handle in handles:
             handle.remove()
+        alive.clear()
 
     def kind(key: tuple) -> str:
         return "input" if key in input_keys else "parameter_copy" if key in copy_keys else "activation"
 
     storages = [
-        SavedStorage(seen[k]["nbytes"], seen[k]["shape"], seen[k]["dtype"], tuple(seen[k]["savers"]), kind(k))
+        SavedStorage(seen[k]["nbytes"], seen[k]["shape"], seen[k]["dtype"], tuple(seen[k]["savers"]), kind(k),
+                     seen[k]["op_kind"], seen[k]["codec"])
         for k in order
     ]
     per_module: dict[str, int] = defaultdict(int)
@@ -244,7 +290,23 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
                 plain_on_input.append(layer)
         elif entry is not None:
             not_freed.append(NotFreed(layer, entry["nbytes"], tuple(s for s in entry["savers"] if s != layer)))
-    return MemoryReport(rows, storages, input_bytes, copy_bytes, not_freed, plain_on_input)
+    return MemoryReport(rows, storages, input_bytes, copy_bytes, not_freed, plain_on_input,
+                        _kind_rows(storages, plain.values()))
+
+
+def _kind_rows(storages: list[SavedStorage], plain) -> list[KindRow]:
+    """Bytes per op kind, plain (what PyTorch alone would keep) and kept, with the codecs used."""
+    plain_bytes: dict[str, int] = defaultdict(int)
+    for nbytes, op_kind in plain:
+        plain_bytes[op_kind] += nbytes
+    kept_bytes: dict[str, int] = defaultdict(int)
+    codecs: dict[str, dict[str, None]] = defaultdict(dict)
+    for storage in storages:
+        if storage.kind == "activation":
+            kept_bytes[storage.op_kind] += storage.nbytes
+            codecs[storage.op_kind][storage.codec or "as is"] = None
+    order = [kind for kind in KINDS if kind in plain_bytes or kind in kept_bytes]
+    return [KindRow(kind, plain_bytes[kind], kept_bytes[kind], tuple(codecs[kind])) for kind in order]
 
 
 def _type_name(module: nn.Module) -> str:

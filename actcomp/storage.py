@@ -1,4 +1,4 @@
-"""Identity of the memory behind a tensor: one key per storage, shared by all its views.
+"""The memory behind a tensor: one key per storage, shared by all its views, and its layout.
 
 >>> import torch
 >>> x = torch.randn(4, 4)
@@ -38,3 +38,24 @@ def storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
     if storage.nbytes() == 0:
         return None
     return str(local.device), storage.data_ptr()
+
+
+def dense_strides(x: torch.Tensor) -> tuple[int, ...] | None:
+    """``x``'s strides if it is dense and non-overlapping in some dimension order, else None."""
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda pair: pair[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return None
+        expected *= size
+    return x.stride()
+
+
+def restride(x: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+    """``x`` laid out with the strides of the tensor it was rebuilt from (``dense_strides`` of
+    it), so backward picks the same kernels (channels_last, and size-1 dims whose strides
+    decide how a layout is read)."""
+    if stride is None or x.stride() == stride:
+        return x
+    return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)

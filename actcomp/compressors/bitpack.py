@@ -1,6 +1,8 @@
-"""Packing of small unsigned codes (1, 2, 4 or 8 bits) into uint8 bytes.
+"""Packing of small unsigned codes (1 to 8 bits) into uint8 bytes.
 
 Codes are packed little-end first: code ``j`` of a byte sits at bits ``[j*bits, (j+1)*bits)``.
+Widths that do not divide 8 (3, 5, 6, 7) pack each run of 8 codes into ``bits`` bytes, read
+as one little-endian integer with code ``j`` at bits ``[j*bits, (j+1)*bits)``.
 
 >>> import torch
 >>> codes = torch.tensor([1, 2, 3, 0, 1], dtype=torch.uint8)
@@ -43,6 +45,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes
     if bits == 1:
         return pack_bits(codes.bool())
+    if 8 % bits:
+        return _pack_runs(codes, bits)
     per_byte = 8 // bits
     grouped = _pad(codes, per_byte).view(-1, per_byte)
     shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
@@ -56,6 +60,8 @@ def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
         return packed[:count]
     if bits == 1:
         return unpack_bits(packed, count).to(torch.uint8)
+    if 8 % bits:
+        return _unpack_runs(packed, bits, count)
     shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
     return ((packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).view(-1)[:count]
 
@@ -65,3 +71,19 @@ def _pad(flat: torch.Tensor, multiple: int) -> torch.Tensor:
     if extra == 0:
         return flat.contiguous()
     return torch.cat([flat, flat.new_zeros(extra)])
+
+
+def _pack_runs(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    runs = _pad(codes, 8).view(-1, 8).long()
+    shifts = torch.arange(0, 8 * bits, bits, device=codes.device)
+    words = (runs << shifts).sum(dim=1, keepdim=True)  # fields do not overlap: a sum is an or
+    byte_shifts = torch.arange(0, 8 * bits, 8, device=codes.device)
+    return ((words >> byte_shifts) & 0xFF).to(torch.uint8).view(-1)[: packed_size(codes.numel(), bits)]
+
+
+def _unpack_runs(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    runs = _pad(packed, bits).view(-1, bits).long()
+    byte_shifts = torch.arange(0, 8 * bits, 8, device=packed.device)
+    words = (runs << byte_shifts).sum(dim=1, keepdim=True)
+    shifts = torch.arange(0, 8 * bits, bits, device=packed.device)
+    return ((words >> shifts) & ((1 << bits) - 1)).to(torch.uint8).view(-1)[:count]

@@ -1,0 +1,98 @@
+"""Few-bit derivative codes for GELU and SiLU (the Few-bit backward idea, Novikov et al., ICML'22).
+
+GELU's and SiLU's backward read their saved input ``x`` only through the derivative ``f'(x)``.
+So split the real line into ``2**bits`` intervals on which ``f'`` varies least (minimax: the
+largest ``max f' - min f'`` over the intervals is as small as it can be), keep each ``x`` as
+the index of its interval (``bits`` bits), and unpack it to a *representative* point of the
+interval, chosen so that ``f'`` there is the middle of ``f'``'s range on the interval. PyTorch's
+own backward kernel then reads the representative, so the gradient uses a derivative within
+:func:`derivative_error` of the true one (0.078 for 3-bit GELU), at a tenth of the bytes of
+fp32 (3 bits instead of 32).
+
+The intervals are computed once per (function, bits) on a float64 grid from the backward
+kernels themselves, so they match what the backward computes.
+
+>>> import torch
+>>> x = torch.randn(1000)
+>>> kept = derivative_code(x, "gelu", "none", bits=3)
+>>> kept.nbytes, round(derivative_error("gelu", "none", 3), 3)
+(375, 0.078)
+>>> d = lambda t: torch.ops.aten.gelu_backward(torch.ones_like(t), t)
+>>> bool((d(kept.unpack()) - d(x)).abs().max() <= derivative_error("gelu", "none", 3) + 1e-3)
+True
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from actcomp.compressors.bitpack import pack_codes, unpack_codes
+from actcomp.exact_codecs import Kept
+from actcomp.storage import dense_strides, restride
+
+# f' on [-10, 10] decides the intervals; beyond it GELU's and SiLU's derivatives are within
+# 5e-4 of their limits (0 and 1), inside every interval's tolerance.
+_GRID = torch.linspace(-10, 10, 4001, dtype=torch.float64)
+
+
+def _derivative(function: str, approximate: str, x: torch.Tensor) -> torch.Tensor:
+    ones = torch.ones_like(x)
+    if function == "gelu":
+        return torch.ops.aten.gelu_backward(ones, x, approximate=approximate)
+    return torch.ops.aten.silu_backward(ones, x)
+
+
+def _pieces(values: list[float], tolerance: float) -> list[int]:
+    """Start indices of the fewest runs in which ``max - min <= 2 * tolerance`` (greedy is
+    optimal for this: each run is as long as it can be)."""
+    starts, low, high = [0], values[0], values[0]
+    for index, value in enumerate(values):
+        low, high = min(low, value), max(high, value)
+        if high - low > 2 * tolerance:
+            starts.append(index)
+            low = high = value
+    return starts
+
+
+@functools.lru_cache(maxsize=None)
+def _codebook(function: str, approximate: str, bits: int) -> tuple[list[float], list[float], float]:
+    """Interval boundaries, representatives and the largest derivative error."""
+    derivative = _derivative(function, approximate, _GRID)
+    values = derivative.tolist()
+    low, high = 0.0, max(values) - min(values)
+    for _ in range(50):  # bisect the smallest tolerance that needs at most 2**bits runs
+        middle = (low + high) / 2
+        low, high = (low, middle) if len(_pieces(values, middle)) <= 2**bits else (middle, high)
+    starts = _pieces(values, high) + [len(values)]
+    boundaries, representatives = [], []
+    for start, end in zip(starts, starts[1:]):
+        run = derivative[start:end]
+        target = (run.max() + run.min()) / 2
+        representatives.append(_GRID[start + int((run - target).abs().argmin())].item())
+        if end < len(values):
+            boundaries.append(((_GRID[end - 1] + _GRID[end]) / 2).item())
+    error = (derivative - _derivative(function, approximate, torch.tensor(representatives, dtype=torch.float64))[
+        torch.bucketize(_GRID, torch.tensor(boundaries, dtype=torch.float64))
+    ]).abs().max().item()
+    return boundaries, representatives, error
+
+
+def derivative_error(function: str, approximate: str, bits: int) -> float:
+    """The largest gap between ``f'(x)`` and the derivative the backward reads from the code."""
+    return _codebook(function, approximate, bits)[2]
+
+
+def derivative_code(x: torch.Tensor, function: str, approximate: str = "none", *, bits: int = 3) -> Kept:
+    """``x`` (the input GELU or SiLU saved) as ``bits``-bit interval indices; ``function`` is
+    ``"gelu"`` (``approximate`` ``"none"`` or ``"tanh"``) or ``"silu"``. Finite inputs only."""
+    boundaries, representatives, _ = _codebook(function, approximate, bits)
+    codes = torch.bucketize(x.detach(), torch.tensor(boundaries, dtype=x.dtype, device=x.device))
+    values = torch.tensor(representatives, dtype=x.dtype, device=x.device)
+    shape, stride, count = x.shape, dense_strides(x), x.numel()
+
+    def rebuild(tensors: tuple) -> torch.Tensor:
+        return restride(values[unpack_codes(tensors[0], bits, count).long()].view(shape), stride)
+
+    return Kept(f"fewbit{bits}", (pack_codes(codes.reshape(-1).to(torch.uint8), bits),), rebuild)

@@ -1,0 +1,125 @@
+"""Which kind of op is saving a tensor: the tables whole-model mode and the memory report share.
+
+Autograd's saved-tensor hooks see a tensor, never the op that saves it. So the ops that matter
+are recognised where they are called: a torch function (``F.relu``, ``F.layer_norm``,
+``F.scaled_dot_product_attention``, ``Tensor.softmax``, ...) or a module whose class is
+one of a kind (``nn.BatchNorm2d``, Hugging Face's ``LlamaRMSNorm``, an ``...Attention``
+block). :func:`function_kind` and :func:`module_kind` answer for each.
+
+Kinds:
+
+==============  ===========================================================================
+kind            ops
+==============  ===========================================================================
+activation      ReLU family (exact 1-bit masks) and smooth activations (GELU, SiLU, ...)
+normalization   batch, layer, group, instance and RMS norms
+attention       softmax, scaled-dot-product attention, everything inside attention modules
+pooling         max pooling (exact window offsets)
+dropout         dropout masks (exact 1-bit)
+linear          Linear / Conv inputs (the layer's own pipeline, never these hooks)
+other           any other op (kept as is unless asked)
+==============  ===========================================================================
+
+>>> import torch.nn.functional as F
+>>> function_kind(F.gelu), function_kind(F.relu), function_kind(torch.add)
+(FunctionKind(kind='activation', op='gelu'), FunctionKind(kind='activation', op='relu'), None)
+>>> module_kind(torch.nn.BatchNorm2d(3)), module_kind(torch.nn.Sequential())
+('normalization', None)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KINDS = ("activation", "normalization", "attention", "pooling", "dropout", "linear", "other")
+
+
+class FunctionKind(NamedTuple):
+    """A recognised torch function: its kind and the op name the codecs know it by."""
+
+    kind: str
+    op: str
+
+
+def _table() -> dict:
+    entries = {
+        "activation": {
+            "relu": [F.relu, F.relu_, torch.relu, torch.relu_, torch.Tensor.relu, torch.Tensor.relu_],
+            "hardtanh": [F.hardtanh, F.hardtanh_],
+            "relu6": [F.relu6],
+            "leaky_relu": [F.leaky_relu, F.leaky_relu_],
+            "gelu": [F.gelu],
+            "silu": [F.silu],
+            "smooth": [
+                F.mish, F.hardswish, F.elu, F.selu, F.celu, F.softplus, F.logsigmoid,
+                F.sigmoid, F.tanh, torch.sigmoid, torch.tanh, torch.Tensor.sigmoid, torch.Tensor.tanh,
+            ],
+        },
+        "normalization": {
+            "norm": [F.batch_norm, F.layer_norm, F.group_norm, F.instance_norm, F.rms_norm],
+        },
+        "attention": {
+            "attention": [F.scaled_dot_product_attention, F.softmax, torch.softmax, torch.Tensor.softmax],
+        },
+        "pooling": {
+            "max_pool2d": [F.max_pool2d, torch.max_pool2d],
+            "pool": [F.max_pool1d, F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d],
+        },
+        "dropout": {
+            "dropout": [F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout],
+        },
+        "linear": {
+            "linear": [F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+                       F.conv_transpose3d, F.bilinear],
+        },
+    }
+    return {
+        function: FunctionKind(kind, op)
+        for kind, ops in entries.items()
+        for op, functions in ops.items()
+        for function in functions
+    }
+
+
+_FUNCTIONS = _table()
+
+_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)
+_LINEAR = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
+# Modules written in Python from elementwise ops (Hugging Face's LlamaRMSNorm, T5LayerNorm,
+# NewGELUActivation; an Attention block's matmuls and masks) are known by their class name.
+_NAMED_KINDS = (
+    ("normalization", ("Norm",)),
+    ("attention", ("Attention",)),
+    ("activation", ("GELU", "SiLU", "Swish", "Mish", "Activation")),
+)
+
+
+def function_kind(function) -> FunctionKind | None:
+    """The kind of a torch function (or Tensor method), None for one no kind claims."""
+    try:
+        return _FUNCTIONS.get(function)
+    except TypeError:  # unhashable callables
+        return None
+
+
+def module_kind(module: nn.Module) -> str | None:
+    """The kind of every op run inside ``module`` that no inner function or module claims."""
+    if isinstance(module, _LINEAR) or _is_named(module, "Conv1D"):
+        return "linear"
+    if isinstance(module, _NORMS):
+        return "normalization"
+    if isinstance(module, nn.MultiheadAttention):
+        return "attention"
+    name = getattr(type(module), "actcomp_base", type(module)).__name__
+    for kind, parts in _NAMED_KINDS:
+        if any(part in name for part in parts):
+            return kind
+    return None
+
+
+def _is_named(module: nn.Module, name: str) -> bool:
+    return any(cls.__name__ == name for cls in type(module).__mro__)

@@ -1,0 +1,240 @@
+"""Shared bookkeeping for code that watches the tensors autograd saves for backward.
+
+Two users: :func:`actcomp.memory_report` (which module and op kind keeps how many bytes) and
+whole-model mode (which codec a saved tensor gets). Both need the same facts:
+
+- **scopes**: which modules and which recognised torch functions are running right now, the
+  innermost last (:func:`tracking_scopes`, :func:`current_scopes`). Saved-tensor hooks fire
+  inside the op that saves, so the innermost scope with a kind is the saver's kind;
+- **what is not an activation**: parameters, views of them, FSDP2's unsharded parameters and
+  autocast's low-precision weight copies (:func:`is_parameter`, :func:`is_parameter_copy`);
+- **whose hooks are on top**: a checkpoint region's hooks must not be overridden
+  (:func:`checkpoint_hooks_on_top`);
+- **listeners** that are told what every saved tensor became (:func:`listening`), so the
+  memory report sees through whole-model mode's own hooks;
+- the tensors the compressed Linear/Conv Function saves are its own compressed form
+  (:func:`saving_compressed_layer`): nobody compresses them again.
+
+>>> import torch
+>>> with tracking_scopes():
+...     _ = torch.nn.Sequential(torch.nn.LayerNorm(4))(torch.randn(2, 4))
+...     current_scopes()
+[]
+>>> is_parameter(torch.nn.Linear(2, 2).weight.t()), is_parameter(torch.randn(2))
+(True, False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from actcomp.op_kinds import function_kind, module_kind
+
+
+@dataclass
+class Scope:
+    """A running module or recognised torch function.
+
+    ``reference`` is the element count of its largest tensor argument: a saved tensor far
+    smaller than that is a statistic (a norm's mean, attention's log-sum-exp), not the
+    activation itself.
+    """
+
+    kind: str | None
+    module: nn.Module | None = None
+    op: str | None = None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    reference: int = 0
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.scopes: list[Scope] = []
+        self.tracking = 0
+        self.compressed_layer = 0
+        self.listeners: list[Callable[[SavedEvent], None]] = []
+
+
+_STATE = _ThreadState()
+
+
+def current_scopes() -> list[Scope]:
+    """The running scopes, outermost first (empty unless :func:`tracking_scopes` is on)."""
+    return _STATE.scopes
+
+
+def innermost_kind() -> Scope | None:
+    """The innermost running scope that has a kind, or None."""
+    for scope in reversed(_STATE.scopes):
+        if scope.kind is not None:
+            return scope
+    return None
+
+
+def innermost_module() -> nn.Module | None:
+    """The innermost running module, or None."""
+    for scope in reversed(_STATE.scopes):
+        if scope.module is not None:
+            return scope.module
+    return None
+
+
+def _largest_numel(values) -> int:
+    largest = 0
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            largest = max(largest, value.numel())
+        elif isinstance(value, (list, tuple)):
+            largest = max(largest, _largest_numel(value))
+    return largest
+
+
+def _enter_module(module: nn.Module, args: tuple) -> None:
+    if _STATE.tracking:
+        _STATE.scopes.append(Scope(module_kind(module), module=module, reference=_largest_numel(args)))
+
+
+def _leave_module(module: nn.Module, args: tuple, output: Any) -> None:
+    if not _STATE.tracking:
+        return
+    scopes = _STATE.scopes
+    # Pop through the module's own scope: a function scope left open by an exception goes too.
+    while scopes:
+        if scopes.pop().module is module:
+            break
+
+
+class _FunctionScopes(TorchFunctionMode):
+    """Opens a scope around every torch function :func:`function_kind` recognises."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        known = function_kind(func)
+        if known is None or not _STATE.tracking:
+            return func(*args, **kwargs)
+        scopes = _STATE.scopes
+        depth = len(scopes)
+        scopes.append(Scope(known.kind, op=known.op, args=args, kwargs=kwargs, reference=_largest_numel(args)))
+        try:
+            return func(*args, **kwargs)
+        finally:
+            del scopes[depth:]
+
+
+@contextlib.contextmanager
+def tracking_scopes() -> Iterator[None]:
+    """Keep :func:`current_scopes` up to date in this thread while the block runs (nests)."""
+    if _STATE.tracking:
+        yield
+        return
+    pre = nn.modules.module.register_module_forward_pre_hook(_enter_module)
+    # always_call: an exception inside a module still closes its scope.
+    post = nn.modules.module.register_module_forward_hook(_leave_module, always_call=True)
+    _STATE.tracking += 1
+    try:
+        with _FunctionScopes():
+            yield
+    finally:
+        _STATE.tracking -= 1
+        _STATE.scopes.clear()
+        pre.remove()
+        post.remove()
+
+
+def is_parameter(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a parameter or a view of one, including the unsharded parameters
+    FSDP2 all-gathers for the forward (``model.parameters()`` returns the shards meanwhile)."""
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+
+
+# Autograd nodes of ops that only cast or re-view a tensor.
+_CAST_OR_VIEW = {
+    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "ViewBackward0", "UnsafeViewBackward0",
+    "PermuteBackward0", "ExpandBackward0", "AliasBackward0", "ReshapeAliasBackward0",
+}
+
+
+def is_parameter_copy(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a parameter after casts and views only (autocast's bf16 weight).
+
+    Only cast/view nodes are followed: a conv output whose input needs no gradient also has
+    the weight as its only autograd input, yet it is an activation.
+    """
+    node = tensor.grad_fn
+    for _ in range(8):
+        if node is None:
+            return False
+        if type(node).__name__ == "AccumulateGrad":
+            return isinstance(node.variable, nn.Parameter)
+        if type(node).__name__ not in _CAST_OR_VIEW or len(node.next_functions) != 1:
+            return False
+        node = node.next_functions[0][0]
+    return False
+
+
+def checkpoint_hooks_on_top() -> bool:
+    """Whether the innermost saved-tensor hooks are ``torch.utils.checkpoint``'s: tensors saved
+    now are to be recomputed, so nothing else may replace its hooks."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
+
+
+def foreign_hooks_on_top(own: Callable) -> bool:
+    """Whether saved-tensor hooks other than ``own`` are innermost (save_on_cpu, a user's)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and top[0] is not own
+
+
+@contextlib.contextmanager
+def saving_compressed_layer() -> Iterator[None]:
+    """Mark tensors saved in the block as a compressed layer's own compressed form."""
+    _STATE.compressed_layer += 1
+    try:
+        yield
+    finally:
+        _STATE.compressed_layer -= 1
+
+
+def in_compressed_layer() -> bool:
+    """Whether a compressed Linear/Conv Function is saving its tensors right now."""
+    return _STATE.compressed_layer > 0
+
+
+@dataclass(frozen=True)
+class SavedEvent:
+    """What one save became: the tensor autograd asked to keep, and what is really kept."""
+
+    tensor: torch.Tensor
+    kept: tuple[torch.Tensor, ...]
+    kind: str
+    codec: str | None
+
+
+@contextlib.contextmanager
+def listening(listener: Callable[[SavedEvent], None]) -> Iterator[None]:
+    """Call ``listener`` for every tensor whole-model mode's hooks keep in this thread."""
+    _STATE.listeners.append(listener)
+    try:
+        yield
+    finally:
+        _STATE.listeners.remove(listener)
+
+
+def announce(event: SavedEvent) -> None:
+    """Tell every listener about ``event``."""
+    for listener in _STATE.listeners:
+        listener(event)
+
+
+def listened() -> bool:
+    """Whether anyone is listening (so callers can skip building events)."""
+    return bool(_STATE.listeners)

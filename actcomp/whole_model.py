@@ -1,0 +1,412 @@
+"""Whole-model mode: compress every tensor autograd keeps, not only Linear/Conv inputs.
+
+``to_compressed(model, "mink0.9+int8", rest="int8")`` converts the Linear/Conv layers as always
+and makes the model's forward run under saved-tensor hooks that choose, per saved tensor, by the
+kind of op saving it (:mod:`actcomp.op_kinds`):
+
+==============  ================================================  =========
+kind            kept as                                           exact?
+==============  ================================================  =========
+activation      ReLU / ReLU6 / Hardtanh / LeakyReLU: 1-bit mask   yes
+                GELU, SiLU, Sigmoid, Tanh, ...: the ``rest`` spec  no
+normalization   Batch/Layer/Group/RMS norm inputs: ``rest`` spec   no
+attention       softmax, SDPA q/k/v/out: ``rest`` spec             no
+pooling         MaxPool2d: window offsets, input shape only       yes
+dropout         1-bit mask (and any saved bool tensor)            yes
+linear          the layer's own pipeline (never these hooks)      as today
+other           as is, unless ``rest={"other": spec}``            yes
+==============  ================================================  =========
+
+Parameters, buffers, autocast's weight copies, the model's own inputs and small statistics (a
+norm's mean and rstd, attention's log-sum-exp) are always kept as they are. A tensor saved by
+several ops gets one compressed form per saver, so no full-size copy survives; a tensor saved
+twice under the same codec is compressed once.
+
+Why saved-tensor hooks and not one autograd Function per op: the forward and the backward stay
+PyTorch's own kernels (cuDNN batch norm, flash attention, fused dropout), so a 1-bit mask gives
+bit-identical gradients and functional calls inside timm and transformers blocks are covered
+without re-deriving any backward formula. The hooks run only in training with grad enabled; in
+a ``torch.utils.checkpoint`` region checkpoint's own hooks win (nothing is stored there).
+
+>>> import torch, actcomp
+>>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> actcomp.to_compressed(model, "int8", rest="int8")
+CompressedSequential(
+  rest='activation=int8, normalization=int8, attention=int8, pooling=exact, dropout=exact, other=None'
+  (0): CompressedLinear(in_features=8, out_features=8, bias=True, compress='int8')
+  (1): ReLU()
+  (2): CompressedLinear(in_features=8, out_features=2, bias=True, compress='int8')
+)
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+from actcomp.derivative_codes import derivative_code
+from actcomp.errors import ActcompError
+from actcomp.exact_codecs import (
+    Kept,
+    dropout_mask,
+    hardtanh_mask,
+    leaky_relu_mask,
+    pool_offsets,
+    relu_mask,
+    shape_only,
+)
+from actcomp.pipeline import Pipeline, parse
+from actcomp.saved_tensors import (
+    SavedEvent,
+    announce,
+    checkpoint_hooks_on_top,
+    in_compressed_layer,
+    innermost_kind,
+    is_parameter,
+    is_parameter_copy,
+    listened,
+    tracking_scopes,
+)
+from actcomp.storage import dense_strides, local_part, restride, storage_key
+
+LOSSY_KINDS = ("activation", "normalization", "attention", "other")
+EXACT_KINDS = ("pooling", "dropout")
+
+
+EXACT = "exact"
+
+
+@dataclass(frozen=True)
+class RestPolicy:
+    """What whole-model mode keeps per op kind: a pipeline, ``"exact"`` (only the exact codecs:
+    ReLU-family masks for activations, window offsets for pooling, bits for dropout; every other
+    tensor of the kind as is) or None (the kind's tensors as they are). ``str`` prints it back.
+
+    >>> print(RestPolicy.parse({"normalization": "int4", "other": None}))
+    activation=int8, normalization=int4, attention=int8, pooling=exact, dropout=exact, other=None
+    >>> print(RestPolicy.parse("exact"))
+    activation=exact, normalization=exact, attention=exact, pooling=exact, dropout=exact, other=exact
+    """
+
+    activation: Pipeline | str | None
+    normalization: Pipeline | str | None
+    attention: Pipeline | str | None
+    pooling: str | None
+    dropout: str | None
+    other: Pipeline | str | None = None
+    # GELU and SiLU inputs as few-bit derivative codes (actcomp.derivative_codes) instead of
+    # the activation pipeline; None: they follow ``activation``.
+    fewbit: int | None = None
+
+    @classmethod
+    def parse(cls, rest: str | Pipeline | Mapping | RestPolicy) -> RestPolicy:
+        """``rest`` as given to :func:`actcomp.to_compressed`: ``"exact"`` (bit-identical
+        gradients), one spec for activations, norms and attention (plus the exact codecs), or a
+        mapping from kinds to specs, ``"exact"`` or None, overriding the ``"int8"`` preset."""
+        if isinstance(rest, RestPolicy):
+            return rest
+        if rest == EXACT:
+            return cls(EXACT, EXACT, EXACT, EXACT, EXACT, EXACT)
+        if isinstance(rest, (str, Pipeline)):
+            pipeline = _lossy_pipeline(rest, "rest")
+            return cls(pipeline, pipeline, pipeline, EXACT, EXACT)
+        if not isinstance(rest, Mapping):
+            raise ActcompError(
+                f"rest must be 'exact', a spec string, a Pipeline or a mapping from op kinds to specs, got "
+                f"{type(rest).__name__}: {rest!r}"
+            )
+        values = vars(cls.parse("int8")).copy()
+        for kind, spec in rest.items():
+            if kind in EXACT_KINDS:
+                if spec not in (EXACT, None):
+                    raise ActcompError(f"rest[{kind!r}] must be 'exact' or None (its codec is exact), got {spec!r}")
+                values[kind] = spec
+            elif kind == "fewbit":
+                if spec is not None and (isinstance(spec, bool) or spec not in range(1, 5)):
+                    raise ActcompError(f"rest['fewbit'] must be a bit width 1 to 4 (or None), got {spec!r}")
+                values[kind] = spec
+            elif kind in LOSSY_KINDS:
+                values[kind] = spec if spec in (EXACT, None) else _lossy_pipeline(spec, f"rest[{kind!r}]")
+            else:
+                raise ActcompError(
+                    f"unknown op kind {kind!r} in rest; valid keys: {', '.join(LOSSY_KINDS + EXACT_KINDS)}, fewbit "
+                    "(Linear/Conv inputs take the main pipeline argument)"
+                )
+        return cls(**values)
+
+    def pipeline(self, kind: str) -> Pipeline | None:
+        """The lossy pipeline for ``kind``'s tensors, None when they are kept as is."""
+        value = getattr(self, kind)
+        return value if isinstance(value, Pipeline) else None
+
+    def __str__(self) -> str:
+        parts = []
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if item.name != "fewbit" or value is not None:
+                parts.append(f"{item.name}={value.spec if isinstance(value, Pipeline) else value}")
+        return ", ".join(parts)
+
+
+def _lossy_pipeline(spec: str | Pipeline, where: str) -> Pipeline:
+    if isinstance(spec, Pipeline):
+        pipeline = spec
+    elif isinstance(spec, str):
+        pipeline = parse(spec)
+    else:
+        raise ActcompError(f"{where}: expected a spec string, a Pipeline or None, got {type(spec).__name__}: {spec!r}")
+    stateful = [stage.name for stage in pipeline.stages if stage.name == "mesa8"]
+    if stateful:
+        raise ActcompError(
+            f"{where}: {pipeline.spec!r} uses {stateful[0]!r}, which keeps running ranges per layer; one pipeline "
+            "serves every op of a kind here, so use a stateless quantizer (int8, int4, int2, fp8, fp16, bf16)"
+        )
+    return pipeline
+
+
+class _AsIs:
+    """A saved tensor kept as it is; unpacking checks it was not modified in place since."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.version = tensor, tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise ActcompError(
+                f"a tensor of shape {tuple(self.tensor.shape)} saved for backward was modified by an in-place "
+                f"operation after it was saved (version {self.version}, now {self.tensor._version}); plain PyTorch "
+                "raises here too: make the in-place op out of place"
+            )
+        return self.tensor
+
+
+class _Session:
+    """One training forward of a whole-model: chooses and applies codecs as tensors are saved."""
+
+    def __init__(self, model: nn.Module, policy: RestPolicy, inputs: tuple):
+        self.policy = policy
+        self.excluded = {storage_key(t) for t in model.buffers()}
+        self.excluded.update(storage_key(t) for t in _tensors(inputs))
+        self.excluded.discard(None)
+        # (id of the saved tensor, codec) -> (weak reference, version, Kept): one tensor saved
+        # twice under one codec (RMSNorm's input, by pow and by mul) is compressed once.
+        self.cache: dict[tuple[int, str], tuple[weakref.ref, int, Kept]] = {}
+
+    def pack(self, tensor: torch.Tensor):
+        kind, kept = self.choose(tensor)
+        holder = _AsIs(tensor) if kept is None else kept
+        if listened():
+            announce(SavedEvent(tensor, (tensor,) if kept is None else kept.tensors, kind,
+                                None if kept is None else kept.codec))
+        return holder
+
+    def choose(self, tensor: torch.Tensor) -> tuple[str, Kept | None]:
+        if in_compressed_layer():
+            return "linear", None
+        if is_parameter(tensor) or storage_key(local_part(tensor)) in self.excluded or is_parameter_copy(tensor):
+            return "kept", None
+        scope = innermost_kind()
+        kind = "other" if scope is None else scope.kind
+        if kind == "linear" or not _frees_memory(tensor):
+            return kind, None
+        return kind, self.cached(tensor, kind, scope)
+
+    def cached(self, tensor: torch.Tensor, kind: str, scope) -> Kept | None:
+        key = (id(tensor), f"{kind}:{scope.op if scope is not None else ''}")
+        hit = self.cache.get(key)
+        if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+            return hit[2]
+        kept = self.encode(tensor, kind, scope)
+        if kept is not None:
+            self.cache[key] = (weakref.ref(tensor), tensor._version, kept)
+        return kept
+
+    def encode(self, tensor: torch.Tensor, kind: str, scope) -> Kept | None:
+        policy, op = self.policy, scope.op if scope is not None else None
+        if tensor.dtype == torch.bool:
+            return dropout_mask(tensor) if policy.dropout else None
+        if not tensor.is_floating_point():
+            if kind == "pooling" and op == "max_pool2d" and policy.pooling:
+                return pool_offsets(tensor, _argument(scope, 0, "input", None).shape, *_pool_settings(scope))
+            return None
+        if kind == "activation":
+            if policy.activation is None:
+                return None
+            if op == "relu":
+                return relu_mask(tensor)
+            if op == "leaky_relu":
+                return leaky_relu_mask(tensor)
+            if op in ("hardtanh", "relu6"):
+                return hardtanh_mask(tensor, *_clamp_range(scope))
+            if op in ("gelu", "silu") and policy.fewbit is not None and _all_finite(tensor) \
+                    and tensor.numel() == scope.reference:
+                approximate = _argument(scope, 1, "approximate", "none") if op == "gelu" else "none"
+                return derivative_code(tensor, op, approximate, bits=policy.fewbit)
+        if kind == "dropout":
+            return dropout_mask(tensor) if policy.dropout else None
+        if kind == "pooling":
+            return shape_only(tensor) if op == "max_pool2d" and policy.pooling else None
+        pipeline = policy.pipeline(kind)
+        if pipeline is None or (scope is not None and tensor.numel() * 4 < scope.reference):
+            return None  # kept as is, or a statistic (a norm's mean and rstd, a log-sum-exp)
+        return _lossy(pipeline, tensor)
+
+
+def _frees_memory(tensor: torch.Tensor) -> bool:
+    """Whether compressing ``tensor`` can free memory: not for an expanded (broadcast) view, whose
+    compressed form at full size can outweigh its small storage. A small slice of a large
+    storage (a head reading ``x[:, 0]``) does qualify: kept as is, it would pin the storage."""
+    return tensor.numel() > 0 and all(stride != 0 or size == 1 for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    # Derivative codes have no code for NaN or inf; such a tensor goes to the pipeline, which
+    # keeps them exactly. One reduction: any non-finite element makes the sum non-finite.
+    return bool(tensor.sum(dtype=torch.float32).isfinite())
+
+
+def _lossy(pipeline: Pipeline, tensor: torch.Tensor) -> Kept:
+    packed = pipeline.compress(tensor.detach())
+    stride = dense_strides(tensor)
+    layout = packed.layout
+    return Kept(pipeline.spec, packed.tensors,
+                lambda tensors: restride(pipeline.decompress(type(packed)(tensors, layout)), stride))
+
+
+def _argument(scope, index: int, name: str, default):
+    if len(scope.args) > index:
+        return scope.args[index]
+    return scope.kwargs.get(name, default)
+
+
+def _clamp_range(scope) -> tuple[float, float]:
+    if scope.op == "relu6":
+        return 0.0, 6.0
+    return float(_argument(scope, 1, "min_val", -1.0)), float(_argument(scope, 2, "max_val", 1.0))
+
+
+def _pool_settings(scope) -> tuple:
+    kernel = _argument(scope, 1, "kernel_size", None)
+    stride = _argument(scope, 2, "stride", None)
+    padding = _argument(scope, 3, "padding", 0)
+    dilation = _argument(scope, 4, "dilation", 1)
+    return kernel, stride, padding, dilation
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _unpack(holder) -> torch.Tensor:
+    if isinstance(holder, _AsIs):
+        return holder.unpack()
+    if torch.is_grad_enabled():
+        raise ActcompError(
+            "double backward (create_graph=True) through a whole-model compressed tensor is not supported: the "
+            "saved tensor is rebuilt from its compressed form, without its autograd history. Convert the model "
+            "back with actcomp.from_compressed(model) for this computation"
+        )
+    return holder.unpack()
+
+
+_WARNED_FOREIGN: set = set()
+
+
+class CompressedModel:
+    """Mixin placed in front of the root model's class; see :func:`compress_whole_model`."""
+
+    actcomp_rest: RestPolicy
+    actcomp_base: type
+
+    def forward(self, *args, **kwargs):
+        if not (self.training and torch.is_grad_enabled()):
+            # Eval and no_grad save nothing: the plain forward, no hooks, no overhead.
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        return _whole_model_forward(self, args, kwargs)
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()  # type: ignore[misc]
+        rest = f"rest={str(self.actcomp_rest)!r}"
+        return f"{base}, {rest}" if base else rest
+
+    def __reduce_ex__(self, protocol):
+        return _rebuild_compressed_model, (type(self).actcomp_base,), self.__getstate__()
+
+
+# Storage keys, saved-tensor hooks and the op-kind mode are not traceable: under torch.compile a
+# whole-model forward runs eagerly (one graph break at the model's entry).
+@torch.compiler.disable
+def _whole_model_forward(module: nn.Module, args: tuple, kwargs: dict):
+    forward = super(CompressedModel, module).forward  # type: ignore[misc]
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if checkpoint_hooks_on_top():
+        return forward(*args, **kwargs)  # checkpoint recomputes these tensors: nothing is stored
+    if top is not None and not getattr(top[0], "actcomp_observer", False):
+        _warn_foreign_hooks(module, top[0])
+        return forward(*args, **kwargs)
+    session = _Session(module, module.actcomp_rest, (args, kwargs))
+    with tracking_scopes(), torch.autograd.graph.saved_tensors_hooks(session.pack, _unpack):
+        return forward(*args, **kwargs)
+
+
+def _warn_foreign_hooks(module: nn.Module, pack) -> None:
+    key = type(module)
+    if key not in _WARNED_FOREIGN:
+        _WARNED_FOREIGN.add(key)
+        warnings.warn(
+            f"whole-model compression is off for this forward: other saved-tensor hooks ({getattr(pack, '__qualname__', pack)}) "
+            "are active and would be overridden; Linear/Conv layers are still compressed",
+            stacklevel=3,
+        )
+
+
+_MODEL_CLASSES: dict[type, type] = {}
+
+
+def compressed_model_class(base: type) -> type:
+    """The (cached) whole-model subclass of ``base``."""
+    if base not in _MODEL_CLASSES:
+        namespace = {"__module__": __name__, "actcomp_base": base}
+        _MODEL_CLASSES[base] = type(f"Compressed{base.__name__}", (CompressedModel, base), namespace)
+    return _MODEL_CLASSES[base]
+
+
+def compress_whole_model(model: nn.Module, policy: RestPolicy) -> None:
+    """Make ``model``'s training forward compress every saved tensor per ``policy``, in place."""
+    from actcomp.layers import CompressedLayer
+
+    if isinstance(model, CompressedLayer):
+        raise ActcompError(
+            f"rest= needs a model that contains layers; this model is a single {type(model).actcomp_base.__name__}, "
+            "whose input the main pipeline already compresses"
+        )
+    if not isinstance(model, CompressedModel):
+        model.__class__ = compressed_model_class(type(model))
+    model.actcomp_rest = policy
+
+
+def uncompress_whole_model(model: nn.Module) -> None:
+    """Undo :func:`compress_whole_model`."""
+    if isinstance(model, CompressedModel):
+        model.__class__ = type(model).actcomp_base
+        model.__dict__.pop("actcomp_rest", None)
+
+
+def _rebuild_compressed_model(base: type) -> nn.Module:
+    module = base.__new__(base)
+    module.__class__ = compressed_model_class(base)
+    return module
