@@ -30,9 +30,9 @@ a ``torch.utils.checkpoint`` region checkpoint's own hooks win (nothing is store
 
 >>> import torch, actcomp
 >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
->>> actcomp.to_compressed(model, "int8", rest="int8")
+>>> actcomp.to_compressed(model, "int8", rest="8bit")
 CompressedSequential(
-  rest='activation=int8, normalization=int8, attention=int8, pooling=exact, dropout=exact, other=None'
+  rest='8bit'
   (0): CompressedLinear(in_features=8, out_features=8, bias=True, compress='int8')
   (1): ReLU()
   (2): CompressedLinear(in_features=8, out_features=2, bias=True, compress='int8')
@@ -87,10 +87,12 @@ class RestPolicy:
     ReLU-family masks for activations, window offsets for pooling, bits for dropout; every other
     tensor of the kind as is) or None (the kind's tensors as they are). ``str`` prints it back.
 
-    >>> print(RestPolicy.parse({"normalization": "int4", "other": None}))
-    activation=int8, normalization=int4, attention=int8, pooling=exact, dropout=exact, other=None
-    >>> print(RestPolicy.parse("exact"))
-    activation=exact, normalization=exact, attention=exact, pooling=exact, dropout=exact, other=exact
+    >>> print(RestPolicy.parse({"normalization": "int4"}))
+    activation=int8, normalization=int4, attention=int8, pooling=exact, dropout=exact, other=None, fewbit=3
+    >>> print(RestPolicy.parse("int8"))
+    activation=int8, normalization=int8, attention=int8, pooling=exact, dropout=exact, other=None
+    >>> print(RestPolicy.parse({"normalization": "int4", "attention": "int4", "activation": "int4"}))
+    4bit
     """
 
     activation: Pipeline | str | None
@@ -105,13 +107,14 @@ class RestPolicy:
 
     @classmethod
     def parse(cls, rest: str | Pipeline | Mapping | RestPolicy) -> RestPolicy:
-        """``rest`` as given to :func:`actcomp.to_compressed`: ``"exact"`` (bit-identical
-        gradients), one spec for activations, norms and attention (plus the exact codecs), or a
-        mapping from kinds to specs, ``"exact"`` or None, overriding the ``"int8"`` preset."""
+        """``rest`` as given to :func:`actcomp.to_compressed`: a preset (``"8bit"``, ``"4bit"``,
+        ``"exact"``; see :data:`PRESETS`), one spec for activations, norms and attention (plus
+        the exact codecs), or a mapping from kinds to specs, ``"exact"`` or None, overriding
+        the ``"8bit"`` preset."""
         if isinstance(rest, RestPolicy):
             return rest
-        if rest == EXACT:
-            return cls(EXACT, EXACT, EXACT, EXACT, EXACT, EXACT)
+        if isinstance(rest, str) and rest in PRESETS:
+            return cls.parse(PRESETS[rest])
         if isinstance(rest, (str, Pipeline)):
             pipeline = _lossy_pipeline(rest, "rest")
             return cls(pipeline, pipeline, pipeline, EXACT, EXACT)
@@ -120,7 +123,7 @@ class RestPolicy:
                 f"rest must be 'exact', a spec string, a Pipeline or a mapping from op kinds to specs, got "
                 f"{type(rest).__name__}: {rest!r}"
             )
-        values = vars(cls.parse("int8")).copy()
+        values = vars(cls.parse("int8")).copy() | {"fewbit": 3}
         for kind, spec in rest.items():
             if kind in EXACT_KINDS:
                 if spec not in (EXACT, None):
@@ -145,6 +148,9 @@ class RestPolicy:
         return value if isinstance(value, Pipeline) else None
 
     def __str__(self) -> str:
+        preset = next((name for name in PRESETS if RestPolicy.parse(name) == self), None)
+        if preset is not None:
+            return preset
         parts = []
         for item in fields(self):
             value = getattr(self, item.name)
@@ -167,6 +173,14 @@ def _lossy_pipeline(spec: str | Pipeline, where: str) -> Pipeline:
             "serves every op of a kind here, so use a stateless quantizer (int8, int4, int2, fp8, fp16, bf16)"
         )
     return pipeline
+
+
+# The one-switch choices. "8bit" and "4bit" keep GELU/SiLU inputs as 3-bit derivative codes.
+PRESETS: dict[str, RestPolicy | Mapping] = {
+    "exact": RestPolicy(EXACT, EXACT, EXACT, EXACT, EXACT, EXACT),
+    "8bit": {},
+    "4bit": {"activation": "int4", "normalization": "int4", "attention": "int4"},
+}
 
 
 class _AsIs:
