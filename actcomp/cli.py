@@ -25,7 +25,9 @@ def _parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser("report", help="saved-activation bytes of a timm model, plain vs compressed")
     report.add_argument("--model", required=True, help="timm model name, e.g. resnet18 or vit_small_patch16_224")
-    report.add_argument("--pipeline", required=True, help="spec, e.g. 'mink0.9+int8'")
+    report.add_argument("--pipeline", required=True, help="spec for Linear/Conv inputs, e.g. 'mink0.9+int8'")
+    report.add_argument("--rest", metavar="PRESET_OR_SPEC", default=None,
+                        help="whole-model mode: compress every other saved tensor too ('8bit', '4bit', 'exact', or a spec)")
     report.add_argument("--batch", type=int, default=8)
     report.add_argument("--img-size", type=int, default=224)
     report.add_argument("--amp", choices=["bf16"], default=None, help="run the forward under bf16 autocast")
@@ -37,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--epochs", type=int, default=12)
     demo.add_argument("--threads", type=int, default=1, help="torch threads (tiny models run best on one)")
     demo.add_argument("--pipelines", nargs="+", default=["mink0.9", "pmink0.9+int8", "int8"])
+    demo.add_argument("--rest", metavar="PRESET_OR_SPEC", default=None,
+                      help="whole-model mode for every pipeline ('8bit', '4bit', 'exact', or a spec)")
     demo.add_argument("--models", nargs="+", default=["cnn", "vit"], choices=["cnn", "vit"])
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--plot", metavar="FILE.png", help="save the loss curves (needs matplotlib)")
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         from actcomp.demo import run_demo
 
         run_demo(epochs=args.epochs, specs=args.pipelines, models=args.models, seed=args.seed, threads=args.threads,
-                 plot=args.plot)
+                 plot=args.plot, rest=args.rest)
         return 0
     except ActcompError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -101,8 +105,10 @@ def _report(args: argparse.Namespace) -> int:
 
     import actcomp
     from actcomp.memory import format_bytes
+    from actcomp.whole_model import RestPolicy
 
     pipeline = actcomp.parse(args.pipeline)
+    rest = None if args.rest is None else RestPolicy.parse(args.rest)
     plt = _pyplot_for(args.plot) if args.plot else None
     timm = _timm()
     if not timm.is_model(args.model):
@@ -116,7 +122,7 @@ def _report(args: argparse.Namespace) -> int:
         plain = timm.create_model(args.model, pretrained=False, img_size=args.img_size)
     except TypeError:
         plain = timm.create_model(args.model, pretrained=False)
-    compressed = actcomp.to_compressed(copy.deepcopy(plain), pipeline)
+    compressed = actcomp.to_compressed(copy.deepcopy(plain), pipeline, rest=rest)
     x = torch.randn(args.batch, 3, args.img_size, args.img_size)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.amp else contextlib.nullcontext()
     with autocast:
@@ -125,14 +131,25 @@ def _report(args: argparse.Namespace) -> int:
 
     plain_types, packed_types = before.by_type(), after.by_type()
     precision = "bf16 autocast" if args.amp else "fp32"
-    print(f"{args.model}, batch {args.batch}, {args.img_size}x{args.img_size}, {precision}, pipeline {pipeline.spec!r}")
+    mode = f", rest {str(rest)!r}" if rest is not None else ""
+    print(f"{args.model}, batch {args.batch}, {args.img_size}x{args.img_size}, {precision}, pipeline {pipeline.spec!r}{mode}")
     print(f"memory: {_X_LESS_NOTE}")
-    print(f"{'layer type':<24} {'plain':>11} {'compressed':>11} {'x less':>7}")
-    for name in sorted(set(plain_types) | set(packed_types), key=lambda t: -plain_types.get(t, 0)):
-        a, b = plain_types.get(name, 0), packed_types.get(name, 0)
-        print(f"{name:<24} {format_bytes(a):>11} {format_bytes(b):>11} {_ratio(a, b):>7}")
-    print(f"{'total':<24} {format_bytes(before.total_bytes):>11} {format_bytes(after.total_bytes):>11} "
-          f"{_ratio(before.total_bytes, after.total_bytes):>7}")
+    if rest is None:
+        rows = [(name, plain_types.get(name, 0), packed_types.get(name, 0), "")
+                for name in sorted(set(plain_types) | set(packed_types), key=lambda t: -plain_types.get(t, 0))]
+        _print_rows("layer type", rows, before.total_bytes, after.total_bytes)
+    else:
+        # Whole-model mode is chosen per op kind, so the table is too (plain: the plain model's bytes).
+        plain_kinds = {row.kind: row.kept_bytes for row in before.kinds}
+        kept_kinds = {row.kind: row for row in after.kinds}
+        rows = [(kind, plain_kinds.get(kind, 0), kept_kinds[kind].kept_bytes if kind in kept_kinds else 0,
+                 ", ".join(kept_kinds[kind].codecs) if kind in kept_kinds else "")
+                for kind in dict.fromkeys([*plain_kinds, *kept_kinds])]
+        _print_rows("op kind", rows, before.total_bytes, after.total_bytes)
+        whole = [s for s in after.kept_as_is() if s.nbytes >= 0.01 * before.total_bytes]
+        for storage in whole[:5]:
+            print(f"! kept as is: {format_bytes(storage.nbytes)} {tuple(storage.shape)} saved by "
+                  f"{', '.join(storage.savers)} ({storage.op_kind})")
     if before.parameter_copy_bytes or after.parameter_copy_bytes:
         print(f"(not counted above: parameter copies kept for backward, e.g. autocast weights: "
               f"plain {format_bytes(before.parameter_copy_bytes)}, compressed {format_bytes(after.parameter_copy_bytes)})")
@@ -172,6 +189,18 @@ def _report(args: argparse.Namespace) -> int:
         figure.savefig(args.plot)
         print(f"bar chart saved to {args.plot}")
     return 0
+
+
+def _print_rows(title: str, rows: list[tuple[str, int, int, str]], plain_total: int, packed_total: int) -> None:
+    from actcomp.memory import format_bytes
+
+    kept_as = any(row[3] for row in rows)
+    print(f"{title:<24} {'plain':>11} {'compressed':>11} {'x less':>7}" + ("  kept as" if kept_as else ""))
+    for name, plain, packed, codecs in rows:
+        line = f"{name:<24} {format_bytes(plain):>11} {format_bytes(packed):>11} {_ratio(plain, packed):>7}"
+        print(line + (f"  {codecs}" if codecs else ""))
+    total = _ratio(plain_total, packed_total)
+    print(f"{'total':<24} {format_bytes(plain_total):>11} {format_bytes(packed_total):>11} {total:>7}")
 
 
 def _ratio(plain: int, compressed: int) -> str:

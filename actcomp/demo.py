@@ -85,26 +85,30 @@ _MODELS = {"cnn": (SmallCNN, 3e-3), "vit": (SmallViT, 3e-3)}
 
 
 def run_demo(epochs: int = 12, specs=("mink0.9", "pmink0.9+int8", "int8"), models=("cnn", "vit"),
-             seed: int = 0, batch: int = 64, threads: int = 1, plot: str | None = None) -> list[dict]:
+             seed: int = 0, batch: int = 64, threads: int = 1, plot: str | None = None, rest=None) -> list[dict]:
     """Train, print the comparison table, return its rows.
 
     In each row ``memory_reduction`` is plain / compressed saved bytes (higher is better) and
     ``step_time_vs_plain`` is compressed / plain step time (lower is better).
 
     One thread by default: these models are tiny, and more threads only add contention.
+    ``rest`` turns on whole-model mode (see :func:`actcomp.to_compressed`) for every pipeline.
     """
     demo_started = time.perf_counter()
     pipelines = [actcomp.parse(spec) for spec in specs]
+    from actcomp.whole_model import RestPolicy
+
+    rest = None if rest is None else RestPolicy.parse(rest)
     torch.set_num_threads(threads)
     plt = _pyplot_for(plot) if plot else None
     train_x, train_y, test_x, test_y = load_digits_tensors(seed)
-    labels = ["plain", *(p.spec for p in pipelines)]
+    labels = ["plain", *(p.spec + (f" rest={rest}" if rest is not None else "") for p in pipelines)]
     rows, curves = [], {}
     for model_name in models:
         factory, lr = _MODELS[model_name]
         torch.manual_seed(seed)
         base = factory()
-        nets = [copy.deepcopy(base)] + [actcomp.to_compressed(copy.deepcopy(base), p) for p in pipelines]
+        nets = [copy.deepcopy(base)] + [actcomp.to_compressed(copy.deepcopy(base), p, rest=rest) for p in pipelines]
         optimizers = [torch.optim.AdamW(net.parameters(), lr=lr) for net in nets]
         losses = [[] for _ in nets]
         times = [[] for _ in nets]
@@ -157,9 +161,10 @@ def _progress(text: str, end: bool = False) -> None:
 
 def _print_table(rows: list[dict], batch: int) -> None:
     print(f"\nmemory: {_X_LESS_NOTE}; step time = compressed / plain, lower is better")
-    print(f"{'model':<6} {'pipeline':<16} {'test acc':>8} {f'saved (batch {batch})':>18} {'x less':>9} {'step time':>10}")
+    width = max(16, *(len(row["pipeline"]) for row in rows))
+    print(f"{'model':<6} {'pipeline':<{width}} {'test acc':>8} {f'saved (batch {batch})':>18} {'x less':>9} {'step time':>10}")
     for row in rows:
-        print(f"{row['model']:<6} {row['pipeline']:<16} {row['accuracy']:>8.1%} {format_bytes(row['saved_bytes']):>18} "
+        print(f"{row['model']:<6} {row['pipeline']:<{width}} {row['accuracy']:>8.1%} {format_bytes(row['saved_bytes']):>18} "
               f"{row['memory_reduction']:>8.2f}x {row['step_time_vs_plain']:>9.2f}x")
     print("saved = bytes autograd keeps for backward, deduplicated by storage; step time = median over steps, "
           "interleaved with the plain model's")

@@ -25,6 +25,28 @@ def test_report_prints_per_type_and_total_bytes(capsys):
     assert "free nothing because another op keeps their input" in out
 
 
+def test_report_whole_model_prints_per_op_kind_and_codecs(capsys):
+    assert main(["report", "--model", "resnet18", "--pipeline", "mink0.9+int8", *TINY, "--rest", "8bit"]) == 0
+
+    out = capsys.readouterr().out
+    assert "pipeline 'mink0.9+int8', rest '8bit'" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()}
+    # ReLU outputs become 1-bit masks (32x fewer bytes than fp32), MaxPool keeps 4-bit offsets (16x).
+    assert "32.00x" in rows["activation"] and "relu-mask" in rows["activation"]
+    assert "16.00x" in rows["pooling"] and "pool-offsets4" in rows["pooling"]
+    assert "int8" in rows["normalization"]
+    assert float(rows["total"].split()[-1].rstrip("x")) > 5
+    # Every ReLU output is freed: nothing is kept twice any more.
+    assert "0 free nothing" in out
+    assert "! kept as is" not in out
+
+
+def test_report_rejects_a_bad_rest(capsys):
+    assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--rest", "9bit"]) == 2
+
+    assert "unknown stage '9bit'" in capsys.readouterr().err
+
+
 def test_report_under_bf16_autocast_with_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "bars.png"
@@ -111,6 +133,15 @@ def test_demo_runs_end_to_end(capsys):
     x_less = [float(row[-2].rstrip("x")) for row in rows]
     assert x_less[0] == 1 and x_less[1] > 1
     assert re.fullmatch(r"total wall time \d+ s on 1 torch thread", out.splitlines()[-1])
+
+
+def test_demo_whole_model_option(capsys):
+    assert main(["demo", "--epochs", "2", "--models", "cnn", "--pipelines", "mink0.9", "--rest", "exact"]) == 0
+
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("cnn ") and "%" in line]
+    assert rows[0][1] == "plain" and rows[1][1:3] == ["mink0.9", "rest=exact"]
+    # The exact codecs alone (ReLU masks, pool offsets) already keep far fewer bytes than plain.
+    assert float(rows[1][-2].rstrip("x")) > 3
 
 
 def test_module_entry_point_runs():
