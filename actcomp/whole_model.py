@@ -214,7 +214,9 @@ class _Session:
         self.cache: dict[tuple[int, str], tuple[weakref.ref, int, Kept]] = {}
 
     def pack(self, tensor: torch.Tensor):
-        kind, kept = self.choose(tensor)
+        # Compressing must not record autograd history (nor save tensors of its own).
+        with torch.no_grad():
+            kind, kept = self.choose(tensor)
         holder = _AsIs(tensor) if kept is None else kept
         if listened():
             announce(SavedEvent(tensor, (tensor,) if kept is None else kept.tensors, kind,
@@ -224,6 +226,8 @@ class _Session:
     def choose(self, tensor: torch.Tensor) -> tuple[str, Kept | None]:
         if in_compressed_layer():
             return "linear", None
+        if type(tensor) is not torch.Tensor:
+            return "other", None  # tensor subclasses (DTensor activations, ...) keep their own semantics
         if is_parameter(tensor) or storage_key(local_part(tensor)) in self.excluded or is_parameter_copy(tensor):
             return "kept", None
         scope = innermost_kind()
