@@ -3,7 +3,9 @@
 A stage turns a tensor into a *payload* tensor (handed to the next stage) plus the tensors
 and small metadata it needs to undo itself. Because everything a stage keeps is a tensor or
 plain Python, a caller can route the tensors through ``ctx.save_for_backward`` (and so
-through saved-tensor hooks) and keep only the metadata on the side.
+through saved-tensor hooks) and keep only the metadata on the side. What a stage is given
+(:class:`Hints`) and gives back (:class:`Encoded`) are defined with the loop that runs the
+stages, in :mod:`actcomp.packed`, which sits below this module.
 """
 
 from __future__ import annotations
@@ -14,31 +16,13 @@ import sys
 import typing
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 
 from actcomp.errors import ActcompError
+from actcomp.packed import Encoded, Hints, Packed, pack, unpack
 from actcomp.spec import StageSpec, format_rate
-
-
-@dataclass(frozen=True)
-class Hints:
-    """What a caller knows about the tensor that the tensor itself does not say.
-
-    ``channel_dim`` is the channel axis: 1 for (N, C, ...) conv inputs, -1 for (..., C)
-    linear inputs, None when the tensor has no channel structure.
-    """
-
-    channel_dim: int | None = None
-
-
-class Encoded(NamedTuple):
-    """One stage's output: the payload for the next stage, what it keeps, and metadata."""
-
-    payload: torch.Tensor
-    saved: tuple[torch.Tensor, ...]
-    meta: Any
 
 
 @dataclass(frozen=True)
@@ -193,16 +177,12 @@ class Compressor:
     def __str__(self) -> str:
         return str(self.stage_spec)
 
-    # A stage is usable on its own: it is then a one-stage pipeline.
-    def compress(self, x: torch.Tensor, *, channel_dim: int | None = None):
-        from actcomp.pipeline import Pipeline
+    # A stage is usable on its own, packing as a one-stage pipeline would.
+    def compress(self, x: torch.Tensor, *, channel_dim: int | None = None) -> Packed:
+        return pack((self,), str(self), x, channel_dim=channel_dim)
 
-        return Pipeline(self).compress(x, channel_dim=channel_dim)
-
-    def decompress(self, packed) -> torch.Tensor:
-        from actcomp.pipeline import Pipeline
-
-        return Pipeline(self).decompress(packed)
+    def decompress(self, packed: Packed) -> torch.Tensor:
+        return unpack((self,), str(self), packed)
 
 
 def _format_option(value: Any) -> str:
