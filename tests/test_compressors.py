@@ -15,6 +15,7 @@ import torch
 import actcomp
 from actcomp import ActcompError, Packed, parse
 from actcomp.compressors import Bf16, Fp16, Mesa8, drop_count
+from actcomp.compressors.affine import dequantize_affine, grouped_shape, quantize_affine
 from actcomp.compressors.bitpack import pack_bits, pack_codes, packed_size, unpack_bits, unpack_codes
 from actcomp.compressors.casts import saturating_cast
 from actcomp.compressors.positions import encode_positions, scatter_kept
@@ -646,6 +647,79 @@ def steps(packed, count: int, group: int = 256) -> torch.Tensor:
     """Each element's quantization step: its group's stored scale."""
     offset, scale, codes = packed.tensors
     return scale.float().repeat_interleave(group)[:count]
+
+
+def round_up_to_bf16(value: float) -> float:
+    """The smallest bf16 (8 significant bits) at or above a non-negative ``value``."""
+    if value == 0:
+        return 0.0
+    mantissa, exponent = math.frexp(value)  # value = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return math.ceil(mantissa * 2**8) / 2**8 * 2.0**exponent
+
+
+def reference_affine(x: torch.Tensor, bits: int, group: int, noise: torch.Tensor):
+    """quantize_affine then dequantize_affine in float64, group by group: offset = min,
+    scale = (max - min) / (2**bits - 1) rounded up to bf16, codes floor((x - min) / scale + u)
+    clamped to the levels. Returns codes, offsets, scales, decoded values and fractions (how
+    far each (x - min) / scale + u lies from an integer)."""
+    levels = 2**bits - 1
+    flat, u = x.reshape(-1).double(), noise.reshape(-1).double()
+    codes, offsets, scales, decoded, fractions = [], [], [], [], []
+    for start in range(0, flat.numel(), group):
+        part = flat[start:start + group]
+        low = part.min().item()
+        scale = round_up_to_bf16((part.max().item() - low) / levels)
+        # A constant group has scale 0 and x - min = 0: any divisor gives code floor(u) = 0.
+        unrounded = (part - low) / (scale or 1.0) + u[start:start + part.numel()]
+        code = unrounded.floor().clamp(0, levels)
+        codes.append(code)
+        offsets.append(low)
+        scales.append(scale)
+        decoded.append(low + code * scale)
+        fractions.append(unrounded - unrounded.round())
+    return (torch.cat(codes).to(torch.uint8), torch.tensor(offsets, dtype=torch.float64),
+            torch.tensor(scales, dtype=torch.float64), torch.cat(decoded), torch.cat(fractions))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantize_affine_matches_a_float64_reference_exactly(bits, dtype):
+    generator = torch.Generator().manual_seed(bits)
+    group = 64
+    x = torch.randn(4 * group + 37, generator=generator) * 3  # a partial last group of 37
+    x[group:2 * group] = 1.5  # a constant group
+    x = x.to(dtype)
+    noise = torch.rand(grouped_shape(x.numel(), group), generator=generator)
+
+    codes, offset, scale = quantize_affine(x, bits, group, noise)
+    y = dequantize_affine(codes, offset, scale, bits, group, x.shape, dtype)
+
+    expected_codes, expected_offset, expected_scale, expected_y, fractions = reference_affine(x, bits, group, noise)
+    # The stage computes (x - min) / scale + u in float32, within 2**(bits - 22) of the exact
+    # value, so its floor can differ only that close to an integer; these inputs keep away.
+    assert fractions.abs().min() > 2 ** (bits - 20)
+    assert (offset.dtype, scale.dtype, codes.dtype) == (dtype, torch.bfloat16, torch.uint8)
+    torch.testing.assert_close(unpack_codes(codes, bits, x.numel()), expected_codes, rtol=0, atol=0)
+    torch.testing.assert_close(offset.double(), expected_offset, rtol=0, atol=0)
+    torch.testing.assert_close(scale.double(), expected_scale, rtol=0, atol=0)
+    torch.testing.assert_close(y, expected_y.to(dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantize_affine_without_noise_rounds_to_nearest(bits):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(bits))
+
+    codes, offset, scale = quantize_affine(x, bits, 256)
+    y = dequantize_affine(codes, offset, scale, bits, 256, x.shape, x.dtype)
+
+    half = torch.full(grouped_shape(x.numel(), 256), 0.5)
+    assert all(map(torch.equal, (codes, offset, scale), quantize_affine(x, bits, 256, half)))
+    assert ((y - x).abs() <= scale.float().repeat_interleave(256)[:1000] / 2 * (1 + 1e-6)).all()
+
+
+def test_quantize_affine_rejects_noise_of_another_shape():
+    with pytest.raises(ActcompError, match=r"noise for 300 values in groups of 256 must have shape \(2, 256\), got \(300,\)"):
+        quantize_affine(torch.randn(300), 8, 256, torch.rand(300))
 
 
 @pytest.mark.parametrize("name", INT_STAGES)
