@@ -11,7 +11,8 @@ Inputs are finite: the pipeline sets NaN and +-inf aside and puts them back at t
 positions, so a non-finite value costs its group nothing.
 
 :func:`quantize_affine` and :func:`dequantize_affine` are the pure pair underneath, with the
-rounding noise passed in.
+rounding noise passed in; the stages draw it from :mod:`~actcomp.compressors.noise`, never
+from torch's global generator.
 
 >>> import torch
 >>> x = torch.linspace(-1, 1, 1000)
@@ -31,6 +32,7 @@ import torch
 
 from actcomp.compressors.base import Compressor, Encoded, Hints, owned, setting
 from actcomp.compressors.bitpack import pack_codes, unpack_codes
+from actcomp.compressors.noise import rounding_noise
 from actcomp.errors import ActcompError
 from actcomp.registry import register_compressor
 
@@ -118,7 +120,7 @@ class GroupQuant(Compressor):
 
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
         group = self.group  # type: ignore[attr-defined]
-        noise = torch.rand(grouped_shape(x.numel(), group), device=x.device, dtype=torch.float32)
+        noise = rounding_noise(x, grouped_shape(x.numel(), group))
         codes, offset, scale = quantize_affine(x, self.bits, group, noise)
         return Encoded(owned(codes), (owned(offset), scale), (x.shape, x.dtype))
 
