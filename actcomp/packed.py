@@ -113,9 +113,12 @@ def _typed_shape(dtype: torch.dtype, shape: torch.Size) -> str:
     return f"{str(dtype).removeprefix('torch.')}[{', '.join(map(str, shape))}]"
 
 
-def pack(stages: Sequence[Compressor], spec: str, x: torch.Tensor, *, channel_dim: int | None = None) -> Packed:
+def pack(stages: Sequence[Compressor], spec: str, x: torch.Tensor, *, channel_dim: int | None = None,
+         states: Sequence[Any] | None = None) -> Packed:
     """Run ``stages`` (whose spec string is ``spec``) on ``x``; ``channel_dim`` names its channel
-    axis for channel-wise stages.
+    axis for channel-wise stages. ``states`` are the stages' runtime states, which the caller
+    keeps between calls (see :meth:`~actcomp.compressors.base.Compressor.initial_state`);
+    without them every stage starts from its initial state.
 
     >>> from actcomp.compressors import MinK
     >>> packed = pack([MinK(0.5)], "mink0.5", torch.tensor([1.0, -4.0, 2.0, 0.5]))
@@ -132,8 +135,11 @@ def pack(stages: Sequence[Compressor], spec: str, x: torch.Tensor, *, channel_di
     payload, non_finite = _set_aside_non_finite(x.detach())
     tensors = list(non_finite)
     stage_layouts = []
-    for stage in stages:
-        payload, saved, meta = stage.encode(payload, hints)
+    if states is None:
+        states = [stage.initial_state() for stage in stages]
+    for stage, state in zip(stages, states, strict=True):
+        # Only stateful stages take a third argument: every other stage keeps encode(x, hints).
+        payload, saved, meta = stage.encode(payload, hints) if state is None else stage.encode(payload, hints, state)
         tensors.extend(saved)
         stage_layouts.append((len(saved), meta))
         # Past an element sparsifier the payload is a flat list of values.

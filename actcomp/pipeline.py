@@ -15,6 +15,8 @@ torch.Size([4096])
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from actcomp.compressors.base import Compressor
@@ -26,6 +28,9 @@ from actcomp.spec import format_spec, parse_spec, spec_error
 
 class Pipeline:
     """Stages applied left to right: at most one sparsifier, then at most one quantizer.
+
+    ``stages`` are immutable settings; ``states`` holds, per stage, what it remembers between
+    calls (mesa8's running range, None for most), owned by this pipeline alone.
 
     >>> from actcomp.compressors import MinK, Int8
     >>> Pipeline(MinK(0.9), Int8()) == parse("mink0.9+int8")
@@ -41,6 +46,9 @@ class Pipeline:
             index, why = problem
             raise ActcompError(f"{why} in pipeline {format_spec(s.stage_spec for s in stages)!r}")
         self.stages = tuple(stages)
+        # State changes as the pipeline compresses, so it lives here, not in the stages, and
+        # never counts in equality (the spec does).
+        self.states = tuple(stage.initial_state() for stage in self.stages)
 
     @property
     def spec(self) -> str:
@@ -60,12 +68,15 @@ class Pipeline:
         return hash(self.spec)
 
     def fresh(self) -> Pipeline:
-        """Same spec, fresh per-stage state (each converted layer gets its own)."""
-        return Pipeline(*(stage.fresh() for stage in self.stages))
+        """Same spec, fresh per-stage state (each converted layer gets its own).
+
+        The stages are copied too, so a fresh pipeline shares no object with this one.
+        """
+        return Pipeline(*(copy.copy(stage) for stage in self.stages))
 
     def compress(self, x: torch.Tensor, *, channel_dim: int | None = None) -> Packed:
         """Compress ``x``; ``channel_dim`` names its channel axis for channel-wise stages."""
-        return pack(self.stages, self.spec, x, channel_dim=channel_dim)
+        return pack(self.stages, self.spec, x, channel_dim=channel_dim, states=self.states)
 
     def decompress(self, packed: Packed) -> torch.Tensor:
         """The tensor :meth:`compress` was given, up to the stages' loss."""

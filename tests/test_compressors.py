@@ -7,13 +7,14 @@ interface checks (shape, dtype, device, bytes, layouts, empty tensors) without n
 import copy
 import dataclasses
 import math
+import pickle
 from fractions import Fraction
 
 import pytest
 import torch
 
 import actcomp
-from actcomp import ActcompError, Packed, parse
+from actcomp import ActcompError, Packed, Pipeline, parse
 from actcomp.compressors import Bf16, Fp16, Mesa8, drop_count
 from actcomp.compressors.affine import dequantize_affine, grouped_shape, quantize_affine
 from actcomp.compressors.bitpack import pack_bits, pack_codes, packed_size, unpack_bits, unpack_codes
@@ -168,6 +169,20 @@ def test_packed_state_is_tensors_plus_plain_metadata(name):
     # Compress other data first: a stateful stage must decode from the packed tensors alone.
     pipeline.compress(torch.randn(4, 8, 16) * 100, channel_dim=1)
     assert torch.equal(pipeline.decompress(rebuilt), expected)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_stage_holds_only_its_settings_and_compressing_changes_none(name):
+    pipeline = parse(spec_of(name))
+    stage = pipeline.stages[0]
+    settings = dict(vars(stage))
+
+    for scale in (1, 100):
+        pipeline.compress(torch.randn(4, 8, 16) * scale, channel_dim=1)
+
+    assert vars(stage) == settings
+    assert set(settings) == {f.name for f in dataclasses.fields(stage)}
+    assert all(type(value) in (int, float, type(None)) for value in settings.values())
 
 
 def test_printing_packed_data_shows_what_is_kept_not_the_values(million):
@@ -863,7 +878,7 @@ def test_a_non_finite_value_comes_back_alone_and_its_group_stays_finite(name, dt
 
 
 def test_mesa8_running_range_is_an_ema_of_batch_ranges():
-    stage = Mesa8(momentum=0.75)
+    stage = Pipeline(Mesa8(momentum=0.75))
     first = stage.compress(torch.linspace(-1, 1, 101))
     x = torch.linspace(-3, 5, 101)
 
@@ -883,7 +898,7 @@ def test_mesa8_running_range_is_an_ema_of_batch_ranges():
 
 
 def test_mesa8_clamps_instead_of_wrapping():
-    stage = Mesa8(momentum=0.99)
+    stage = Pipeline(Mesa8(momentum=0.99))
     stage.compress(torch.linspace(-1, 1, 64))
 
     y = stage.decompress(stage.compress(torch.tensor([-100.0, 100.0, 0.5])))
@@ -894,7 +909,7 @@ def test_mesa8_clamps_instead_of_wrapping():
 
 
 def test_mesa8_non_finite_values_come_back_in_place_and_count_as_zero_in_the_range():
-    stage = Mesa8(momentum=0.5)
+    stage = Pipeline(Mesa8(momentum=0.5))
     stage.compress(torch.linspace(-1, 1, 11))
 
     packed = stage.compress(torch.tensor([0.5, INF, -INF, NAN, 5.0]))
@@ -908,7 +923,7 @@ def test_mesa8_non_finite_values_come_back_in_place_and_count_as_zero_in_the_ran
 
 @pytest.mark.parametrize("bad", [NAN, INF], ids=["nan", "inf"])
 def test_mesa8_non_finite_first_batch_does_not_poison_later_ones(bad):
-    stage = Mesa8()
+    stage = Pipeline(Mesa8())
     stage.compress(torch.tensor([0.0, 1.0, bad]))
     x = torch.linspace(-1, 1, 9)
 
@@ -925,7 +940,60 @@ def test_mesa8_state_is_per_instance():
     for independent in (twin, other):
         assert torch.equal(independent.compress(torch.linspace(-1, 1, 64)).tensors[0], torch.tensor([-1.0]))
     assert torch.equal(pipeline.compress(torch.linspace(-1, 1, 64)).tensors[0], torch.tensor([-50.5]))
-    assert twin == pipeline and twin.stages[0] is not pipeline.stages[0]
+    assert twin == pipeline and twin.states[0] is not pipeline.states[0]
+
+
+def test_mesa8_pipelines_sharing_one_stage_do_not_share_ranges():
+    stage = Mesa8(momentum=0.5)
+    first, second = Pipeline(stage), Pipeline(stage)
+    first.compress(torch.linspace(-100, 100, 64))
+
+    assert torch.equal(second.compress(torch.linspace(-1, 1, 64)).tensors[0], torch.tensor([-1.0]))
+    assert torch.equal(first.compress(torch.linspace(-1, 1, 64)).tensors[0], torch.tensor([-50.5]))
+
+
+def test_mesa8_used_alone_quantizes_each_batch_to_its_own_range():
+    stage = Mesa8(momentum=0.5)
+    stage.compress(torch.linspace(-100, 100, 64))
+
+    assert torch.equal(stage.compress(torch.linspace(-1, 1, 64)).tensors[0], torch.tensor([-1.0]))
+
+
+def test_mesa8_holds_only_its_settings_however_much_it_compresses():
+    stage = Mesa8(groups=2, momentum=0.5)
+    pipeline = Pipeline(stage)
+    for scale in (1, 100):
+        pipeline.compress(torch.randn(4, 6) * scale, channel_dim=1)
+        stage.compress(torch.randn(4, 6) * scale, channel_dim=1)
+
+    assert vars(stage) == {"groups": 2, "momentum": 0.5}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stage.groups = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda p: pickle.loads(pickle.dumps(p))], ids=["deepcopy", "pickle"])
+def test_mesa8_pipeline_copies_carry_the_running_range_and_then_go_their_own_way(copy_of):
+    pipeline = parse("mesa8:momentum=0.5")
+    pipeline.compress(torch.linspace(-100, 100, 64))
+
+    twin = copy_of(pipeline)
+    pipeline.compress(torch.linspace(-300, 300, 64))
+
+    assert twin == pipeline
+    # The twin starts from the range copied with it, [-100, 100], untouched by the original since.
+    assert torch.equal(twin.compress(torch.linspace(-1, 1, 64)).tensors[0], torch.tensor([-50.5]))
+    assert torch.equal(pipeline.compress(torch.linspace(-1, 1, 64)).tensors[0], torch.tensor([-100.5]))
+
+
+def test_mesa8_copied_models_keep_their_own_running_ranges():
+    model = actcomp.to_compressed(torch.nn.Linear(8, 2), "mesa8:momentum=0.5", first_layer=None)
+    model(torch.full((4, 8), 100.0, requires_grad=True)).sum().backward()
+
+    twin = pickle.loads(pickle.dumps(copy.deepcopy(model)))
+    model(torch.full((4, 8), 300.0, requires_grad=True)).sum().backward()
+
+    ranges = [actcomp.compressed_layers(m)[""].states[0] for m in (model, twin)]
+    assert (ranges[0].low.item(), ranges[1].low.item()) == (200.0, 100.0)
 
 
 @pytest.mark.parametrize("channel_dim", [1, -1])

@@ -101,9 +101,10 @@ class Compressor:
     ``takes_rate`` (whether the spec carries a drop rate, stored in the ``drop_rate``
     field, always in [0, 1)), and implement :meth:`encode` / :meth:`decode`. Dataclass
     fields other than ``drop_rate`` are the spec options, typed int or float (or either
-    ``| None``), with a range from :func:`setting`; a field named with a leading underscore
-    is runtime state, not a setting. :meth:`encode` sees only finite values: the pipeline
-    sets NaN and +-inf aside and puts them back after :meth:`decode`.
+    ``| None``), with a range from :func:`setting`; a stage holds nothing else, and what it
+    must remember between calls lives with the pipeline (see :meth:`initial_state`).
+    :meth:`encode` sees only finite values: the pipeline sets NaN and +-inf aside and puts
+    them back after :meth:`decode`.
 
     >>> import torch, actcomp
     >>> stage = actcomp.compressors.MinK(0.5)
@@ -122,9 +123,15 @@ class Compressor:
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
         raise NotImplementedError
 
-    def fresh(self) -> Compressor:
-        """A copy with the same settings and fresh runtime state (one per layer)."""
-        return dataclasses.replace(self)
+    def initial_state(self) -> Any:
+        """Runtime state for one pipeline's use of this stage; None (the default): it keeps none.
+
+        A stage that returns state is called as ``encode(x, hints, state)`` and updates the
+        state in place. Each pipeline holds its own, fresh from :meth:`Pipeline.fresh
+        <actcomp.pipeline.Pipeline.fresh>` and :func:`actcomp.parse`, so every converted layer
+        has its own; a stage used alone starts from this state on every call.
+        """
+        return None
 
     def __post_init__(self) -> None:
         for name, rule in self.rules().items():
@@ -160,8 +167,8 @@ class Compressor:
 
     @classmethod
     def settings(cls) -> list[dataclasses.Field]:
-        """The dataclass fields that are spec options (not the rate, not runtime state)."""
-        return [f for f in dataclasses.fields(cls) if f.name != "drop_rate" and not f.name.startswith("_")]
+        """The dataclass fields that are spec options (all but the rate)."""
+        return [f for f in dataclasses.fields(cls) if f.name != "drop_rate"]
 
     @property
     def stage_spec(self) -> StageSpec:
