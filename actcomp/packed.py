@@ -131,12 +131,12 @@ def pack(stages: Sequence[Compressor], spec: str, x: torch.Tensor, *, channel_di
         raise ActcompError(f"compress expects a floating-point tensor, got dtype {x.dtype}")
     if channel_dim is not None and x.dim() and not -x.dim() <= channel_dim < x.dim():
         raise ActcompError(f"channel_dim={channel_dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    if states is None:
+        states = [stage.initial_state() for stage in stages]
     hints = Hints(channel_dim=channel_dim if x.dim() else None)
     payload, non_finite = _set_aside_non_finite(x.detach())
     tensors = list(non_finite)
     stage_layouts = []
-    if states is None:
-        states = [stage.initial_state() for stage in stages]
     for stage, state in zip(stages, states, strict=True):
         # Only stateful stages take a third argument: every other stage keeps encode(x, hints).
         payload, saved, meta = stage.encode(payload, hints) if state is None else stage.encode(payload, hints, state)
