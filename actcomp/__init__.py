@@ -12,7 +12,8 @@ from actcomp import compressors
 from actcomp.convert import compressed_layers, from_compressed, to_compressed
 from actcomp.errors import ActcompError
 from actcomp.memory import MemoryReport, memory_report
-from actcomp.pipeline import Packed, Pipeline, parse
+from actcomp.packed import Packed
+from actcomp.pipeline import Pipeline, parse
 from actcomp.registry import list_compressors, register_compressor, unregister_compressor
 
 __version__ = "0.1.0"

@@ -7,14 +7,16 @@ interface checks (shape, dtype, device, bytes, layouts, empty tensors) without n
 import copy
 import dataclasses
 import math
+import pickle
 from fractions import Fraction
 
 import pytest
 import torch
 
 import actcomp
-from actcomp import ActcompError, Packed, parse
+from actcomp import ActcompError, Packed, Pipeline, parse
 from actcomp.compressors import Bf16, Fp16, Mesa8, drop_count
+from actcomp.compressors.affine import dequantize_affine, grouped_shape, quantize_affine
 from actcomp.compressors.bitpack import pack_bits, pack_codes, packed_size, unpack_bits, unpack_codes
 from actcomp.compressors.casts import saturating_cast
 from actcomp.compressors.positions import encode_positions, scatter_kept
@@ -167,6 +169,20 @@ def test_packed_state_is_tensors_plus_plain_metadata(name):
     # Compress other data first: a stateful stage must decode from the packed tensors alone.
     pipeline.compress(torch.randn(4, 8, 16) * 100, channel_dim=1)
     assert torch.equal(pipeline.decompress(rebuilt), expected)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_stage_holds_only_its_settings_and_compressing_changes_none(name):
+    pipeline = parse(spec_of(name))
+    stage = pipeline.stages[0]
+    settings = dict(vars(stage))
+
+    for scale in (1, 100):
+        pipeline.compress(torch.randn(4, 8, 16) * scale, channel_dim=1)
+
+    assert vars(stage) == settings
+    assert set(settings) == {f.name for f in dataclasses.fields(stage)}
+    assert all(type(value) in (int, float, type(None)) for value in settings.values())
 
 
 def test_printing_packed_data_shows_what_is_kept_not_the_values(million):
@@ -648,6 +664,79 @@ def steps(packed, count: int, group: int = 256) -> torch.Tensor:
     return scale.float().repeat_interleave(group)[:count]
 
 
+def round_up_to_bf16(value: float) -> float:
+    """The smallest bf16 (8 significant bits) at or above a non-negative ``value``."""
+    if value == 0:
+        return 0.0
+    mantissa, exponent = math.frexp(value)  # value = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return math.ceil(mantissa * 2**8) / 2**8 * 2.0**exponent
+
+
+def reference_affine(x: torch.Tensor, bits: int, group: int, noise: torch.Tensor):
+    """quantize_affine then dequantize_affine in float64, group by group: offset = min,
+    scale = (max - min) / (2**bits - 1) rounded up to bf16, codes floor((x - min) / scale + u)
+    clamped to the levels. Returns codes, offsets, scales, decoded values and fractions (how
+    far each (x - min) / scale + u lies from an integer)."""
+    levels = 2**bits - 1
+    flat, u = x.reshape(-1).double(), noise.reshape(-1).double()
+    codes, offsets, scales, decoded, fractions = [], [], [], [], []
+    for start in range(0, flat.numel(), group):
+        part = flat[start:start + group]
+        low = part.min().item()
+        scale = round_up_to_bf16((part.max().item() - low) / levels)
+        # A constant group has scale 0 and x - min = 0: any divisor gives code floor(u) = 0.
+        unrounded = (part - low) / (scale or 1.0) + u[start:start + part.numel()]
+        code = unrounded.floor().clamp(0, levels)
+        codes.append(code)
+        offsets.append(low)
+        scales.append(scale)
+        decoded.append(low + code * scale)
+        fractions.append(unrounded - unrounded.round())
+    return (torch.cat(codes).to(torch.uint8), torch.tensor(offsets, dtype=torch.float64),
+            torch.tensor(scales, dtype=torch.float64), torch.cat(decoded), torch.cat(fractions))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantize_affine_matches_a_float64_reference_exactly(bits, dtype):
+    generator = torch.Generator().manual_seed(bits)
+    group = 64
+    x = torch.randn(4 * group + 37, generator=generator) * 3  # a partial last group of 37
+    x[group:2 * group] = 1.5  # a constant group
+    x = x.to(dtype)
+    noise = torch.rand(grouped_shape(x.numel(), group), generator=generator)
+
+    codes, offset, scale = quantize_affine(x, bits, group, noise)
+    y = dequantize_affine(codes, offset, scale, bits, group, x.shape, dtype)
+
+    expected_codes, expected_offset, expected_scale, expected_y, fractions = reference_affine(x, bits, group, noise)
+    # The stage computes (x - min) / scale + u in float32, within 2**(bits - 22) of the exact
+    # value, so its floor can differ only that close to an integer; these inputs keep away.
+    assert fractions.abs().min() > 2 ** (bits - 20)
+    assert (offset.dtype, scale.dtype, codes.dtype) == (dtype, torch.bfloat16, torch.uint8)
+    torch.testing.assert_close(unpack_codes(codes, bits, x.numel()), expected_codes, rtol=0, atol=0)
+    torch.testing.assert_close(offset.double(), expected_offset, rtol=0, atol=0)
+    torch.testing.assert_close(scale.double(), expected_scale, rtol=0, atol=0)
+    torch.testing.assert_close(y, expected_y.to(dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantize_affine_without_noise_rounds_to_nearest(bits):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(bits))
+
+    codes, offset, scale = quantize_affine(x, bits, 256)
+    y = dequantize_affine(codes, offset, scale, bits, 256, x.shape, x.dtype)
+
+    half = torch.full(grouped_shape(x.numel(), 256), 0.5)
+    assert all(map(torch.equal, (codes, offset, scale), quantize_affine(x, bits, 256, half)))
+    assert ((y - x).abs() <= scale.float().repeat_interleave(256)[:1000] / 2 * (1 + 1e-6)).all()
+
+
+def test_quantize_affine_rejects_noise_of_another_shape():
+    with pytest.raises(ActcompError, match=r"noise for 300 values in groups of 256 must have shape \(2, 256\), got \(300,\)"):
+        quantize_affine(torch.randn(300), 8, 256, torch.rand(300))
+
+
 @pytest.mark.parametrize("name", INT_STAGES)
 def test_stochastic_rounding_is_unbiased(name):
     torch.manual_seed(0)
@@ -789,7 +878,7 @@ def test_a_non_finite_value_comes_back_alone_and_its_group_stays_finite(name, dt
 
 
 def test_mesa8_running_range_is_an_ema_of_batch_ranges():
-    stage = Mesa8(momentum=0.75)
+    stage = Pipeline(Mesa8(momentum=0.75))
     first = stage.compress(torch.linspace(-1, 1, 101))
     x = torch.linspace(-3, 5, 101)
 
@@ -809,7 +898,7 @@ def test_mesa8_running_range_is_an_ema_of_batch_ranges():
 
 
 def test_mesa8_clamps_instead_of_wrapping():
-    stage = Mesa8(momentum=0.99)
+    stage = Pipeline(Mesa8(momentum=0.99))
     stage.compress(torch.linspace(-1, 1, 64))
 
     y = stage.decompress(stage.compress(torch.tensor([-100.0, 100.0, 0.5])))
@@ -820,7 +909,7 @@ def test_mesa8_clamps_instead_of_wrapping():
 
 
 def test_mesa8_non_finite_values_come_back_in_place_and_count_as_zero_in_the_range():
-    stage = Mesa8(momentum=0.5)
+    stage = Pipeline(Mesa8(momentum=0.5))
     stage.compress(torch.linspace(-1, 1, 11))
 
     packed = stage.compress(torch.tensor([0.5, INF, -INF, NAN, 5.0]))
@@ -834,7 +923,7 @@ def test_mesa8_non_finite_values_come_back_in_place_and_count_as_zero_in_the_ran
 
 @pytest.mark.parametrize("bad", [NAN, INF], ids=["nan", "inf"])
 def test_mesa8_non_finite_first_batch_does_not_poison_later_ones(bad):
-    stage = Mesa8()
+    stage = Pipeline(Mesa8())
     stage.compress(torch.tensor([0.0, 1.0, bad]))
     x = torch.linspace(-1, 1, 9)
 
@@ -851,7 +940,60 @@ def test_mesa8_state_is_per_instance():
     for independent in (twin, other):
         assert torch.equal(independent.compress(torch.linspace(-1, 1, 64)).tensors[0], torch.tensor([-1.0]))
     assert torch.equal(pipeline.compress(torch.linspace(-1, 1, 64)).tensors[0], torch.tensor([-50.5]))
-    assert twin == pipeline and twin.stages[0] is not pipeline.stages[0]
+    assert twin == pipeline and twin.states[0] is not pipeline.states[0]
+
+
+def test_mesa8_pipelines_sharing_one_stage_do_not_share_ranges():
+    stage = Mesa8(momentum=0.5)
+    first, second = Pipeline(stage), Pipeline(stage)
+    first.compress(torch.linspace(-100, 100, 64))
+
+    assert torch.equal(second.compress(torch.linspace(-1, 1, 64)).tensors[0], torch.tensor([-1.0]))
+    assert torch.equal(first.compress(torch.linspace(-1, 1, 64)).tensors[0], torch.tensor([-50.5]))
+
+
+def test_mesa8_used_alone_quantizes_each_batch_to_its_own_range():
+    stage = Mesa8(momentum=0.5)
+    stage.compress(torch.linspace(-100, 100, 64))
+
+    assert torch.equal(stage.compress(torch.linspace(-1, 1, 64)).tensors[0], torch.tensor([-1.0]))
+
+
+def test_mesa8_holds_only_its_settings_however_much_it_compresses():
+    stage = Mesa8(groups=2, momentum=0.5)
+    pipeline = Pipeline(stage)
+    for scale in (1, 100):
+        pipeline.compress(torch.randn(4, 6) * scale, channel_dim=1)
+        stage.compress(torch.randn(4, 6) * scale, channel_dim=1)
+
+    assert vars(stage) == {"groups": 2, "momentum": 0.5}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stage.groups = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda p: pickle.loads(pickle.dumps(p))], ids=["deepcopy", "pickle"])
+def test_mesa8_pipeline_copies_carry_the_running_range_and_then_go_their_own_way(copy_of):
+    pipeline = parse("mesa8:momentum=0.5")
+    pipeline.compress(torch.linspace(-100, 100, 64))
+
+    twin = copy_of(pipeline)
+    pipeline.compress(torch.linspace(-300, 300, 64))
+
+    assert twin == pipeline
+    # The twin starts from the range copied with it, [-100, 100], untouched by the original since.
+    assert torch.equal(twin.compress(torch.linspace(-1, 1, 64)).tensors[0], torch.tensor([-50.5]))
+    assert torch.equal(pipeline.compress(torch.linspace(-1, 1, 64)).tensors[0], torch.tensor([-100.5]))
+
+
+def test_mesa8_copied_models_keep_their_own_running_ranges():
+    model = actcomp.to_compressed(torch.nn.Linear(8, 2), "mesa8:momentum=0.5", first_layer=None)
+    model(torch.full((4, 8), 100.0, requires_grad=True)).sum().backward()
+
+    twin = pickle.loads(pickle.dumps(copy.deepcopy(model)))
+    model(torch.full((4, 8), 300.0, requires_grad=True)).sum().backward()
+
+    ranges = [actcomp.compressed_layers(m)[""].states[0] for m in (model, twin)]
+    assert (ranges[0].low.item(), ranges[1].low.item()) == (200.0, 100.0)
 
 
 @pytest.mark.parametrize("channel_dim", [1, -1])

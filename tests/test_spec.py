@@ -144,6 +144,7 @@ def test_parse_returns_a_new_pipeline_each_time():
     assert copy == pipeline
     assert copy is not pipeline
     assert copy.stages[1] is not pipeline.stages[1]
+    assert copy.states[1] is not pipeline.states[1]
 
 
 @pytest.mark.parametrize("spec, canonical", [

@@ -14,9 +14,12 @@ mesa8       quantizer   8-bit codes of a running (EMA) range
 fp16/bf16   quantizer   saturating storage cast
 fp8         quantizer   e4m3 storage with a per-tensor scale
 ==========  ==========  =====================================================
+
+Under int8/4/2 sit :func:`quantize_affine` and :func:`dequantize_affine`, pure functions
+with the rounding noise passed in.
 """
 
-from actcomp.compressors.affine import GroupQuant, Int2, Int4, Int8
+from actcomp.compressors.affine import GroupQuant, Int2, Int4, Int8, dequantize_affine, quantize_affine
 from actcomp.compressors.base import Compressor, Encoded, Hints, drop_count, setting
 from actcomp.compressors.casts import Bf16, Fp8, Fp16
 from actcomp.compressors.channels import ChannelMinK, RandomChannels
@@ -26,5 +29,5 @@ from actcomp.compressors.mesa import Mesa8
 __all__ = [
     "Bf16", "ChannelMinK", "Compressor", "DropITReference", "Encoded", "Fp16", "Fp8", "GroupQuant",
     "Hints", "Int2", "Int4", "Int8", "Mesa8", "MinK", "ParallelMinK", "RandomChannels", "RandomDrop",
-    "drop_count", "setting",
+    "dequantize_affine", "drop_count", "quantize_affine", "setting",
 ]

@@ -10,6 +10,10 @@ Codes ``floor((x - offset) / scale + u)``, ``u ~ U[0, 1)``, are unbiased
 Inputs are finite: the pipeline sets NaN and +-inf aside and puts them back at their
 positions, so a non-finite value costs its group nothing.
 
+:func:`quantize_affine` and :func:`dequantize_affine` are the pure pair underneath, with the
+rounding noise passed in; the stages draw it from :mod:`~actcomp.compressors.noise`, never
+from torch's global generator.
+
 >>> import torch
 >>> x = torch.linspace(-1, 1, 1000)
 >>> packed = Int4(group=64).compress(x)
@@ -28,6 +32,8 @@ import torch
 
 from actcomp.compressors.base import Compressor, Encoded, Hints, owned, setting
 from actcomp.compressors.bitpack import pack_codes, unpack_codes
+from actcomp.compressors.noise import rounding_noise
+from actcomp.errors import ActcompError
 from actcomp.registry import register_compressor
 
 _MAX_FINITE_BF16_BITS = 0x7F7F
@@ -40,6 +46,72 @@ def round_up_to_bf16(values: torch.Tensor) -> torch.Tensor:
     return upper.to(torch.int16).view(torch.bfloat16)
 
 
+def grouped_shape(count: int, group: int) -> tuple[int, int]:
+    """``(groups, group)``: the rows :func:`quantize_affine` splits ``count`` values into, the
+    last one padded when partial; its ``noise`` has this shape.
+
+    >>> grouped_shape(1000, 256)
+    (4, 256)
+    """
+    return -(-count // group), group
+
+
+def quantize_affine(x: torch.Tensor, bits: int, group: int,
+                    noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes, offset, scale)`` of ``x``: ``bits``-bit codes (1, 2, 4 or 8) bit-packed into
+    uint8, and per group of ``group`` values its offset (in ``x``'s dtype) and scale (bf16).
+
+    ``noise`` holds one float32 value in [0, 1) per code, shaped :func:`grouped_shape`:
+    ``U[0, 1)`` draws make the rounding stochastic and unbiased; None rounds to nearest, as
+    noise 0.5 would. ``x`` must be finite.
+
+    >>> x = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    >>> codes, offset, scale = quantize_affine(x, bits=2, group=4)
+    >>> codes, offset, scale  # codes 0, 1, 2, 3 in two bits each, low bits first
+    (tensor([228], dtype=torch.uint8), tensor([0.]), tensor([1.], dtype=torch.bfloat16))
+    >>> dequantize_affine(codes, offset, scale, bits=2, group=4, shape=x.shape, dtype=x.dtype)
+    tensor([0., 1., 2., 3.])
+    """
+    flat = x.reshape(-1)
+    count = flat.numel()
+    shape = grouped_shape(count, group)
+    groups = shape[0]
+    if noise is None:
+        noise = torch.full(shape, 0.5, device=x.device, dtype=torch.float32)
+    elif noise.shape != shape:
+        raise ActcompError(f"noise for {count} values in groups of {group} must have shape {shape}, got {tuple(noise.shape)}")
+    if count % group:
+        # Pad with a value of the last group so its min and max do not change.
+        flat = torch.cat([flat, flat[-1:].expand(groups * group - count)])
+    values = flat.view(shape).float()
+    low, high = values.aminmax(dim=1)
+    levels = 2**bits - 1
+    # max/levels - min/levels cannot overflow where (max - min) could.
+    scale = round_up_to_bf16(high / levels - low / levels)
+    # Offsets in the input dtype are exact: every value, the minimum too, came from it.
+    offset = low.to(x.dtype)
+    step = scale.float().unsqueeze(1)
+    inverse_step = 1 / torch.where(step > 0, step, 1.0)
+    # codes = floor((x - min) / step + u): one fused multiply-add onto the noise, and the
+    # uint8 cast truncates, which is floor for the clamped, non-negative values.
+    codes = torch.addcmul(noise, values - low.unsqueeze(1), inverse_step).clamp_(0, levels)
+    return pack_codes(codes.view(-1)[:count].to(torch.uint8), bits), offset, scale
+
+
+def dequantize_affine(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, bits: int, group: int,
+                      shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The values :func:`quantize_affine` encoded, of ``shape`` and ``dtype``: ``offset + code * scale``."""
+    count = shape.numel()
+    groups = offset.numel()
+    unpacked = unpack_codes(codes, bits, count).float()
+    if count % group:
+        unpacked = torch.cat([unpacked, unpacked.new_zeros(groups * group - count)])
+    values = torch.addcmul(offset.float().unsqueeze(1), unpacked.view(groups, group), scale.float().unsqueeze(1))
+    # The rounded-up scale can step past the dtype's largest value; saturate.
+    limit = torch.finfo(dtype).max
+    return values.view(-1)[:count].clamp(-limit, limit).to(dtype).view(shape)
+
+
 class GroupQuant(Compressor):
     """Shared implementation; the registered stages are :class:`Int8`, :class:`Int4`, :class:`Int2`."""
 
@@ -47,40 +119,15 @@ class GroupQuant(Compressor):
     bits: ClassVar[int] = 8
 
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
-        flat = x.reshape(-1)
-        count, group = flat.numel(), self.group  # type: ignore[attr-defined]
-        groups = -(-count // group)
-        if count % group:
-            # Pad with a value of the last group so its min and max do not change.
-            flat = torch.cat([flat, flat[-1:].expand(groups * group - count)])
-        values = flat.view(groups, group).float()
-        low, high = values.aminmax(dim=1)
-        levels = 2**self.bits - 1
-        # max/levels - min/levels cannot overflow where (max - min) could.
-        scale = round_up_to_bf16(high / levels - low / levels)
-        # Offsets in the input dtype are exact: every value, the minimum too, came from it.
-        offset = low.to(x.dtype)
-        step = scale.float().unsqueeze(1)
-        inverse_step = 1 / torch.where(step > 0, step, 1.0)
-        # codes = floor((x - min) / step + u): one fused multiply-add onto the noise, and the
-        # uint8 cast truncates, which is floor for the clamped, non-negative values.
-        codes = torch.rand_like(values).addcmul_(values - low.unsqueeze(1), inverse_step).clamp_(0, levels)
-        packed = pack_codes(codes.view(-1)[:count].to(torch.uint8), self.bits)
-        return Encoded(owned(packed), (owned(offset), scale), (x.shape, x.dtype))
+        group = self.group  # type: ignore[attr-defined]
+        noise = rounding_noise(x, grouped_shape(x.numel(), group))
+        codes, offset, scale = quantize_affine(x, self.bits, group, noise)
+        return Encoded(owned(codes), (owned(offset), scale), (x.shape, x.dtype))
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
         shape, dtype = meta
-        count = shape.numel()
         offset, scale = saved
-        group = self.group  # type: ignore[attr-defined]
-        groups = offset.numel()
-        codes = unpack_codes(payload, self.bits, count).float()
-        if count % group:
-            codes = torch.cat([codes, codes.new_zeros(groups * group - count)])
-        values = torch.addcmul(offset.float().unsqueeze(1), codes.view(groups, group), scale.float().unsqueeze(1))
-        # The rounded-up scale can step past the dtype's largest value; saturate.
-        limit = torch.finfo(dtype).max
-        return values.view(-1)[:count].clamp(-limit, limit).to(dtype).view(shape)
+        return dequantize_affine(payload, offset, scale, self.bits, self.group, shape, dtype)  # type: ignore[attr-defined]
 
 
 @register_compressor

@@ -3,7 +3,9 @@
 A stage turns a tensor into a *payload* tensor (handed to the next stage) plus the tensors
 and small metadata it needs to undo itself. Because everything a stage keeps is a tensor or
 plain Python, a caller can route the tensors through ``ctx.save_for_backward`` (and so
-through saved-tensor hooks) and keep only the metadata on the side.
+through saved-tensor hooks) and keep only the metadata on the side. What a stage is given
+(:class:`Hints`) and gives back (:class:`Encoded`) are defined with the loop that runs the
+stages, in :mod:`actcomp.packed`, which sits below this module.
 """
 
 from __future__ import annotations
@@ -14,31 +16,13 @@ import sys
 import typing
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 
 from actcomp.errors import ActcompError
+from actcomp.packed import Encoded, Hints, Packed, pack, unpack
 from actcomp.spec import StageSpec, format_rate
-
-
-@dataclass(frozen=True)
-class Hints:
-    """What a caller knows about the tensor that the tensor itself does not say.
-
-    ``channel_dim`` is the channel axis: 1 for (N, C, ...) conv inputs, -1 for (..., C)
-    linear inputs, None when the tensor has no channel structure.
-    """
-
-    channel_dim: int | None = None
-
-
-class Encoded(NamedTuple):
-    """One stage's output: the payload for the next stage, what it keeps, and metadata."""
-
-    payload: torch.Tensor
-    saved: tuple[torch.Tensor, ...]
-    meta: Any
 
 
 @dataclass(frozen=True)
@@ -117,9 +101,10 @@ class Compressor:
     ``takes_rate`` (whether the spec carries a drop rate, stored in the ``drop_rate``
     field, always in [0, 1)), and implement :meth:`encode` / :meth:`decode`. Dataclass
     fields other than ``drop_rate`` are the spec options, typed int or float (or either
-    ``| None``), with a range from :func:`setting`; a field named with a leading underscore
-    is runtime state, not a setting. :meth:`encode` sees only finite values: the pipeline
-    sets NaN and +-inf aside and puts them back after :meth:`decode`.
+    ``| None``), with a range from :func:`setting`; a stage holds nothing else, and what it
+    must remember between calls lives with the pipeline (see :meth:`initial_state`).
+    :meth:`encode` sees only finite values: the pipeline sets NaN and +-inf aside and puts
+    them back after :meth:`decode`.
 
     >>> import torch, actcomp
     >>> stage = actcomp.compressors.MinK(0.5)
@@ -138,9 +123,15 @@ class Compressor:
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
         raise NotImplementedError
 
-    def fresh(self) -> Compressor:
-        """A copy with the same settings and fresh runtime state (one per layer)."""
-        return dataclasses.replace(self)
+    def initial_state(self) -> Any:
+        """Runtime state for one pipeline's use of this stage; None (the default): it keeps none.
+
+        A stage that returns state is called as ``encode(x, hints, state)`` and updates the
+        state in place. Each pipeline holds its own, fresh from :meth:`Pipeline.fresh
+        <actcomp.pipeline.Pipeline.fresh>` and :func:`actcomp.parse`, so every converted layer
+        has its own; a stage used alone starts from this state on every call.
+        """
+        return None
 
     def __post_init__(self) -> None:
         for name, rule in self.rules().items():
@@ -176,8 +167,8 @@ class Compressor:
 
     @classmethod
     def settings(cls) -> list[dataclasses.Field]:
-        """The dataclass fields that are spec options (not the rate, not runtime state)."""
-        return [f for f in dataclasses.fields(cls) if f.name != "drop_rate" and not f.name.startswith("_")]
+        """The dataclass fields that are spec options (all but the rate)."""
+        return [f for f in dataclasses.fields(cls) if f.name != "drop_rate"]
 
     @property
     def stage_spec(self) -> StageSpec:
@@ -193,16 +184,12 @@ class Compressor:
     def __str__(self) -> str:
         return str(self.stage_spec)
 
-    # A stage is usable on its own: it is then a one-stage pipeline.
-    def compress(self, x: torch.Tensor, *, channel_dim: int | None = None):
-        from actcomp.pipeline import Pipeline
+    # A stage is usable on its own, packing as a one-stage pipeline would.
+    def compress(self, x: torch.Tensor, *, channel_dim: int | None = None) -> Packed:
+        return pack((self,), str(self), x, channel_dim=channel_dim)
 
-        return Pipeline(self).compress(x, channel_dim=channel_dim)
-
-    def decompress(self, packed) -> torch.Tensor:
-        from actcomp.pipeline import Pipeline
-
-        return Pipeline(self).decompress(packed)
+    def decompress(self, packed: Packed) -> torch.Tensor:
+        return unpack((self,), str(self), packed)
 
 
 def _format_option(value: Any) -> str:

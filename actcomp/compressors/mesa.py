@@ -1,10 +1,12 @@
 """Mesa-style 8-bit quantization with running (EMA) ranges per channel group.
 
-Each stage instance (one per converted layer) keeps running ``min``/``max`` per channel
-group, updated on every compress: ``r = momentum * r + (1 - momentum) * batch``. Values are
-quantized to the nearest of 256 levels of the running range; values outside it are clamped
-to the nearest end (never wrapped). Inputs are finite: the pipeline sets NaN and +-inf aside
-(they count as 0 in the batch range) and puts them back at their positions.
+Each pipeline (one per converted layer) keeps a :class:`RunningRange` for its mesa8 stage:
+``min``/``max`` per channel group, updated on every compress:
+``r = momentum * r + (1 - momentum) * batch``. A stage used alone keeps nothing between
+calls, so each call uses the batch's own range. Values are quantized to the nearest of 256
+levels of the running range; values outside it are clamped to the nearest end (never
+wrapped). Inputs are finite: the pipeline sets NaN and +-inf aside (they count as 0 in the
+batch range) and puts them back at their positions.
 
 Groups split the channel axis (given by the caller, e.g. 1 for conv inputs) into ``groups``
 equal parts. A payload without a channel axis (after an element sparsifier) has one group.
@@ -18,7 +20,7 @@ True
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +31,33 @@ from actcomp.registry import register_compressor
 _LEVELS = 255
 
 
+@dataclass
+class RunningRange:
+    """One pipeline's running per-group minimum and maximum for :class:`Mesa8` (None until
+    the first batch).
+
+    >>> running = RunningRange()
+    >>> running.update(torch.tensor([0.0]), torch.tensor([4.0]), momentum=0.5)
+    (tensor([0.]), tensor([4.]))
+    >>> running.update(torch.tensor([-2.0]), torch.tensor([2.0]), momentum=0.5)
+    (tensor([-1.]), tensor([3.]))
+    """
+
+    low: torch.Tensor | None = None
+    high: torch.Tensor | None = None
+
+    def update(self, low: torch.Tensor, high: torch.Tensor, momentum: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blend a batch's range in and return the running one."""
+        previous = self.low
+        if previous is None or previous.shape != low.shape or previous.device != low.device:
+            # The first batch (or a new layout) starts the running range.
+            self.low, self.high = low, high
+        else:
+            weight = 1 - momentum
+            self.low, self.high = previous.lerp(low, weight), self.high.lerp(high, weight)
+        return self.low, self.high
+
+
 @register_compressor
 @dataclass(frozen=True)
 class Mesa8(Compressor):
@@ -36,8 +65,9 @@ class Mesa8(Compressor):
     kind = "quantizer"
     groups: int = setting(1, minimum=1)
     momentum: float = setting(0.9, minimum=0, below=1)
-    # Runtime state: running ranges of this instance; not a setting, not compared.
-    _ranges: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def initial_state(self) -> RunningRange:
+        return RunningRange()
 
     def _grouped(self, x: torch.Tensor, channel_dim: int | None) -> tuple[torch.Tensor, int | None]:
         if channel_dim is None or x.dim() == 0:
@@ -53,17 +83,6 @@ class Mesa8(Compressor):
             raise ActcompError(f"mesa8:groups={self.groups} does not divide the {channels} channels of shape {tuple(x.shape)}")
         return x.movedim(channel_dim, 0).reshape(self.groups, -1), channel_dim
 
-    def _update_ranges(self, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ranges = self._ranges
-        previous = ranges.get("low")
-        if previous is None or previous.shape != low.shape or previous.device != low.device:
-            # The first batch (or a new layout) starts the running range.
-            ranges["low"], ranges["high"] = low, high
-        else:
-            weight = 1 - self.momentum
-            ranges["low"], ranges["high"] = previous.lerp(low, weight), ranges["high"].lerp(high, weight)
-        return ranges["low"], ranges["high"]
-
     def _broadcast(self, per_group: torch.Tensor, shape: torch.Size, channel_dim: int | None) -> torch.Tensor:
         if channel_dim is None:
             return per_group.view([1] * len(shape))
@@ -72,13 +91,15 @@ class Mesa8(Compressor):
         view[channel_dim] = shape[channel_dim]
         return per_channel.view(view)
 
-    def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
+    def encode(self, x: torch.Tensor, hints: Hints, state: RunningRange | None = None) -> Encoded:
+        # Called directly without a state, this is one call of a fresh pipeline.
+        running = self.initial_state() if state is None else state
         grouped, channel_dim = self._grouped(x, hints.channel_dim)
         if x.numel() == 0:
             empty = torch.zeros(self.groups, device=x.device)
             return Encoded(x.to(torch.uint8), (empty, empty), (channel_dim, x.dtype))
         batch_low, batch_high = grouped.float().aminmax(dim=1)
-        low, high = self._update_ranges(batch_low, batch_high)
+        low, high = running.update(batch_low, batch_high, self.momentum)
         scale = (high - low).clamp_(min=0) / _LEVELS
         safe_scale = torch.where(scale > 0, scale, 1.0)
         low_b = self._broadcast(low, x.shape, channel_dim)
