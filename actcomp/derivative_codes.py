@@ -18,7 +18,7 @@ kernels themselves, so they match what the backward computes.
 >>> kept.nbytes, round(derivative_error("gelu", "none", 3), 3)
 (375, 0.08)
 >>> d = lambda t: torch.ops.aten.gelu_backward(torch.ones_like(t), t)
->>> bool((d(kept.unpack()) - d(x)).abs().max() <= derivative_error("gelu", "none", 3))
+>>> bool((d(kept.unpack()) - d(x)).abs().max() <= derivative_error("gelu", "none", 3) + 1e-3)  # + fp32 rounding
 True
 """
 
@@ -82,7 +82,9 @@ def _codebook(function: str, approximate: str, bits: int) -> tuple[list[float], 
 
 
 def derivative_error(function: str, approximate: str, bits: int) -> float:
-    """The largest gap between ``f'(x)`` and the derivative the backward reads from the code."""
+    """The largest gap between ``f'(x)`` and the derivative the backward reads from the code, in
+    exact arithmetic; rounding interval ends and representatives to the input's dtype adds up to
+    about 1e-4 in fp32 and 2e-3 in bf16 (its derivative kernel rounds too)."""
     return _codebook(function, approximate, bits)[2]
 
 

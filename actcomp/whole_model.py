@@ -166,7 +166,7 @@ def _lossy_pipeline(spec: str | Pipeline, where: str) -> Pipeline:
         pipeline = parse(spec)
     else:
         raise ActcompError(f"{where}: expected a spec string, a Pipeline or None, got {type(spec).__name__}: {spec!r}")
-    stateful = [stage.name for stage in pipeline.stages if stage.name == "mesa8"]
+    stateful = [stage.name for stage in pipeline.stages if stage.initial_state() is not None]
     if stateful:
         raise ActcompError(
             f"{where}: {pipeline.spec!r} uses {stateful[0]!r}, which keeps running ranges per layer; one pipeline "
