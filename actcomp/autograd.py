@@ -32,8 +32,10 @@ from actcomp.storage import dense_strides, restride
 
 class CompressedInputFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x, weight, bias, op, pipeline: Pipeline, compute_dtype, where):  # type: ignore[override]
+    def forward(ctx: FunctionCtx, x, weight, bias, op, pipeline: Pipeline | None, compute_dtype, where):  # type: ignore[override]
         ctx.op, ctx.pipeline, ctx.x_shape, ctx.x_dtype, ctx.where = op, pipeline, x.shape, x.dtype, where
+        ctx.compute_dtype = compute_dtype
+        uncast = x
         # The cast happens in here, not before, so the input gradient is cast back before the
         # op's own padding backward runs, exactly as in plain autocast.
         if compute_dtype is not None:
@@ -44,7 +46,12 @@ class CompressedInputFunction(torch.autograd.Function):
         # The weight is a parameter (or autocast's cached cast of it): saving it costs nothing
         # extra, and convolution backward needs it even for the weight gradient alone.
         saved = [weight]
-        if needs_weight:
+        if needs_weight and pipeline is None:
+            # Recast mode: ``uncast`` is data the caller keeps anyway (the model's input); keeping
+            # it costs nothing, and casting it again in backward gives autocast's copy exactly.
+            ctx.layout = "recast"
+            saved.append(uncast)
+        elif needs_weight:
             packed = pipeline.compress(x, channel_dim=op.channel_dim)
             ctx.layout = packed.layout
             ctx.x_stride = dense_strides(x)
@@ -63,7 +70,9 @@ class CompressedInputFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad[:3]
         weight, *packed_tensors = ctx.saved_tensors
         x = None
-        if ctx.layout is not None:
+        if ctx.layout == "recast":
+            x = packed_tensors[0].to(ctx.compute_dtype)
+        elif ctx.layout is not None:
             try:
                 x = ctx.pipeline.decompress(Packed(tuple(packed_tensors), ctx.layout))
             except ActcompError as error:
@@ -73,9 +82,12 @@ class CompressedInputFunction(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
-def compressed_apply(op, pipeline: Pipeline, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def compressed_apply(op, pipeline: Pipeline | None, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      compute_dtype: torch.dtype | None = None, where: str = "(unnamed)"):
     """Apply ``op`` to ``(x, weight, bias)`` keeping only a compressed copy of ``x``.
+
+    ``pipeline=None`` keeps ``x`` itself, before the cast to ``compute_dtype`` (for data the
+    caller keeps anyway: autocast's low-precision copy of it is then never stored).
 
     ``where`` names the layer in errors raised during backward.
     """

@@ -109,10 +109,15 @@ _skip_forward_frame_under_compile()
 def _compressed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # Compression has data-dependent sizes (how many values a sparsifier keeps), so under
     # torch.compile this is one graph break per compressed layer; the rest still compiles.
+    pipeline = module.actcomp_pipeline
     if module.actcomp_plain_on_model_input and is_model_input(x):
-        return super(CompressedLayer, module).forward(x)  # type: ignore[misc]
+        if x.requires_grad or not _autocast_casts(x):
+            return super(CompressedLayer, module).forward(x)  # type: ignore[misc]
+        # Plain autocast would keep its low-precision copy of the caller's data; keep the data
+        # itself (the caller does anyway) and cast it again in backward: exact, and no copy kept.
+        pipeline = None
     if module.actcomp_own_forward:
-        return _own_forward(module, x)
+        return _own_forward(module, x, pipeline)
     if isinstance(module, _CONVS):
         op = conv_op(module.kernel_size, module.stride, module.padding, module.dilation, module.groups,
                      module.padding_mode, module._reversed_padding_repeated_twice)
@@ -120,12 +125,19 @@ def _compressed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         op = LinearOp()
     else:
         op = GPT2Conv1DOp()
-    return _apply(module, op, x, module.weight, module.bias)
+    return _apply(module, op, x, module.weight, module.bias, pipeline)
 
 
-def _own_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _autocast_casts(x: torch.Tensor) -> bool:
+    """Whether autocast is on for ``x``'s device and would cast ``x`` for a linear/conv."""
+    device_type = x.device.type
+    return (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+            and x.is_floating_point() and x.dtype != torch.get_autocast_dtype(device_type))
+
+
+def _own_forward(module: nn.Module, x: torch.Tensor, pipeline: Pipeline | None) -> torch.Tensor:
     """Run the layer's own forward; its weight's linear/conv calls go through :func:`_apply`."""
-    mode = OwnForwardMode(module, lambda op, x, weight, bias: _apply(module, op, x, weight, bias))
+    mode = OwnForwardMode(module, lambda op, x, weight, bias: _apply(module, op, x, weight, bias, pipeline))
     with mode:
         out = super(CompressedLayer, module).forward(x)  # type: ignore[misc]
     # A frozen weight hides where it came from (no autograd graph), so only the weight itself is
@@ -154,11 +166,13 @@ def _describe(module: nn.Module) -> str:
     return f"{module.actcomp_name!r} ({kind})" if module.actcomp_name else f"of type {kind}"
 
 
-def _apply(module: nn.Module, op, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Run ``op`` through the compressed Function, as autocast would run it; errors name the layer."""
+def _apply(module: nn.Module, op, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           pipeline: Pipeline | None) -> torch.Tensor:
+    """Run ``op`` through the compressed Function, as autocast would run it; errors name the layer.
+    ``pipeline=None`` keeps ``x`` itself (the caller's data, under autocast)."""
     if isinstance(op, ConvOp) and x.dim() == len(op.stride) + 1:
         # Unbatched input, which plain convolutions accept: add the batch axis around it.
-        return _apply(module, op, x.unsqueeze(0), weight, bias).squeeze(0)
+        return _apply(module, op, x.unsqueeze(0), weight, bias, pipeline).squeeze(0)
     device_type, where = x.device.type, _describe(module)
     try:
         if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
@@ -168,8 +182,8 @@ def _apply(module: nn.Module, op, x: torch.Tensor, weight: torch.Tensor, bias: t
             weight = weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
             with torch.autocast(device_type, enabled=False):
-                return compressed_apply(op, module.actcomp_pipeline, x, weight, bias, dtype, where=where)
-        return compressed_apply(op, module.actcomp_pipeline, x, weight, bias, where=where)
+                return compressed_apply(op, pipeline, x, weight, bias, dtype, where=where)
+        return compressed_apply(op, pipeline, x, weight, bias, where=where)
     except ActcompError as error:
         raise ActcompError(f"in layer {where}, input of shape {tuple(x.shape)} {x.dtype}: {error}") from None
 

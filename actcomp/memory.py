@@ -246,8 +246,16 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
             key = storage_key(args[0])
             layer_inputs[names[module]] = key
             alive.append(args[0])
-            if key is not None and key not in input_keys:
-                plain.setdefault(key, (local_part(args[0]).untyped_storage().nbytes(), "linear"))
+            x, device_type = args[0], args[0].device.type
+            if key is None:
+                return
+            if (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+                    and x.is_floating_point() and x.dtype != torch.get_autocast_dtype(device_type)):
+                # Plain autocast keeps a low-precision copy of its own, of a model input too.
+                itemsize = torch.get_autocast_dtype(device_type).itemsize
+                plain.setdefault((key, "autocast"), (x.numel() * itemsize, "linear"))
+            elif key not in input_keys:
+                plain.setdefault(key, (local_part(x).untyped_storage().nbytes(), "linear"))
 
     handles = [m.register_forward_pre_hook(before) for m in model.modules() if isinstance(m, CompressedLayer)]
     was_training = model.training

@@ -133,3 +133,27 @@ def test_memory_report_names_the_layers_that_ran_plain_on_the_model_input():
     assert "conv1" not in {item.layer for item in auto.not_freed}
     everything = actcomp.memory_report(actcomp.to_compressed(copy.deepcopy(plain), "mink0.9", first_layer=None), x)
     assert everything.plain_on_input == []
+
+
+@pytest.mark.parametrize("model_id", ["resnet18", "vit_tiny_patch16_224", "resnetv2_50x1_bit"])
+def test_under_autocast_the_input_layer_keeps_no_low_precision_copy(model_id):
+    # Plain autocast keeps the bf16 copy of the image that the first conv reads; the caller keeps
+    # the fp32 image anyway, so the layer keeps that and casts it again in backward (exact: the
+    # zoo harness checks the gradients bit for bit under autocast).
+    entry = next(e for e in ZOO if e.id == model_id)
+    torch.manual_seed(0)
+    plain = entry.build()
+    compressed = actcomp.to_compressed(copy.deepcopy(plain), "mink0.9")
+    x = entry.batch()["x"]
+    image_copies = []
+    for model in (plain, compressed):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            report = actcomp.memory_report(model, x)
+        image_copies.append([s for s in report.storages if s.shape == tuple(x.shape) and s.dtype == torch.bfloat16])
+        assert any(s.shape == tuple(x.shape) and s.kind == "input" for s in report.storages) == (model is compressed)
+    assert len(image_copies[0]) == 1 and image_copies[1] == []
+    torch.manual_seed(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compressed(x).float().sum().backward()
+    first = next(m for m in compressed.modules() if getattr(m, "actcomp_name", None) in report.plain_on_input)
+    assert first.weight.grad is not None and first.weight.grad.isfinite().all()
