@@ -26,7 +26,6 @@ an embedding), so all its layers are converted.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import time
 from collections import Counter
@@ -34,7 +33,17 @@ from pathlib import Path
 
 import timm
 import torch
-from common import RESULTS_DIR, add_specs_argument, benchmark_parser, check_specs, header_lines, load_average, write_results
+from common import (
+    DTYPES,
+    RESULTS_DIR,
+    add_specs_argument,
+    benchmark_parser,
+    check_specs,
+    header_lines,
+    load_average,
+    precision,
+    write_results,
+)
 from gpt2_shaped import GPT2, GPT2Config, GPT2Model, gpt2_tokens
 from torch import nn
 
@@ -42,7 +51,6 @@ import actcomp
 
 DEFAULT_MODELS = ["resnet18", "resnet50", "vit_small_patch16_224", "deit_tiny_patch16_224", GPT2]
 DEFAULT_SPECS = ["mink0.9", "pmink0.9", "mink0.9+int8", "int8", "dropit0.9"]
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 REFERENCE_SPEC = "dropit0.9"
 # The issue's targets for the compressed layers' input bytes.
 TARGET_SPEC, TARGET_VS_BF16, TARGET_VS_REFERENCE = "mink0.9+int8", 8.0, 3.5
@@ -94,12 +102,6 @@ def not_freed_summary(report: actcomp.MemoryReport, model: nn.Module) -> str:
 
 def actcomp_type(module: nn.Module) -> str:
     return getattr(type(module), "actcomp_base", type(module)).__name__
-
-
-def precision(dtype_name: str) -> contextlib.AbstractContextManager:
-    """fp32: nothing; bf16: CPU autocast."""
-    dtype = DTYPES[dtype_name]
-    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
 
 
 def bench_model(name: str, args: argparse.Namespace) -> tuple[list[dict], dict[tuple[str, str], str]]:
