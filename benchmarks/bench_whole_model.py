@@ -1,7 +1,10 @@
 """Whole-model mode against the plain model: bytes kept for backward, peak process memory, step time.
 
     python benchmarks/bench_whole_model.py          # defaults: about 12-15 minutes on 2 idle cores
-    python benchmarks/bench_whole_model.py --models resnet18 --skip-rss --rounds 2    # check: ~1 minute
+    python benchmarks/bench_whole_model.py --models resnet18 --skip-rss --rounds 2    # check: 1-2 minutes
+
+On a loaded machine expect double: at load average 5 on 2 cores the bytes part alone took 12
+minutes (most of it resnet50), and one timing round of all four models 50 s.
 
 Every configuration compresses the Linear/Conv inputs with ``mink0.9+int8``
 (``to_compressed(model, "mink0.9+int8", rest=...)``); they differ in what happens to the rest:
@@ -276,7 +279,10 @@ def markdown_body(rows: list[dict], args: argparse.Namespace) -> list[str]:
     if part["kind"]:
         body += ["", f"## Per op kind, `{KIND_CONFIG}`", "",
                  "Plain: what PyTorch alone keeps for that kind (a storage saved by two kinds counts for the first "
-                 "saver); kept: the compressed forms (a tensor saved by several ops gets one per saver).", "",
+                 "saver); kept: the compressed forms (a tensor saved by several ops gets one per saver). Both come "
+                 "from the converted model's report: where the cross-check above flags a bf16 mismatch, `linear`'s "
+                 "plain figure is the one off (it counts the layers' fp32 inputs, where plain autocast keeps "
+                 "their bf16 copies).", "",
                  "| model | dtype | op kind | plain MiB | kept MiB | ratio | kept as |", "|---|---|---|---:|---:|---:|---|"]
         for row in part["kind"]:
             ratio = f"{row['ratio']:.1f}" if row["kept_bytes"] else "-"
