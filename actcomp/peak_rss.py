@@ -12,6 +12,8 @@ RSS follows live memory (``return_freed_memory=False`` turns it off). Measured o
 
 >>> peak_rss("resnet18", None, batch=2, img_size=32, steps=1) > 0  # doctest: +SKIP
 True
+>>> peak_rss("resnet18", "mink0.9+int8", rest="8bit", batch=2, img_size=32, steps=1) > 0  # doctest: +SKIP
+True
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+from actcomp.errors import ActcompError
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 _PROBE = r"""
 import json, resource, sys, torch, timm, actcomp
@@ -27,7 +34,7 @@ args = json.loads(sys.argv[1])
 torch.manual_seed(0)
 model = timm.create_model(args["model"], pretrained=False, num_classes=10)
 if args["spec"]:
-    actcomp.to_compressed(model, args["spec"])
+    actcomp.to_compressed(model, args["spec"], first_layer=args["first_layer"], rest=args["rest"])
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 x = torch.randn(args["batch"], 3, args["img_size"], args["img_size"])
 y = torch.randint(0, 10, (args["batch"],))
@@ -50,16 +57,24 @@ print(json.dumps(peak))
 
 
 def peak_rss(model: str, spec: str | None, *, batch: int, img_size: int, steps: int = 3, amp: str | None = None,
-             return_freed_memory: bool = True) -> int:
+             return_freed_memory: bool = True, rest: str | None = None, first_layer: str | None = "auto") -> int:
     """Peak RSS in bytes of ``steps`` training steps of timm ``model`` (``spec`` None = plain).
 
-    Read from ``VmHWM`` in ``/proc/self/status`` (Linux), else ``ru_maxrss`` (in KiB on Linux).
+    ``rest`` (a preset such as ``"8bit"``, or a spec) and ``first_layer`` are passed on to
+    :func:`actcomp.to_compressed` with ``spec``; ``rest=None`` is Linear/Conv mode. Read from
+    ``VmHWM`` in ``/proc/self/status`` (Linux), else ``ru_maxrss`` (in KiB on Linux).
     """
-    args = json.dumps({"model": model, "spec": spec, "batch": batch, "img_size": img_size, "steps": steps, "amp": amp})
+    if spec is None and rest is not None:
+        raise ActcompError(f"peak_rss: rest={rest!r} needs a spec for the Linear/Conv layers (spec is None: plain)")
+    args = json.dumps({"model": model, "spec": spec, "batch": batch, "img_size": img_size, "steps": steps, "amp": amp,
+                       "rest": rest, "first_layer": first_layer})
     env = dict(os.environ)
+    # The probe must run this actcomp, not whichever one the interpreter would find first
+    # (an installed copy may predate ``rest``).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
     if return_freed_memory:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     done = subprocess.run([sys.executable, "-c", _PROBE, args], capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
-        raise RuntimeError(f"peak-RSS probe failed for {model} {spec!r}:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"peak-RSS probe failed for {model} {spec!r} rest={rest!r}:\n{done.stderr[-2000:]}")
     return int(json.loads(done.stdout.strip().splitlines()[-1]))

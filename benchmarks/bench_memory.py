@@ -26,25 +26,31 @@ an embedding), so all its layers are converted.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import timm
 import torch
-import torch.nn.functional as F
-from common import RESULTS_DIR, add_specs_argument, benchmark_parser, check_specs, header_lines, load_average, write_results
+from common import (
+    DTYPES,
+    RESULTS_DIR,
+    add_specs_argument,
+    benchmark_parser,
+    check_specs,
+    header_lines,
+    load_average,
+    precision,
+    write_results,
+)
+from gpt2_shaped import GPT2, GPT2Config, GPT2Model, gpt2_tokens
 from torch import nn
 
 import actcomp
 
-GPT2 = "gpt2"
 DEFAULT_MODELS = ["resnet18", "resnet50", "vit_small_patch16_224", "deit_tiny_patch16_224", GPT2]
 DEFAULT_SPECS = ["mink0.9", "pmink0.9", "mink0.9+int8", "int8", "dropit0.9"]
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 REFERENCE_SPEC = "dropit0.9"
 # The issue's targets for the compressed layers' input bytes.
 TARGET_SPEC, TARGET_VS_BF16, TARGET_VS_REFERENCE = "mink0.9+int8", 8.0, 3.5
@@ -57,96 +63,12 @@ COLUMNS = [
 ]
 
 
-# --- A GPT-2-shaped model, without depending on transformers ---------------------------------
-
-class Conv1D(nn.Module):
-    """GPT-2's linear layer with its weight stored (in, out), like ``transformers.pytorch_utils.Conv1D``.
-
-    actcomp recognises it by its class name and ``nf`` attribute.
-    """
-
-    def __init__(self, nf: int, nx: int) -> None:
-        super().__init__()
-        self.nf = nf
-        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
-        self.bias = nn.Parameter(torch.zeros(nf))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        size_out = x.shape[:-1] + (self.nf,)
-        return torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight).view(size_out)
-
-
-class GPT2Attention(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.c_attn = Conv1D(3 * width, width)
-        self.c_proj = Conv1D(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in self.c_attn(x).split(width, dim=2))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(attended.transpose(1, 2).reshape(batch, length, width))
-
-
-class GPT2MLP(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.c_fc = Conv1D(4 * width, width)
-        self.act = nn.GELU(approximate="tanh")
-        self.c_proj = Conv1D(width, 4 * width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.act(self.c_fc(x)))
-
-
-class GPT2Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.ln_1, self.attn = nn.LayerNorm(width), GPT2Attention(width, heads)
-        self.ln_2, self.mlp = nn.LayerNorm(width), GPT2MLP(width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-@dataclass(frozen=True)
-class GPT2Config:
-    """GPT-2 small's widths, with fewer blocks: the ratios are per block, the runtime is not."""
-
-    vocab_size: int = 50257
-    max_positions: int = 1024
-    width: int = 768
-    heads: int = 12
-    blocks: int = 4
-
-
-class GPT2Model(nn.Module):
-    def __init__(self, config: GPT2Config) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.width)
-        self.wpe = nn.Embedding(config.max_positions, config.width)
-        self.h = nn.ModuleList(GPT2Block(config.width, config.heads) for _ in range(config.blocks))
-        self.ln_f = nn.LayerNorm(config.width)
-        self.lm_head = nn.Linear(config.width, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
-# --- Measuring ------------------------------------------------------------------------------
-
 def model_and_input(name: str, args: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, str | None]:
     """The model, one input batch, and the ``first_layer`` argument for ``to_compressed``."""
     if name == GPT2:
-        tokens = torch.randint(0, GPT2Config.vocab_size, (args.batch, args.seq_len))
-        return GPT2Model(GPT2Config()), tokens, None
+        config = GPT2Config()
+        tokens = gpt2_tokens(config, args.batch, args.seq_len)  # drawn before the weights, as before
+        return GPT2Model(config), tokens, None
     kwargs = {"img_size": args.img_size} if args.img_size and ("vit" in name or "deit" in name) else {}
     model = timm.create_model(name, pretrained=False, **kwargs)
     size = args.img_size or model.pretrained_cfg["input_size"][-1]
@@ -180,12 +102,6 @@ def not_freed_summary(report: actcomp.MemoryReport, model: nn.Module) -> str:
 
 def actcomp_type(module: nn.Module) -> str:
     return getattr(type(module), "actcomp_base", type(module)).__name__
-
-
-def precision(dtype_name: str) -> contextlib.AbstractContextManager:
-    """fp32: nothing; bf16: CPU autocast."""
-    dtype = DTYPES[dtype_name]
-    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
 
 
 def bench_model(name: str, args: argparse.Namespace) -> tuple[list[dict], dict[tuple[str, str], str]]:

@@ -12,6 +12,7 @@ True
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import os
@@ -30,6 +31,8 @@ import actcomp
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+# The --dtypes choices: fp32, and bf16 = torch.autocast("cpu", dtype=torch.bfloat16).
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
 def benchmark_parser(doc: str) -> argparse.ArgumentParser:
@@ -55,6 +58,12 @@ def check_specs(parser: argparse.ArgumentParser, specs: list[str]) -> None:
             actcomp.parse(spec)
         except actcomp.ActcompError as error:
             parser.error(str(error))
+
+
+def precision(dtype_name: str) -> contextlib.AbstractContextManager:
+    """A :data:`DTYPES` name as a context: fp32, nothing; bf16, CPU autocast."""
+    dtype = DTYPES[dtype_name]
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
 
 
 def cpu_name() -> str:

@@ -172,3 +172,31 @@ def test_report_of_fsdp2_sharded_model_equals_unsharded_report(tmp_path):
 @pytest.mark.parametrize("count, text", [(0, "0 B"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB")])
 def test_format_bytes(count, text):
     assert actcomp.memory.format_bytes(count) == text
+
+
+def test_peak_rss_of_a_whole_model_step_in_a_fresh_process():
+    from actcomp.peak_rss import peak_rss
+
+    peak = peak_rss("resnet18", "int8", rest="8bit", first_layer=None, batch=2, img_size=32, steps=1)
+
+    # The process imported torch and trained: well over 50 MiB, far under the machine's memory.
+    assert 50 * 2**20 < peak < 16 * 2**30
+
+
+@pytest.mark.parametrize("choice, message", [
+    ({"rest": "nonsense8"}, "unknown stage 'nonsense8'"),
+    ({"first_layer": "nope"}, "first_layer='nope' is not a supported layer"),
+])
+def test_peak_rss_passes_rest_and_first_layer_to_to_compressed(choice, message):
+    from actcomp.peak_rss import peak_rss
+
+    # The probe's own to_compressed rejects them: proof that they reached it.
+    with pytest.raises(RuntimeError, match=message):
+        peak_rss("resnet18", "int8", batch=1, img_size=32, steps=1, **choice)
+
+
+def test_peak_rss_rest_without_a_spec_is_an_error():
+    from actcomp.peak_rss import peak_rss
+
+    with pytest.raises(actcomp.ActcompError, match="rest='8bit' needs a spec"):
+        peak_rss("resnet18", None, rest="8bit", batch=1, img_size=32)
