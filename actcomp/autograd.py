@@ -21,6 +21,8 @@ True
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.autograd.function import FunctionCtx
 
@@ -28,6 +30,24 @@ from actcomp.errors import ActcompError
 from actcomp.pipeline import Packed, Pipeline
 from actcomp.saved_tensors import saving_compressed_layer
 from actcomp.storage import dense_strides, restride
+
+# Layers that read one tensor with one pipeline (a ResNet block input read by conv1 and the
+# downsample conv; BERT's query, key and value projections) share one compressed copy. Keyed by
+# the id of the (uncast) input, held only while that tensor lives, checked by its version.
+_SHARED: dict[tuple, tuple[weakref.ref, int, Packed]] = {}
+
+
+def _compress_once(pipeline: Pipeline, uncast: torch.Tensor, x: torch.Tensor, channel_dim: int | None) -> Packed:
+    """``pipeline.compress(x)``, reusing the packed copy made for the same input and spec."""
+    if any(stage.draws_global_random for stage in pipeline.stages) or any(s is not None for s in pipeline.states):
+        return pipeline.compress(x, channel_dim=channel_dim)
+    key = (id(uncast), pipeline.spec, x.dtype, channel_dim)
+    hit = _SHARED.get(key)
+    if hit is not None and hit[0]() is uncast and hit[1] == uncast._version:
+        return hit[2]
+    packed = pipeline.compress(x, channel_dim=channel_dim)
+    _SHARED[key] = (weakref.ref(uncast, lambda _: _SHARED.pop(key, None)), uncast._version, packed)
+    return packed
 
 
 class CompressedInputFunction(torch.autograd.Function):
@@ -52,7 +72,7 @@ class CompressedInputFunction(torch.autograd.Function):
             ctx.layout = "recast"
             saved.append(uncast)
         elif needs_weight:
-            packed = pipeline.compress(x, channel_dim=op.channel_dim)
+            packed = _compress_once(pipeline, uncast, x, op.channel_dim)
             ctx.layout = packed.layout
             ctx.x_stride = dense_strides(x)
             saved.extend(packed.tensors)

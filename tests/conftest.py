@@ -36,16 +36,17 @@ def compress_calls(monkeypatch):
 
 @pytest.fixture
 def compressing_layers(monkeypatch):
-    """A function ``model -> names of its converted layers whose pipeline compressed something``
-    while the test ran (each converted layer has its own pipeline instance)."""
+    """A function ``model -> names of its converted layers that kept a compressed input`` while
+    the test ran (each converted layer has its own pipeline instance; a layer that reuses the
+    copy another layer made of the same input counts too)."""
     compressed_by: set[int] = set()
-    original = actcomp.Pipeline.compress
+    original = actcomp.autograd._compress_once
 
-    def recording(self, x, **kwargs):
-        compressed_by.add(id(self))
-        return original(self, x, **kwargs)
+    def recording(pipeline, *args, **kwargs):
+        compressed_by.add(id(pipeline))
+        return original(pipeline, *args, **kwargs)
 
-    monkeypatch.setattr(actcomp.Pipeline, "compress", recording)
+    monkeypatch.setattr(actcomp.autograd, "_compress_once", recording)
 
     def names(model) -> set[str]:
         return {name for name, pipeline in actcomp.compressed_layers(model).items() if id(pipeline) in compressed_by}

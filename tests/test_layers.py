@@ -407,3 +407,62 @@ def test_retain_graph_backward_twice_gives_identical_gradients():
     loss.backward()
     for a, b in zip(first, (x.grad, layer.weight.grad, layer.bias.grad)):
         assert torch.equal(a, b)
+
+
+class _TwoReaders(torch.nn.Module):
+    """Two layers reading one tensor, like a ResNet block's conv1 and downsample conv."""
+
+    def __init__(self, second_spec_differs: bool = False):
+        super().__init__()
+        self.stem = torch.nn.Linear(64, 64)
+        self.a, self.b = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        hidden = self.stem(x)
+        return self.a(hidden) + self.b(hidden)
+
+
+@pytest.mark.parametrize("specs, shared", [
+    (("mink0.9+int8", "mink0.9+int8"), True),
+    (("int8", "int8"), True),
+    (("mink0.9+int8", "int8"), False),
+    (("random0.5", "random0.5"), False),  # draws from the global generator: each copy is its own
+])
+def test_layers_reading_one_input_with_one_pipeline_share_its_compressed_copy(specs, shared):
+    torch.manual_seed(0)
+    model = _TwoReaders()
+    plain = copy.deepcopy(model)
+    actcomp.to_compressed(model, {"a": specs[0], "b": specs[1], "stem": None})
+    x = torch.randn(256, 64)
+    packed = [s for s in actcomp.memory_report(model, x).storages if s.codec is not None]
+    savers = [s.savers for s in packed if "a" in s.savers or "b" in s.savers]
+    assert any(set(saver) == {"a", "b"} for saver in savers) == shared
+    # Sharing changes no number: the gradients equal those of two separate compressions.
+    torch.manual_seed(1)
+    model(x).square().sum().backward()
+    separate = copy.deepcopy(plain)
+    actcomp.to_compressed(separate, {"a": specs[0], "stem": None})
+    actcomp.to_compressed(separate, {"b": specs[1]}, first_layer=None)
+    hidden = separate.stem(x)
+    torch.manual_seed(1)
+    out_a = separate.a(hidden)
+    out_b = separate.b(hidden.clone())  # a different tensor: compressed on its own
+    (out_a + out_b).square().sum().backward()
+    if "random" not in specs[0]:
+        assert torch.equal(model.a.weight.grad, separate.a.weight.grad)
+        assert torch.equal(model.b.weight.grad, separate.b.weight.grad)
+
+
+def test_shared_copy_is_not_reused_after_an_in_place_change():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+    actcomp.to_compressed(a, "fp16", first_layer=None)
+    actcomp.to_compressed(b, "fp16", first_layer=None)
+    x = torch.randn(64, 16)
+    a(x).sum().backward()
+    x.mul_(3)  # a new version: b must compress the new values, not reuse a's copy
+    b(x).sum().backward()
+    # With a sum loss the weight gradient is the column sum of the (fp16-stored) input.
+    expected = x.half().float().sum(0).expand(4, 16)
+    assert torch.allclose(b.weight.grad, expected, rtol=1e-5)
+    assert torch.allclose(a.weight.grad * 3, expected, rtol=1e-2, atol=0.05)  # a saw the old values

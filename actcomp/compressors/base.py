@@ -116,6 +116,9 @@ class Compressor:
     name: ClassVar[str] = ""
     kind: ClassVar[str] = ""
     takes_rate: ClassVar[bool] = False
+    # Whether encode draws from torch's global generator (a random choice of what to keep): then
+    # two compressions of one tensor differ, and each must really run.
+    draws_global_random: ClassVar[bool] = False
 
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
         raise NotImplementedError

@@ -73,6 +73,7 @@ class RandomChannels(_ChannelSparsifier):
     """Drops uniformly random channels (exactly ``floor(drop_rate * C)`` of them)."""
 
     name = "rchannel"
+    draws_global_random = True
     drop_rate: float = 0.9
     dim: int | None = None
 

@@ -111,6 +111,7 @@ class RandomDrop(_ElementSparsifier):
     """
 
     name = "random"
+    draws_global_random = True
     drop_rate: float = 0.9
 
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
