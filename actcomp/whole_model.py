@@ -41,6 +41,7 @@ CompressedSequential(
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -212,6 +213,7 @@ class _Session:
         # (id of the saved tensor, codec) -> (weak reference, version, Kept): one tensor saved
         # twice under one codec (RMSNorm's input, by pow and by mul) is compressed once.
         self.cache: dict[tuple[int, str], tuple[weakref.ref, int, Kept]] = {}
+        self.random = _PrivateRandom()
 
     def pack(self, tensor: torch.Tensor):
         kind, kept = self.choose(tensor)
@@ -270,7 +272,53 @@ class _Session:
         pipeline = policy.pipeline(kind)
         if pipeline is None or (scope is not None and tensor.numel() * 4 < scope.reference):
             return None  # kept as is, or a statistic (a norm's mean and rstd, a log-sum-exp)
-        return _lossy(pipeline, tensor)
+        with self.random.drawing(tensor.device):
+            return _lossy(pipeline, tensor)
+
+
+class _PrivateRandom:
+    """The random numbers of stochastic rounding, drawn apart from the global generators.
+
+    Pipelines draw from the global generator (``rand_like``); in a forward that would shift every
+    later random op, so dropout would draw other masks than in plain PyTorch and the forward
+    would no longer be the plain one. Each draw here runs on a private stream swapped in for the
+    call and the global state is put back after. The stream's seed is taken from the global
+    generator at the start of the forward and that draw undone, so ``torch.manual_seed`` still
+    makes runs reproducible.
+    """
+
+    def __init__(self) -> None:
+        state = torch.get_rng_state()
+        self.seed = int(torch.randint(2**62, ()))
+        torch.set_rng_state(state)
+        self.states: dict[torch.device, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def drawing(self, device: torch.device):
+        """Run the block on the private streams of the CPU and of ``device`` (CUDA or CPU)."""
+        devices = [torch.device("cpu")] + ([device] if device.type == "cuda" else [])
+        saved = [_rng_state(d) for d in devices]
+        for d in devices:
+            if d not in self.states:
+                self.states[d] = torch.Generator(device=d).manual_seed(self.seed).get_state()
+            _set_rng_state(d, self.states[d])
+        try:
+            yield
+        finally:
+            for d, state in zip(devices, saved):
+                self.states[d] = _rng_state(d)
+                _set_rng_state(d, state)
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.cuda.set_rng_state(state, device)
 
 
 def _frees_memory(tensor: torch.Tensor) -> bool:
