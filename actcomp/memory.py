@@ -237,7 +237,10 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
         scope = innermost_kind()
         kind = "linear" if in_compressed_layer() else scope.kind if scope is not None else "other"
         record(SavedEvent(tensor, (tensor,), kind, None))
-        return tensor
+        # Detached: an op's saved output holds the op's grad_fn, which holds what this hook
+        # returns; the tensor itself would close a cycle through C++ that keeps the report's
+        # whole forward graph alive after the report returns.
+        return tensor.detach()
 
     observe.actcomp_observer = True  # type: ignore[attr-defined]
 

@@ -190,7 +190,12 @@ class _AsIs:
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor, self.version = tensor, tensor._version
+        # Detached: a tensor autograd saves is often its op's own output, whose grad_fn holds
+        # this object; holding the tensor itself would close a reference cycle through C++ that
+        # the garbage collector cannot see, leaking the whole graph of a forward that never runs
+        # backward. The detached alias shares the storage and the version counter, and autograd
+        # re-attaches the grad_fn when it unpacks.
+        self.tensor, self.version = tensor.detach(), tensor._version
 
     def unpack(self) -> torch.Tensor:
         if self.tensor._version != self.version:
