@@ -292,7 +292,11 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
             if modules[layer].actcomp_plain_on_model_input:
                 plain_on_input.append(layer)
         elif entry is not None:
-            not_freed.append(NotFreed(layer, entry["nbytes"], tuple(s for s in entry["savers"] if s != layer)))
+            # A lossless pipeline keeps (a view of) the input itself: then the layer is its only
+            # saver, and no other module keeps the input.
+            others = tuple(s for s in entry["savers"] if s != layer)
+            if others:
+                not_freed.append(NotFreed(layer, entry["nbytes"], others))
     return MemoryReport(rows, storages, input_bytes, copy_bytes, not_freed, plain_on_input,
                         _kind_rows(storages, plain.values()))
 
