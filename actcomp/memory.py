@@ -210,8 +210,10 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
         codec = event.codec
         if in_compressed_layer():
             # A compressed layer's packed input: plain PyTorch would keep the input itself
-            # (recorded by ``before``), not these.
-            codec = _spec_of(module) if module is not None else "layer"
+            # (recorded by ``before``), not these. The layer also keeps its weight, which
+            # under autocast is a low-precision copy: kept as it is, not compressed.
+            if not copy:
+                codec = _spec_of(module) if module is not None else "layer"
         elif not copy and key not in input_keys:
             plain.setdefault(key, (local.untyped_storage().nbytes(), event.kind))
         for kept in event.kept:
