@@ -141,6 +141,10 @@ class RestPolicy:
                     f"unknown op kind {kind!r} in rest; valid keys: {', '.join(LOSSY_KINDS + EXACT_KINDS)}, fewbit "
                     "(Linear/Conv inputs take the main pipeline argument)"
                 )
+        if "fewbit" not in rest and not isinstance(values["activation"], Pipeline):
+            # The preset's derivative codes are lossy: they follow a lossy activation spec, and
+            # never turn activation="exact" (or None) into an approximation unasked.
+            values["fewbit"] = None
         return cls(**values)
 
     def pipeline(self, kind: str) -> Pipeline | None:
