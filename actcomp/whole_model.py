@@ -382,6 +382,10 @@ def _tensors(value):
             yield from _tensors(item)
 
 
+# A backward called inside a torch.compile'd step runs these unpack calls with dynamo's frame
+# hook on: it would compile _unpack once per holder type, closure and size (recompiling until
+# its limit, 110 frames for a resnet18 step) for tensors that are mostly bit operations.
+@torch.compiler.disable
 def _unpack(holder) -> torch.Tensor:
     if isinstance(holder, _AsIs):
         return holder.unpack()
