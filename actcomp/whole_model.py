@@ -131,7 +131,7 @@ class RestPolicy:
                     raise ActcompError(f"rest[{kind!r}] must be 'exact' or None (its codec is exact), got {spec!r}")
                 values[kind] = spec
             elif kind == "fewbit":
-                if spec is not None and (isinstance(spec, bool) or spec not in range(1, 5)):
+                if spec is not None and (type(spec) is not int or spec not in range(1, 5)):
                     raise ActcompError(f"rest['fewbit'] must be a bit width 1 to 4 (or None), got {spec!r}")
                 values[kind] = spec
             elif kind in LOSSY_KINDS:
