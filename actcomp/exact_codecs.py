@@ -87,7 +87,22 @@ def hardtanh_mask(saved: torch.Tensor, low: float, high: float) -> Kept | None:
         return None
     values = saved.to(compute)
     inside = ~((values <= low) | (values >= high))
-    return _mask_codec("clamp-mask", saved, inside, middle.item(), -math.inf)
+    kept = _mask_codec("clamp-mask", saved, inside, middle.item(), -math.inf)
+    nan = values.isnan()
+    if not bool(nan.any()):
+        return kept
+    # For NaN the CPU kernel's answer depends on the code path: its vectorised loop tests
+    # ``low < x < high`` (blocks NaN), its scalar tail ``not (x <= low or x >= high)`` (passes
+    # it). Only NaN itself, at the same place in a tensor of the same layout, gets the same
+    # answer: keep the NaN positions (8 bytes each) and put NaN back there.
+    shape, rebuild_mask = saved.shape, kept._rebuild
+
+    def rebuild(tensors: tuple) -> torch.Tensor:
+        standin = rebuild_mask(tensors[:1])
+        standin[torch.unravel_index(tensors[1], shape)] = math.nan
+        return standin
+
+    return Kept("clamp-mask", (*kept.tensors, nan.reshape(-1).nonzero().squeeze(1)), rebuild)
 
 
 def dropout_mask(mask: torch.Tensor) -> Kept | None:
