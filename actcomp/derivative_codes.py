@@ -78,7 +78,12 @@ def _codebook(function: str, approximate: str, bits: int) -> tuple[list[float], 
     interval = torch.bucketize(fine, torch.tensor(boundaries, dtype=torch.float64))
     chosen = torch.tensor(representatives, dtype=torch.float64)[interval]
     error = (_derivative(function, approximate, fine) - _derivative(function, approximate, chosen)).abs().max().item()
-    return boundaries, representatives, error
+    # The largest errors sit at the boundaries, approached from either side (a value just past
+    # a boundary reads the next interval's representative); no grid point reaches those limits.
+    edges = _derivative(function, approximate, torch.tensor(boundaries, dtype=torch.float64))
+    sides = _derivative(function, approximate, torch.tensor(representatives, dtype=torch.float64))
+    limits = torch.maximum((edges - sides[:-1]).abs(), (edges - sides[1:]).abs())
+    return boundaries, representatives, max(error, limits.max().item())
 
 
 def derivative_error(function: str, approximate: str, bits: int) -> float:

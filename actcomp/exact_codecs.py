@@ -79,11 +79,30 @@ def leaky_relu_mask(saved: torch.Tensor) -> Kept:
 def hardtanh_mask(saved: torch.Tensor, low: float, high: float) -> Kept | None:
     """Hardtanh's (ReLU6's) saved tensor: its backward passes the gradient where
     ``not (x <= low or x >= high)``. None when no value of the dtype lies strictly inside."""
-    middle = torch.tensor((low + high) / 2, dtype=saved.dtype).item()
-    if not low < middle < high:
+    # The CPU kernel compares bf16/fp16 values as float32 against float32 bounds: comparing in
+    # bf16 would round the bound (0.7 to 0.69921875) and block the value equal to it.
+    compute = torch.float32 if saved.dtype in (torch.bfloat16, torch.float16) else saved.dtype
+    middle = torch.tensor((low + high) / 2, dtype=saved.dtype)
+    if not bool((middle.to(compute) > low) & (middle.to(compute) < high)):
         return None
-    inside = ~((saved <= low) | (saved >= high))
-    return _mask_codec("clamp-mask", saved, inside, middle, -math.inf)
+    values = saved.to(compute)
+    inside = ~((values <= low) | (values >= high))
+    kept = _mask_codec("clamp-mask", saved, inside, middle.item(), -math.inf)
+    nan = values.isnan()
+    if not bool(nan.any()):
+        return kept
+    # For NaN the CPU kernel's answer depends on the code path: its vectorised loop tests
+    # ``low < x < high`` (blocks NaN), its scalar tail ``not (x <= low or x >= high)`` (passes
+    # it). Only NaN itself, at the same place in a tensor of the same layout, gets the same
+    # answer: keep the NaN positions (8 bytes each) and put NaN back there.
+    shape, rebuild_mask = saved.shape, kept._rebuild
+
+    def rebuild(tensors: tuple) -> torch.Tensor:
+        standin = rebuild_mask(tensors[:1])
+        standin[torch.unravel_index(tensors[1], shape)] = math.nan
+        return standin
+
+    return Kept("clamp-mask", (*kept.tensors, nan.reshape(-1).nonzero().squeeze(1)), rebuild)
 
 
 def dropout_mask(mask: torch.Tensor) -> Kept | None:

@@ -210,8 +210,10 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
         codec = event.codec
         if in_compressed_layer():
             # A compressed layer's packed input: plain PyTorch would keep the input itself
-            # (recorded by ``before``), not these.
-            codec = _spec_of(module) if module is not None else "layer"
+            # (recorded by ``before``), not these. The layer also keeps its weight, which
+            # under autocast is a low-precision copy: kept as it is, not compressed.
+            if not copy:
+                codec = _spec_of(module) if module is not None else "layer"
         elif not copy and key not in input_keys:
             plain.setdefault(key, (local.untyped_storage().nbytes(), event.kind))
         for kept in event.kept:
@@ -237,7 +239,10 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
         scope = innermost_kind()
         kind = "linear" if in_compressed_layer() else scope.kind if scope is not None else "other"
         record(SavedEvent(tensor, (tensor,), kind, None))
-        return tensor
+        # Detached: an op's saved output holds the op's grad_fn, which holds what this hook
+        # returns; the tensor itself would close a cycle through C++ that keeps the report's
+        # whole forward graph alive after the report returns.
+        return tensor.detach()
 
     observe.actcomp_observer = True  # type: ignore[attr-defined]
 
@@ -297,7 +302,11 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
             if modules[layer].actcomp_plain_on_model_input:
                 plain_on_input.append(layer)
         elif entry is not None:
-            not_freed.append(NotFreed(layer, entry["nbytes"], tuple(s for s in entry["savers"] if s != layer)))
+            # A lossless pipeline keeps (a view of) the input itself: then the layer is its only
+            # saver, and no other module keeps the input.
+            others = tuple(s for s in entry["savers"] if s != layer)
+            if others:
+                not_freed.append(NotFreed(layer, entry["nbytes"], others))
     return MemoryReport(rows, storages, input_bytes, copy_bytes, not_freed, plain_on_input,
                         _kind_rows(storages, plain.values()))
 

@@ -41,6 +41,7 @@ CompressedSequential(
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -130,7 +131,7 @@ class RestPolicy:
                     raise ActcompError(f"rest[{kind!r}] must be 'exact' or None (its codec is exact), got {spec!r}")
                 values[kind] = spec
             elif kind == "fewbit":
-                if spec is not None and (isinstance(spec, bool) or spec not in range(1, 5)):
+                if spec is not None and (type(spec) is not int or spec not in range(1, 5)):
                     raise ActcompError(f"rest['fewbit'] must be a bit width 1 to 4 (or None), got {spec!r}")
                 values[kind] = spec
             elif kind in LOSSY_KINDS:
@@ -140,6 +141,10 @@ class RestPolicy:
                     f"unknown op kind {kind!r} in rest; valid keys: {', '.join(LOSSY_KINDS + EXACT_KINDS)}, fewbit "
                     "(Linear/Conv inputs take the main pipeline argument)"
                 )
+        if "fewbit" not in rest and not isinstance(values["activation"], Pipeline):
+            # The preset's derivative codes are lossy: they follow a lossy activation spec, and
+            # never turn activation="exact" (or None) into an approximation unasked.
+            values["fewbit"] = None
         return cls(**values)
 
     def pipeline(self, kind: str) -> Pipeline | None:
@@ -189,7 +194,12 @@ class _AsIs:
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor, self.version = tensor, tensor._version
+        # Detached: a tensor autograd saves is often its op's own output, whose grad_fn holds
+        # this object; holding the tensor itself would close a reference cycle through C++ that
+        # the garbage collector cannot see, leaking the whole graph of a forward that never runs
+        # backward. The detached alias shares the storage and the version counter, and autograd
+        # re-attaches the grad_fn when it unpacks.
+        self.tensor, self.version = tensor.detach(), tensor._version
 
     def unpack(self) -> torch.Tensor:
         if self.tensor._version != self.version:
@@ -212,6 +222,7 @@ class _Session:
         # (id of the saved tensor, codec) -> (weak reference, version, Kept): one tensor saved
         # twice under one codec (RMSNorm's input, by pow and by mul) is compressed once.
         self.cache: dict[tuple[int, str], tuple[weakref.ref, int, Kept]] = {}
+        self.random = _PrivateRandom()
 
     def pack(self, tensor: torch.Tensor):
         # Compressing must not record autograd history (nor save tensors of its own).
@@ -274,7 +285,53 @@ class _Session:
         pipeline = policy.pipeline(kind)
         if pipeline is None or (scope is not None and tensor.numel() * 4 < scope.reference):
             return None  # kept as is, or a statistic (a norm's mean and rstd, a log-sum-exp)
-        return _lossy(pipeline, tensor)
+        with self.random.drawing(tensor.device):
+            return _lossy(pipeline, tensor)
+
+
+class _PrivateRandom:
+    """The random numbers of stochastic rounding, drawn apart from the global generators.
+
+    Pipelines draw from the global generator (``rand_like``); in a forward that would shift every
+    later random op, so dropout would draw other masks than in plain PyTorch and the forward
+    would no longer be the plain one. Each draw here runs on a private stream swapped in for the
+    call and the global state is put back after. The stream's seed is taken from the global
+    generator at the start of the forward and that draw undone, so ``torch.manual_seed`` still
+    makes runs reproducible.
+    """
+
+    def __init__(self) -> None:
+        state = torch.get_rng_state()
+        self.seed = int(torch.randint(2**62, ()))
+        torch.set_rng_state(state)
+        self.states: dict[torch.device, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def drawing(self, device: torch.device):
+        """Run the block on the private streams of the CPU and of ``device`` (CUDA or CPU)."""
+        devices = [torch.device("cpu")] + ([device] if device.type == "cuda" else [])
+        saved = [_rng_state(d) for d in devices]
+        for d in devices:
+            if d not in self.states:
+                self.states[d] = torch.Generator(device=d).manual_seed(self.seed).get_state()
+            _set_rng_state(d, self.states[d])
+        try:
+            yield
+        finally:
+            for d, state in zip(devices, saved):
+                self.states[d] = _rng_state(d)
+                _set_rng_state(d, state)
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.cuda.set_rng_state(state, device)
 
 
 def _frees_memory(tensor: torch.Tensor) -> bool:
@@ -329,6 +386,10 @@ def _tensors(value):
             yield from _tensors(item)
 
 
+# A backward called inside a torch.compile'd step runs these unpack calls with dynamo's frame
+# hook on: it would compile _unpack once per holder type, closure and size (recompiling until
+# its limit, 110 frames for a resnet18 step) for tensors that are mostly bit operations.
+@torch.compiler.disable
 def _unpack(holder) -> torch.Tensor:
     if isinstance(holder, _AsIs):
         return holder.unpack()

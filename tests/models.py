@@ -175,19 +175,37 @@ def gloo_group(rank: int, world_size: int, port: int):
         torch.distributed.destroy_process_group()
 
 
+DDP_RESTS = (None, "exact")
+
+
 def ddp_worker(rank: int, world_size: int, port: int, spec: str, inputs, targets, state, out_dir: str):
-    """One DDP rank: train step on its half of the batch, save the averaged gradients."""
+    """One DDP rank: for each ``rest`` of :data:`DDP_RESTS` (None: layers only, else whole-model
+    mode too), a train step on its half of the batch; saves the averaged gradients, the converted
+    layers and the codecs whole-model mode used, by ``rest``."""
     with gloo_group(rank, world_size, port):
-        model = small_cnn(classes=4, channels=4)
-        model.load_state_dict(state)
-        actcomp.to_compressed(model, spec, first_layer=None)
-        ddp = DistributedDataParallel(model)
-        shard = inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank]
-        loss = F.cross_entropy(ddp(shard[0]), shard[1])
-        loss.backward()
-        grads = {name: p.grad for name, p in model.named_parameters()}
-        layers = sorted(actcomp.compressed_layers(model))
-        torch.save({"grads": grads, "layers": layers}, os.path.join(out_dir, f"rank{rank}.pt"))
+        results = {}
+        for rest in DDP_RESTS:
+            model = small_cnn(classes=4, channels=4)
+            model.load_state_dict(state)
+            actcomp.to_compressed(model, spec, first_layer=None, rest=rest)
+            ddp = DistributedDataParallel(model)
+            shard = inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank]
+            with saved_codecs() as codecs:
+                loss = F.cross_entropy(ddp(shard[0]), shard[1])
+            loss.backward()
+            grads = {name: p.grad for name, p in model.named_parameters()}
+            results[rest] = {"grads": grads, "layers": sorted(actcomp.compressed_layers(model)), "codecs": codecs}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@contextlib.contextmanager
+def saved_codecs():
+    """The codecs whole-model mode's hooks kept saved tensors with while the block ran."""
+    from actcomp.saved_tensors import listening
+
+    codecs: set[str] = set()
+    with listening(lambda event: codecs.add(event.codec) if event.codec else None):
+        yield codecs
 
 
 def fully_shard_blocks(model: nn.Module, mesh) -> nn.Module:
@@ -213,12 +231,16 @@ def output_nodes(model: nn.Module) -> dict[str, str]:
     return nodes
 
 
-FSDP_ORDERS = ("plain", "convert_then_shard", "shard_then_convert")
+# Unconverted, then converted with mink0 before or after sharding, then the same in whole-model
+# mode (rest="exact").
+FSDP_ORDERS = ("plain", "convert_then_shard", "shard_then_convert", "whole_then_shard", "shard_then_whole")
+FSDP_REST = {"whole_then_shard": "exact", "shard_then_whole": "exact"}
 
 
 def fsdp_worker(rank: int, world_size: int, port: int, build, inputs, targets, state, out_dir: str):
     """One FSDP2 rank: for each of :data:`FSDP_ORDERS`, a train step on its half of the batch
-    with ``mink0`` (or no) conversion; saves the full gradients and :func:`output_nodes`."""
+    with ``mink0`` (or no) conversion; saves the full gradients, :func:`output_nodes` and the
+    codecs whole-model mode used."""
     from torch.distributed.device_mesh import init_device_mesh
 
     with gloo_group(rank, world_size, port):
@@ -228,14 +250,17 @@ def fsdp_worker(rank: int, world_size: int, port: int, build, inputs, targets, s
         for order in FSDP_ORDERS:
             model = build()
             model.load_state_dict(state)
-            if order == "convert_then_shard":
-                actcomp.to_compressed(model, "mink0", first_layer=None)
+            rest = FSDP_REST.get(order)
+            if order.endswith("_then_shard"):
+                actcomp.to_compressed(model, "mink0", first_layer=None, rest=rest)
             fully_shard_blocks(model, mesh)
-            if order == "shard_then_convert":
-                actcomp.to_compressed(model, "mink0", first_layer=None)
+            if order.startswith("shard_then_"):
+                actcomp.to_compressed(model, "mink0", first_layer=None, rest=rest)
             nodes = output_nodes(model)
-            _, grads = loss_and_grads(model, *shard)
-            results[order] = {"grads": {name: grad.full_tensor() for name, grad in grads.items()}, "nodes": nodes}
+            with saved_codecs() as codecs:
+                _, grads = loss_and_grads(model, *shard)
+            results[order] = {"grads": {name: grad.full_tensor() for name, grad in grads.items()}, "nodes": nodes,
+                              "codecs": codecs}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

@@ -12,7 +12,9 @@ import timm
 import torch
 import torch.nn.functional as F
 from models import (
+    DDP_RESTS,
     FSDP_ORDERS,
+    FSDP_REST,
     SMALL_MODELS,
     TinyGPT2,
     conv1d_net,
@@ -214,7 +216,13 @@ def test_model_cast_to_bf16_trains(build, batch):
     assert losses[-1] < losses[0]
 
 
+# What whole-model mode (rest="exact") keeps through its codecs: small_cnn's ReLU masks and
+# MaxPool offsets; none in TinyGPT2 (GELU, LayerNorm and SDPA tensors stay as they are).
+WHOLE_MODEL_CODECS = {"small_cnn": {"relu-mask", "pool-offsets2", "shape-only"}, "tiny_gpt2": set()}
+
+
 def test_ddp_two_processes_match_single_process(tmp_path):
+    # Each rank trains with the layers converted, then with whole-model mode (rest="exact") too.
     torch.manual_seed(0)
     state = small_cnn(classes=4, channels=4).state_dict()
     inputs, targets = torch.randn(8, 1, 8, 8), torch.tensor([0, 1, 2, 3, 3, 2, 1, 0])
@@ -222,28 +230,31 @@ def test_ddp_two_processes_match_single_process(tmp_path):
         ddp_worker, args=(2, free_port(), "mink0", inputs, targets, state, str(tmp_path)), nprocs=2, join=True
     )
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
-    assert ranks[0]["layers"] == ranks[1]["layers"] == ["0", "2", "5", "9"]
-
-    # Every rank holds the same allreduced gradients.
-    for name, grad in ranks[0]["grads"].items():
-        assert torch.equal(grad, ranks[1]["grads"][name]), name
 
     model = small_cnn(classes=4, channels=4)
     model.load_state_dict(state)
-    actcomp.to_compressed(model, "mink0", first_layer=None)
-    _, grads = loss_and_grads(model, inputs, targets)
-    # DDP averages the two half-batch gradients ((g0 + g1) / 2) where the single process sums
-    # over the full batch inside the kernels: same math, different float rounding order, so
-    # close rather than bit-equal. Tolerances are ~100x float32 epsilon relative.
-    for name, grad in grads.items():
-        torch.testing.assert_close(ranks[0]["grads"][name], grad, rtol=1e-5, atol=1e-7)
+    _, grads = loss_and_grads(model, inputs, targets)  # the single-process plain model
+    for rest in DDP_RESTS:
+        assert ranks[0][rest]["layers"] == ranks[1][rest]["layers"] == ["0", "2", "5", "9"]
+        for rank in ranks:
+            assert rank[rest]["codecs"] == (WHOLE_MODEL_CODECS["small_cnn"] if rest else set())
+        # Every rank holds the same allreduced gradients; whole-model mode changes none of them.
+        for name, grad in ranks[0][rest]["grads"].items():
+            assert torch.equal(grad, ranks[1][rest]["grads"][name]), name
+            assert torch.equal(grad, ranks[0][None]["grads"][name]), name
+        # DDP averages the two half-batch gradients ((g0 + g1) / 2) where the single process sums
+        # over the full batch inside the kernels: same math, different float rounding order, so
+        # close rather than bit-equal. Tolerances are ~100x float32 epsilon relative.
+        for name, grad in grads.items():
+            torch.testing.assert_close(ranks[0][rest]["grads"][name], grad, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("model_id, build, batch", SMALL_MODELS, ids=[m[0] for m in SMALL_MODELS])
 def test_fsdp2_two_processes_match_single_process(model_id, build, batch, tmp_path):
     # Each rank shards (fully_shard, gloo, a 1-d CPU mesh) every layer, TinyGPT2's blocks, then
-    # the root, and trains one step on its half of the batch three ways: unconverted, converted
-    # then sharded, and sharded then converted (both orders work).
+    # the root, and trains one step on its half of the batch five ways: unconverted, converted
+    # then sharded, and sharded then converted (both orders work), each conversion also in
+    # whole-model mode (rest="exact").
     torch.manual_seed(0)
     state = build().state_dict()
     inputs, targets = batch()
@@ -259,9 +270,11 @@ def test_fsdp2_two_processes_match_single_process(model_id, build, batch, tmp_pa
     compressing = dict.fromkeys(actcomp.compressed_layers(model), "CompressedInputFunctionBackward")
     for rank in ranks:
         assert rank["plain"]["nodes"] == {}
+        assert rank["plain"]["codecs"] == set()
         for order in FSDP_ORDERS[1:]:
             # Every layer converted, and every one ran the compressing Function.
             assert rank[order]["nodes"] == compressing
+            assert rank[order]["codecs"] == (WHOLE_MODEL_CODECS[model_id] if order in FSDP_REST else set())
             # Same processes, same collectives, and mink0 is lossless: exactly the plain FSDP2 gradients.
             for name, grad in rank["plain"]["grads"].items():
                 assert torch.equal(rank[order]["grads"][name], grad), (order, name)

@@ -4,7 +4,9 @@ For every model of the zoo (timm families covering every Linear/Conv variant tim
 Hugging Face BERT, GPT-2, Llama and T5 from small configs), in train mode, the converted model's
 logits and every parameter gradient are bit-identical to the unconverted model's, in fp32 and
 under CPU bf16 autocast, and every converted layer really compressed its input. A layer whose
-forward was replaced, skipped or reordered cannot pass this.
+forward was replaced, skipped or reordered cannot pass this. The same holds in whole-model mode
+with ``rest="exact"``, where every other saved tensor goes through the exact codecs (ReLU-family
+masks, dropout bits, MaxPool offsets) or stays as it is.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from zoo import TIMM_ZOO, ZOO, train_step
 
 import actcomp
 from actcomp.layers import is_supported
+from actcomp.saved_tensors import listening
+from actcomp.whole_model import CompressedModel
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),
@@ -31,21 +35,43 @@ def assert_identical(actual: torch.Tensor, expected: torch.Tensor, what: str) ->
     torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True, msg=what)
 
 
-def assert_converted_model_is_exact(entry, autocast: bool, compressing_layers) -> None:
+# What whole-model mode may use with rest="exact": codecs the backward kernels read bit-exactly.
+EXACT_CODECS = {"relu-mask", "clamp-mask", "dropout-mask", "shape-only", "pool-offsets1", "pool-offsets2",
+                "pool-offsets4", "pool-offsets8"}
+
+# The exact codecs each zoo model uses under rest="exact" (none: GELU/SiLU models without
+# dropout in training, whose saved tensors are all kept as they are).
+_RESNET = {"relu-mask", "pool-offsets4", "shape-only"}
+EXACT_CODECS_USED = {
+    "resnet18": _RESNET, "resnetv2_50x1_bit": _RESNET, "nfnet_l0": {"relu-mask"},
+    "mobilenetv3_small_050": {"relu-mask"}, "regnetx_002": {"relu-mask"},
+    "bert": {"dropout-mask"}, "gpt2": {"dropout-mask"}, "t5": {"dropout-mask", "relu-mask"},
+}
+
+
+def assert_converted_model_is_exact(entry, autocast: bool, compressing_layers, rest: str | None = None) -> None:
     torch.manual_seed(0)
     plain = entry.build()
-    model = actcomp.to_compressed(copy.deepcopy(plain), "mink0", first_layer=None)
+    model = actcomp.to_compressed(copy.deepcopy(plain), "mink0", first_layer=None, rest=rest)
     supported = {name for name, m in plain.named_modules() if is_supported(m)}
     assert set(actcomp.compressed_layers(model)) == supported
     own = {type(m).actcomp_base.__name__ for m in model.modules() if getattr(type(m), "actcomp_own_forward", False)}
     assert own == set(entry.own_forward_layers)
+    assert isinstance(model, CompressedModel) == (rest is not None)
 
     torch.manual_seed(2)
     batch = entry.batch()
-    logits, grads = train_step(model, batch, autocast)
+    saved = []  # what whole-model mode's hooks did with every saved tensor
+    with listening(saved.append):
+        logits, grads = train_step(model, batch, autocast)
     ref_logits, ref_grads = train_step(plain, batch, autocast)
 
     assert compressing_layers(model) == supported, "every converted layer compresses its input"
+    if rest is not None:
+        assert saved, "whole-model hooks saw the saved tensors"
+        # Exactly the codecs the model's ops call for: a ReLU or MaxPool the hooks failed to
+        # recognise would be kept as is and pass the equality checks below unnoticed.
+        assert {event.codec for event in saved} - {None} == EXACT_CODECS_USED.get(entry.id, set())
     assert_identical(logits, ref_logits, "logits")
     assert list(grads) == list(ref_grads)
     for name, ref in ref_grads.items():
@@ -58,6 +84,12 @@ def assert_converted_model_is_exact(entry, autocast: bool, compressing_layers) -
 @pytest.mark.parametrize("entry", ZOO, ids=[entry.id for entry in ZOO])
 def test_zoo_lossless_conversion_is_bit_identical(entry, autocast, compressing_layers):
     assert_converted_model_is_exact(entry, autocast, compressing_layers)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("entry", ZOO, ids=[entry.id for entry in ZOO])
+def test_zoo_whole_model_exact_is_bit_identical(entry, autocast, compressing_layers):
+    assert_converted_model_is_exact(entry, autocast, compressing_layers, rest="exact")
 
 
 # Cast models: one CNN, one ViT and the two causal LMs. (Randomly initialised
