@@ -24,7 +24,7 @@ from actcomp.errors import ActcompError
 from actcomp.layers import compress_layer, is_supported, uncompress_layer
 from actcomp.model_inputs import unwatch_model_inputs, watch_model_inputs
 from actcomp.pipeline import Pipeline, parse
-from actcomp.whole_model import RestPolicy, compress_whole_model, uncompress_whole_model
+from actcomp.whole_model import RestPolicy, check_whole_model_root, compress_whole_model, uncompress_whole_model
 
 PipelineLike = str | Pipeline
 PipelineChoice = PipelineLike | Mapping[str, PipelineLike | None]
@@ -74,6 +74,8 @@ def to_compressed(
         raise ActcompError(f"to_compressed expects an nn.Module, got {type(model).__name__}")
     choose = _chooser(pipeline)
     policy = None if rest is None else RestPolicy.parse(rest)
+    if policy is not None:
+        check_whole_model_root(model)  # before any layer is converted: a refusal changes nothing
     candidates = [(name, module) for name, module in model.named_modules() if is_supported(module)]
     for name, module in candidates:
         if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():

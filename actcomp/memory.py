@@ -211,8 +211,9 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
         if in_compressed_layer():
             # A compressed layer's packed input: plain PyTorch would keep the input itself
             # (recorded by ``before``), not these. The layer also keeps its weight, which
-            # under autocast is a low-precision copy: kept as it is, not compressed.
-            if not copy:
+            # under autocast is a low-precision copy, and under autocast a layer reading the
+            # model input keeps that input: both kept as they are, not compressed.
+            if not copy and key not in input_keys:
                 codec = _spec_of(module) if module is not None else "layer"
         elif not copy and key not in input_keys:
             plain.setdefault(key, (local.untyped_storage().nbytes(), event.kind))

@@ -66,7 +66,7 @@ def _table() -> dict:
             "attention": [F.scaled_dot_product_attention, F.softmax, torch.softmax, torch.Tensor.softmax],
         },
         "pooling": {
-            "max_pool2d": [F.max_pool2d, torch.max_pool2d],
+            "max_pool2d": [F.max_pool2d, F.max_pool2d_with_indices, torch.max_pool2d],
             "pool": [F.max_pool1d, F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d],
         },
         "dropout": {

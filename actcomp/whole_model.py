@@ -41,7 +41,6 @@ CompressedSequential(
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -171,6 +170,14 @@ def _lossy_pipeline(spec: str | Pipeline, where: str) -> Pipeline:
         pipeline = parse(spec)
     else:
         raise ActcompError(f"{where}: expected a spec string, a Pipeline or None, got {type(spec).__name__}: {spec!r}")
+    # Stochastic rounding has generators of its own; a stage drawing from the global one would
+    # shift every later random op of the forward (dropout masks) away from plain PyTorch's.
+    random = [stage.name for stage in pipeline.stages if stage.draws_global_random]
+    if random:
+        raise ActcompError(
+            f"{where}: {pipeline.spec!r} uses {random[0]!r}, which draws from torch's global random generator "
+            "in the middle of the forward and would change the dropout masks that follow; use min-k or a quantizer"
+        )
     stateful = [stage.name for stage in pipeline.stages if stage.initial_state() is not None]
     if stateful:
         raise ActcompError(
@@ -222,7 +229,6 @@ class _Session:
         # (id of the saved tensor, codec) -> (weak reference, version, Kept): one tensor saved
         # twice under one codec (RMSNorm's input, by pow and by mul) is compressed once.
         self.cache: dict[tuple[int, str], tuple[weakref.ref, int, Kept]] = {}
-        self.random = _PrivateRandom()
 
     def pack(self, tensor: torch.Tensor):
         # Compressing must not record autograd history (nor save tensors of its own).
@@ -285,53 +291,7 @@ class _Session:
         pipeline = policy.pipeline(kind)
         if pipeline is None or (scope is not None and tensor.numel() * 4 < scope.reference):
             return None  # kept as is, or a statistic (a norm's mean and rstd, a log-sum-exp)
-        with self.random.drawing(tensor.device):
-            return _lossy(pipeline, tensor)
-
-
-class _PrivateRandom:
-    """The random numbers of stochastic rounding, drawn apart from the global generators.
-
-    Pipelines draw from the global generator (``rand_like``); in a forward that would shift every
-    later random op, so dropout would draw other masks than in plain PyTorch and the forward
-    would no longer be the plain one. Each draw here runs on a private stream swapped in for the
-    call and the global state is put back after. The stream's seed is taken from the global
-    generator at the start of the forward and that draw undone, so ``torch.manual_seed`` still
-    makes runs reproducible.
-    """
-
-    def __init__(self) -> None:
-        state = torch.get_rng_state()
-        self.seed = int(torch.randint(2**62, ()))
-        torch.set_rng_state(state)
-        self.states: dict[torch.device, torch.Tensor] = {}
-
-    @contextlib.contextmanager
-    def drawing(self, device: torch.device):
-        """Run the block on the private streams of the CPU and of ``device`` (CUDA or CPU)."""
-        devices = [torch.device("cpu")] + ([device] if device.type == "cuda" else [])
-        saved = [_rng_state(d) for d in devices]
-        for d in devices:
-            if d not in self.states:
-                self.states[d] = torch.Generator(device=d).manual_seed(self.seed).get_state()
-            _set_rng_state(d, self.states[d])
-        try:
-            yield
-        finally:
-            for d, state in zip(devices, saved):
-                self.states[d] = _rng_state(d)
-                _set_rng_state(d, state)
-
-
-def _rng_state(device: torch.device) -> torch.Tensor:
-    return torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
-
-
-def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
-    if device.type == "cpu":
-        torch.set_rng_state(state)
-    else:
-        torch.cuda.set_rng_state(state, device)
+        return _lossy(pipeline, tensor)
 
 
 def _frees_memory(tensor: torch.Tensor) -> bool:
@@ -434,6 +394,8 @@ def _whole_model_forward(module: nn.Module, args: tuple, kwargs: dict):
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if checkpoint_hooks_on_top():
         return forward(*args, **kwargs)  # checkpoint recomputes these tensors: nothing is stored
+    if top is not None and isinstance(getattr(top[0], "__self__", None), _Session):
+        return forward(*args, **kwargs)  # a whole-model inside another: the outer one's hooks decide
     if top is not None and not getattr(top[0], "actcomp_observer", False):
         _warn_foreign_hooks(module, top[0])
         return forward(*args, **kwargs)
@@ -464,15 +426,21 @@ def compressed_model_class(base: type) -> type:
     return _MODEL_CLASSES[base]
 
 
-def compress_whole_model(model: nn.Module, policy: RestPolicy) -> None:
-    """Make ``model``'s training forward compress every saved tensor per ``policy``, in place."""
-    from actcomp.layers import CompressedLayer
+def check_whole_model_root(model: nn.Module) -> None:
+    """Raise if ``model`` cannot take whole-model mode: a bare Linear/Conv layer is its own root."""
+    from actcomp.layers import is_supported
 
-    if isinstance(model, CompressedLayer):
+    if is_supported(model):
+        base = getattr(type(model), "actcomp_base", type(model))
         raise ActcompError(
-            f"rest= needs a model that contains layers; this model is a single {type(model).actcomp_base.__name__}, "
+            f"rest= needs a model that contains layers; this model is a single {base.__name__}, "
             "whose input the main pipeline already compresses"
         )
+
+
+def compress_whole_model(model: nn.Module, policy: RestPolicy) -> None:
+    """Make ``model``'s training forward compress every saved tensor per ``policy``, in place."""
+    check_whole_model_root(model)
     if not isinstance(model, CompressedModel):
         model.__class__ = compressed_model_class(type(model))
     model.actcomp_rest = policy

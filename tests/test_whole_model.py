@@ -612,7 +612,8 @@ def test_parameters_buffers_inputs_weight_copies_and_statistics_are_kept_as_they
 
     report = actcomp.memory_report(model, inputs) if not autocast else _autocast_report(model, inputs)
     others = [storage for storage in report.storages if storage.kind != "activation"]
-    assert {storage.kind for storage in others} == ({"parameter_copy"} if autocast else {"input"})
+    # Under autocast the layer reading the model input keeps the caller's tensor, not a bf16 copy.
+    assert {storage.kind for storage in others} == ({"parameter_copy", "input"} if autocast else {"input"})
     assert all(storage.codec is None for storage in others)
 
 
@@ -786,6 +787,36 @@ def test_single_layer_root_with_rest_raises(layer):
     with pytest.raises(actcomp.ActcompError, match=rf"rest= needs a model that contains layers; this model is a "
                                                    rf"single {name}, whose input the main pipeline already compresses"):
         actcomp.to_compressed(layer, "int8", rest="8bit")
+    assert type(layer).__name__ == name  # refused before anything was converted
+
+
+def test_a_whole_model_inside_another_follows_the_outer_policy_without_warning():
+    inner = actcomp.to_compressed(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), "int8", rest="exact")
+    outer = actcomp.to_compressed(nn.Sequential(nn.Linear(8, 8), nn.GELU(), inner), "int8", rest="8bit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = actcomp.memory_report(outer, torch.randn(4, 8))
+    assert {row.kind: row.codecs for row in report.kinds}["activation"] == ("fewbit3", "relu-mask")
+
+
+def test_max_pool_returning_its_indices_keeps_window_offsets_exactly():
+    class Pool(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.pool, self.head = nn.Conv2d(3, 4, 3), nn.MaxPool2d(2, return_indices=True), nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            pooled, _ = self.pool(self.head(self.conv(x)))
+            return pooled
+
+    model = Pool()
+    plain = copy.deepcopy(model)
+    actcomp.to_compressed(model, "mink0", rest="exact")
+    x = torch.randn(2, 3, 9, 9)
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    assert {row.kind: row.codecs for row in actcomp.memory_report(model, x).kinds}["pooling"] == ("pool-offsets2",)
 
 
 # ---------------------------------------------------------------------------------------------
