@@ -52,6 +52,7 @@ DEFAULT_SPECS = ["mink0.8", "pmink0.9", "mink0.9+int8", "random0.8", "channel0.8
 # The issue's target: min-k variants within this many percentage points of the baseline (mean over seeds).
 MINK_SPECS, TARGET_PP = ("mink0.8", "pmink0.9", "mink0.9+int8"), 0.5
 SPLIT_SEED, TEST_FRACTION = 0, 0.25
+DEFAULT_SEEDS = [0, 1, 2]  # other seeds: the results file names their count
 
 
 @dataclass(frozen=True)
@@ -333,13 +334,16 @@ def markdown_body(rows: list[dict], configs: dict[str, Config], runs: dict[str, 
         body += ["", "## (a) Whole-model presets vs the baseline", "",
                  "Target: the mean accuracy over seeds at most "
                  + " and ".join(f"{PRESET_TARGETS_PP[name]:g} pp below the baseline for `{name}`" for name in presets)
-                 + f" (Linear/Conv: `{MAIN}`).", ""]
+                 + f" (Linear/Conv: `{MAIN}`). A verdict reads the mean alone; its standard error (std of the "
+                 "paired differences / √seeds) says how far seed noise alone moves it.", ""]
         for name in presets:
             row, target = by_name[name], PRESET_TARGETS_PP[name]
             verdict = "met" if row["diff_pp"] >= -target else "NOT met"
+            diff, error = paired_diff(runs[name], runs[BASELINE])
             versus_linear = "" if "linear" not in runs else \
-                f"; vs `linear` (what `rest` adds): {mean_diff(runs[name], runs['linear']):+.2f} pp"
-            body.append(f"- `{name}`: {row['diff_pp']:+.2f} ± {row['diff_pp_std']:.2f} pp (per seed "
+                "; vs `linear` (what `rest` adds): {:+.2f} pp (standard error {:.2f})".format(
+                    *paired_diff(runs[name], runs["linear"]))
+            body.append(f"- `{name}`: {diff:+.2f} pp (standard error {error:.2f}; per seed "
                         f"{per_seed_diffs(runs[name], runs[BASELINE])}){versus_linear}; target -{target:g} pp: "
                         f"**{verdict}**")
 
@@ -382,9 +386,11 @@ def identical_groups(runs: dict[str, list[dict]]) -> list[list[str]]:
     return [group for group in groups if len(group) > 1]
 
 
-def mean_diff(runs: list[dict], references: list[dict]) -> float:
-    """Mean over seeds of the paired accuracy differences, in percentage points."""
-    return statistics.fmean(100 * (run["accuracy"] - ref["accuracy"]) for run, ref in zip(runs, references))
+def paired_diff(runs: list[dict], references: list[dict]) -> tuple[float, float]:
+    """Mean over seeds of the paired accuracy differences and its standard error, in percentage points."""
+    diffs = [100 * (run["accuracy"] - ref["accuracy"]) for run, ref in zip(runs, references)]
+    error = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+    return statistics.fmean(diffs), error
 
 
 def per_seed_diffs(runs: list[dict], references: list[dict]) -> str:
@@ -407,7 +413,7 @@ def fewbit_section(names: list[str], by_name: dict[str, dict], runs: dict[str, l
         kept = "int8 (the activation pipeline)" if fewbit is None else f"{fewbit}-bit derivative codes"
         body.append(f"| `{name}` | {kept} | {row['accuracy_mean']:.2f} ± {row['accuracy_std']:.2f} "
                     f"| {row['diff_pp']:+.2f} ± {row['diff_pp_std']:.2f} "
-                    f"| {mean_diff(runs[name], reference_runs):+.2f} ({per_seed_diffs(runs[name], reference_runs)}) "
+                    f"| {paired_diff(runs[name], reference_runs)[0]:+.2f} ({per_seed_diffs(runs[name], reference_runs)}) "
                     f"| {row['final_loss_mean']:.4f} |")
     body.append("")
     for name in names:
@@ -417,10 +423,10 @@ def fewbit_section(names: list[str], by_name: dict[str, dict], runs: dict[str, l
             body.append(f"- `{name}`: bit-identical to `{FEWBIT_REFERENCE}`: no GELU or SiLU input was compressed "
                         "(this model has none), so the question does not arise here.")
             continue
-        diff = mean_diff(runs[name], reference_runs)
+        diff, error = paired_diff(runs[name], reference_runs)
         verdict = "holds" if diff >= -FEWBIT_TOLERANCE_PP else "does NOT hold"
-        body.append(f"- `{name}`: {diff:+.2f} pp vs `{FEWBIT_REFERENCE}` (mean over seeds); accuracy **{verdict}** "
-                    f"(tolerance -{FEWBIT_TOLERANCE_PP:g} pp)")
+        body.append(f"- `{name}`: {diff:+.2f} pp vs `{FEWBIT_REFERENCE}` (mean over seeds, standard error "
+                    f"{error:.2f}); accuracy **{verdict}** (tolerance -{FEWBIT_TOLERANCE_PP:g} pp)")
     return body
 
 
@@ -465,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rest", nargs="+", default=[], metavar="NAME",
                         help=f"whole-model configurations, or 'all': {', '.join(CONFIGS)}; with --rest, "
                              "--specs run only when given")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="+", type=int, default=DEFAULT_SEEDS)
     parser.add_argument("--epochs", type=int, help="default: the model's ("
                         + ", ".join(f"{name} {setup.epochs}" for name, setup in MODELS.items()) + ")")
     parser.add_argument("--batch", type=int, default=32)
@@ -521,7 +527,8 @@ def main(argv: list[str] | None = None) -> None:
                 "weight decay": setup.weight_decay, "split seed": SPLIT_SEED}
     header = header_lines(device, args.threads, args.seeds[0], time.perf_counter() - started, settings, load_before)
     title = f"actcomp test accuracy on digits ({args.model}), plain vs compressed"
-    stem = f"accuracy_digits_{args.model}" + ("_wholemodel" if rest_names else "")
+    stem = f"accuracy_digits_{args.model}" + ("_wholemodel" if rest_names else "") \
+        + ("" if args.seeds == DEFAULT_SEEDS else f"_{len(args.seeds)}seeds")
     write_results(stem, device, args.threads, header, title, markdown_body(rows, configs, runs, setup, len(data[3])),
                   rows, COLUMNS, args.out_dir)
     if plt is not None:
