@@ -61,11 +61,14 @@ def to_compressed(
     - ``None``: every layer is compressed.
 
     ``rest`` switches on whole-model mode (:mod:`actcomp.whole_model`): every other tensor autograd
-    keeps is compressed too, by the kind of op saving it. ``rest="int8"`` (the default preset)
-    keeps ReLU-family outputs, dropout masks and MaxPool argmaxes exactly in 1-4 bits, and norm,
-    smooth-activation and attention tensors in int8; a mapping sets kinds one by one, e.g.
-    ``rest={"normalization": "int4", "attention": "int8", "other": None}``. ``None`` (default)
-    leaves the rest as it is (Linear/Conv mode), or as a previous conversion set it.
+    keeps is compressed too, by the kind of op saving it. The presets: ``rest="8bit"`` keeps
+    ReLU-family outputs, dropout masks and MaxPool argmaxes exactly in 1-4 bits, GELU/SiLU inputs
+    as 3-bit derivative codes, and norm, other activation and attention tensors in int8;
+    ``"4bit"`` the same with int4; ``"exact"`` only the exact codecs (bit-identical gradients). A
+    spec string applies that spec to norms, activations and attention; a mapping overrides kinds of
+    the ``"8bit"`` preset one by one, e.g. ``rest={"normalization": "int4", "fewbit": None}``.
+    ``None`` (default) leaves the rest as it is (Linear/Conv mode), or as a previous conversion
+    set it.
 
     Converting an already converted model replaces the pipelines of the layers it selects
     (never nests); other layers keep theirs.

@@ -1,6 +1,6 @@
 """Whole-model mode: compress every tensor autograd keeps, not only Linear/Conv inputs.
 
-``to_compressed(model, "mink0.9+int8", rest="int8")`` converts the Linear/Conv layers as always
+``to_compressed(model, "mink0.9+int8", rest="8bit")`` converts the Linear/Conv layers as always
 and makes the model's forward run under saved-tensor hooks that choose, per saved tensor, by the
 kind of op saving it (:mod:`actcomp.op_kinds`):
 
@@ -8,7 +8,8 @@ kind of op saving it (:mod:`actcomp.op_kinds`):
 kind            kept as                                           exact?
 ==============  ================================================  =========
 activation      ReLU / ReLU6 / Hardtanh / LeakyReLU: 1-bit mask   yes
-                GELU, SiLU, Sigmoid, Tanh, ...: the ``rest`` spec  no
+                GELU, SiLU: 3-bit derivative codes ("8bit")       no
+                Sigmoid, Tanh, Mish, ...: the ``rest`` spec        no
 normalization   Batch/Layer/Group/RMS norm inputs: ``rest`` spec   no
 attention       softmax, SDPA q/k/v/out: ``rest`` spec             no
 pooling         MaxPool2d: window offsets, input shape only       yes
