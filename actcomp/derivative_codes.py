@@ -28,13 +28,15 @@ import functools
 
 import torch
 
-from actcomp.compressors.bitpack import pack_codes, unpack_codes
+from actcomp.compressors.bitpack import pack_codes, packed_size, unpack_codes
 from actcomp.exact_codecs import Kept
 from actcomp.storage import dense_strides, restride
 
 # f' on [-10, 10] decides the intervals; beyond it GELU's and SiLU's derivatives are within
 # 5e-4 of their limits (0 and 1), inside every interval's tolerance.
 _GRID = torch.linspace(-10, 10, 4001, dtype=torch.float64)
+# Elements encoded or decoded at a time (a multiple of 8: chunks pack into whole bytes).
+CHUNK = 1 << 20
 
 
 def _derivative(function: str, approximate: str, x: torch.Tensor) -> torch.Tensor:
@@ -95,13 +97,29 @@ def derivative_error(function: str, approximate: str, bits: int) -> float:
 
 def derivative_code(x: torch.Tensor, function: str, approximate: str = "none", *, bits: int = 3) -> Kept:
     """``x`` (the input GELU or SiLU saved) as ``bits``-bit interval indices; ``function`` is
-    ``"gelu"`` (``approximate`` ``"none"`` or ``"tanh"``) or ``"silu"``. Finite inputs only."""
+    ``"gelu"`` (``approximate`` ``"none"`` or ``"tanh"``) or ``"silu"``. Finite inputs only.
+
+    Works in chunks of :data:`CHUNK` elements, so its temporaries stay a few chunks in size
+    whatever the tensor's (the codes of a whole-tensor ``bucketize`` alone are int32, 1x fp32).
+    """
     boundaries, representatives, _ = _codebook(function, approximate, bits)
-    codes = torch.bucketize(x.detach(), torch.tensor(boundaries, dtype=x.dtype, device=x.device))
+    edges = torch.tensor(boundaries, dtype=x.dtype, device=x.device)
     values = torch.tensor(representatives, dtype=x.dtype, device=x.device)
     shape, stride, count = x.shape, dense_strides(x), x.numel()
+    flat = x.detach().reshape(-1)
+    packed = torch.empty(packed_size(count, bits), dtype=torch.uint8, device=x.device)
+    # CHUNK is a multiple of 8, so each chunk packs into whole bytes of the output.
+    for start in range(0, count, CHUNK):
+        codes = torch.bucketize(flat[start:start + CHUNK], edges, out_int32=True).to(torch.uint8)
+        chunk_bytes = pack_codes(codes, bits)
+        packed[start * bits // 8:start * bits // 8 + chunk_bytes.numel()] = chunk_bytes
 
     def rebuild(tensors: tuple) -> torch.Tensor:
-        return restride(values[unpack_codes(tensors[0], bits, count).long()].view(shape), stride)
+        out = torch.empty(count, dtype=values.dtype, device=values.device)
+        for start in range(0, count, CHUNK):
+            length = min(CHUNK, count - start)
+            codes = unpack_codes(tensors[0][start * bits // 8:], bits, length)
+            torch.index_select(values, 0, codes.int(), out=out[start:start + length])
+        return restride(out.view(shape), stride)
 
-    return Kept(f"fewbit{bits}", (pack_codes(codes.reshape(-1).to(torch.uint8), bits),), rebuild)
+    return Kept(f"fewbit{bits}", (packed,), rebuild)

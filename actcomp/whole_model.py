@@ -61,7 +61,7 @@ from actcomp.exact_codecs import (
     relu_mask,
     shape_only,
 )
-from actcomp.pipeline import Pipeline, parse
+from actcomp.pipeline import Packed, Pipeline, parse
 from actcomp.saved_tensors import (
     SavedEvent,
     announce,
@@ -308,12 +308,32 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return bool(tensor.sum(dtype=torch.float32).isfinite())
 
 
+# Elements a quantizer-only pipeline compresses at a time: its temporaries (fp32 values, noise,
+# codes) then stay a few chunks in size, not several times a large activation. A multiple of
+# every power-of-two group size, so int8/int4/int2 groups are the same as in one piece.
+CHUNK = 1 << 21
+
+
 def _lossy(pipeline: Pipeline, tensor: torch.Tensor) -> Kept:
-    packed = pipeline.compress(tensor.detach())
-    stride = dense_strides(tensor)
-    layout = packed.layout
-    return Kept(pipeline.spec, packed.tensors,
-                lambda tensors: restride(pipeline.decompress(type(packed)(tensors, layout)), stride))
+    # The rebuild closure must not capture ``tensor``: that would keep the full tensor alive.
+    stride, shape, count, dtype, device = dense_strides(tensor), tensor.shape, tensor.numel(), tensor.dtype, tensor.device
+    quantizers_only = all(stage.kind == "quantizer" for stage in pipeline.stages)
+    flat = tensor.detach().reshape(-1)
+    pieces = [pipeline.compress(flat[start:start + CHUNK]) for start in range(0, count, CHUNK)] \
+        if quantizers_only else [pipeline.compress(flat)]
+    counts = [len(piece.tensors) for piece in pieces]
+    layouts = [piece.layout for piece in pieces]
+
+    def rebuild(tensors: tuple) -> torch.Tensor:
+        out = torch.empty(count, dtype=dtype, device=device)
+        start = first = 0
+        for kept, layout in zip(counts, layouts):
+            length = layout.shape.numel()
+            out[start:start + length] = pipeline.decompress(Packed(tensors[first:first + kept], layout))
+            start, first = start + length, first + kept
+        return restride(out.view(shape), stride)
+
+    return Kept(pipeline.spec, tuple(t for piece in pieces for t in piece.tensors), rebuild)
 
 
 def _argument(scope, index: int, name: str, default):

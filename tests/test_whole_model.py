@@ -547,8 +547,9 @@ def test_tensor_saved_twice_under_one_codec_is_compressed_once(compress_calls):
     model = actcomp.to_compressed(nn.Sequential(nn.Linear(32, 32), TinyRMSNorm(), nn.Linear(32, 3)), "mink0.5",
                                   rest="8bit")
     step(model, torch.randn(8, 32))
-    # The second Linear's own pipeline, and the RMSNorm input once.
-    assert sorted(compress_calls) == [(8, 32), (8, 32)]
+    # The second Linear's own pipeline, and the RMSNorm input once (flat: whole-model mode
+    # quantizes in flat chunks).
+    assert sorted(compress_calls) == [(8, 32), (256,)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1048,3 +1049,24 @@ def test_torch_compile_of_a_training_step_is_bit_identical():
     breaks = {reason.split("\n")[0]: count for reason, count in counters["graph_break"].items()}
     assert breaks == {"Skip calling `torch.compiler.disable()`d function": 2, "Unsupported Tensor.backward() call": 1}
     assert counters["frames"]["total"] == 8
+
+
+def test_large_tensors_are_quantized_in_chunks_with_the_same_groups(monkeypatch):
+    # Chunks bound the codecs' temporaries; with a chunk a multiple of the group size, the groups
+    # (and so the worst-case error) are those of one piece, and the tensor comes back in its layout.
+    import actcomp.derivative_codes as derivative_codes
+    import actcomp.whole_model as whole_model
+
+    monkeypatch.setattr(whole_model, "CHUNK", 1024)
+    monkeypatch.setattr(derivative_codes, "CHUNK", 1024)
+    x = torch.randn(96, 50).t()  # 4800 elements, not contiguous: 5 chunks, the last partial
+    kept = whole_model._lossy(actcomp.parse("int8"), x)
+    whole = actcomp.parse("int8").compress(x.reshape(-1))
+    assert kept.nbytes == whole.nbytes
+    rebuilt = kept.unpack()
+    assert rebuilt.stride() == x.stride() and rebuilt.shape == x.shape
+    assert (rebuilt - x).abs().max() <= (x.max() - x.min()) / 255
+    codes = derivative_code(x, "gelu", bits=3)
+    monkeypatch.setattr(derivative_codes, "CHUNK", 1 << 20)
+    assert torch.equal(codes.tensors[0], derivative_code(x, "gelu", bits=3).tensors[0])
+    assert torch.equal(codes.unpack(), derivative_code(x, "gelu", bits=3).unpack())
