@@ -33,22 +33,23 @@ from actcomp.storage import storage_key
 _INPUTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def _tensors(value):
+def tensors_in(value):
+    """Every tensor in ``value``, a tensor or nested lists, tuples and dicts of them."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _tensors(item)
+            yield from tensors_in(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors(item)
+            yield from tensors_in(item)
 
 
 # Storage addresses are not traceable: under torch.compile this hook runs eagerly (one graph
 # break at the model's entry), the rest of the forward still compiles.
 @torch.compiler.disable
 def _record_model_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    for tensor in _tensors((args, kwargs)):
+    for tensor in tensors_in((args, kwargs)):
         key = storage_key(tensor)
         if key is not None:
             _INPUTS[key] = tensor

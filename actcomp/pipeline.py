@@ -16,6 +16,7 @@ torch.Size([4096])
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 
@@ -50,9 +51,10 @@ class Pipeline:
         # never counts in equality (the spec does).
         self.states = tuple(stage.initial_state() for stage in self.stages)
 
-    @property
+    @functools.cached_property
     def spec(self) -> str:
-        """The canonical spec string; ``parse(p.spec) == p``."""
+        """The canonical spec string; ``parse(p.spec) == p``. Computed once: the stages are
+        immutable, and compressed layers key their shared copies by it on every call."""
         return format_spec(stage.stage_spec for stage in self.stages)
 
     def __str__(self) -> str:

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from actcomp.model_inputs import tensors_in
 from actcomp.op_kinds import function_kind, module_kind
 
 
@@ -89,13 +90,7 @@ def innermost_module() -> nn.Module | None:
 
 
 def _largest_numel(values) -> int:
-    largest = 0
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            largest = max(largest, value.numel())
-        elif isinstance(value, (list, tuple)):
-            largest = max(largest, _largest_numel(value))
-    return largest
+    return max((tensor.numel() for tensor in tensors_in(values)), default=0)
 
 
 def _enter_module(module: nn.Module, args: tuple) -> None:

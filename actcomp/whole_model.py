@@ -61,6 +61,7 @@ from actcomp.exact_codecs import (
     relu_mask,
     shape_only,
 )
+from actcomp.model_inputs import tensors_in
 from actcomp.pipeline import Packed, Pipeline, parse
 from actcomp.saved_tensors import (
     SavedEvent,
@@ -225,7 +226,7 @@ class _Session:
     def __init__(self, model: nn.Module, policy: RestPolicy, inputs: tuple):
         self.policy = policy
         self.excluded = {storage_key(t) for t in model.buffers()}
-        self.excluded.update(storage_key(t) for t in _tensors(inputs))
+        self.excluded.update(storage_key(t) for t in tensors_in(inputs))
         self.excluded.discard(None)
         # (id of the saved tensor, codec) -> (weak reference, version, Kept): one tensor saved
         # twice under one codec (RMSNorm's input, by pow and by mul) is compressed once.
@@ -354,17 +355,6 @@ def _pool_settings(scope) -> tuple:
     padding = _argument(scope, 3, "padding", 0)
     dilation = _argument(scope, 4, "dilation", 1)
     return kernel, stride, padding, dilation
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
 
 
 # A backward called inside a torch.compile'd step runs these unpack calls with dynamo's frame
