@@ -111,7 +111,7 @@ def _compressed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # torch.compile this is one graph break per compressed layer; the rest still compiles.
     pipeline = module.actcomp_pipeline
     if module.actcomp_plain_on_model_input and is_model_input(x):
-        if x.requires_grad or not _autocast_casts(x):
+        if x.requires_grad or not autocast_casts(x):
             return super(CompressedLayer, module).forward(x)  # type: ignore[misc]
         # Plain autocast would keep its low-precision copy of the caller's data; keep the data
         # itself (the caller does anyway) and cast it again in backward: exact, and no copy kept.
@@ -128,7 +128,7 @@ def _compressed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _apply(module, op, x, module.weight, module.bias, pipeline)
 
 
-def _autocast_casts(x: torch.Tensor) -> bool:
+def autocast_casts(x: torch.Tensor) -> bool:
     """Whether autocast is on for ``x``'s device and would cast ``x`` for a linear/conv."""
     device_type = x.device.type
     return (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)

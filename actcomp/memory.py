@@ -182,7 +182,7 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
     The model is put in training mode for the pass and restored afterwards. Run it under
     ``torch.autocast`` to account mixed precision.
     """
-    from actcomp.layers import CompressedLayer
+    from actcomp.layers import CompressedLayer, autocast_casts
 
     names = {module: name or "(model)" for name, module in model.named_modules()}
     excluded = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
@@ -252,13 +252,12 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
             key = storage_key(args[0])
             layer_inputs[names[module]] = key
             alive.append(args[0])
-            x, device_type = args[0], args[0].device.type
+            x = args[0]
             if key is None:
                 return
-            if (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
-                    and x.is_floating_point() and x.dtype != torch.get_autocast_dtype(device_type)):
+            if autocast_casts(x):
                 # Plain autocast keeps a low-precision copy of its own, of a model input too.
-                itemsize = torch.get_autocast_dtype(device_type).itemsize
+                itemsize = torch.get_autocast_dtype(x.device.type).itemsize
                 plain.setdefault((key, "autocast"), (x.numel() * itemsize, "linear"))
             elif key not in input_keys:
                 plain.setdefault(key, (local_part(x).untyped_storage().nbytes(), "linear"))
