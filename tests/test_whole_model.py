@@ -1011,8 +1011,21 @@ def test_foreign_saved_tensor_hooks_win_with_a_warning():
     assert_same_gradients(grads, ref_grads)
 
 
-def test_torch_compile_of_a_training_step_is_bit_identical():
+def test_torch_compile_of_a_training_step_is_bit_identical(monkeypatch):
     from torch._dynamo.utils import counters
+
+    from actcomp.exact_codecs import Kept
+
+    # Whether dynamo traced each unpack: the count of frames it looked at is no witness, it
+    # depends on the state of Inductor's on-disk cache (8 warm, 103 cold on torch 2.14.1).
+    traced = []
+    original_unpack = Kept.unpack
+
+    def spying_unpack(self):
+        traced.append(torch.compiler.is_compiling())
+        return original_unpack(self)
+
+    monkeypatch.setattr(Kept, "unpack", spying_unpack)
 
     torch._dynamo.reset()
     counters.clear()
@@ -1043,12 +1056,12 @@ def test_torch_compile_of_a_training_step_is_bit_identical():
                               {n: p.grad for n, p in plain.named_parameters()})
     # Measured (torch 2.14.1): 3 graph breaks while compiling the two steps, 2 at the
     # torch.compiler.disable'd whole-model forward (saved-tensor hooks and the op-kind mode are
-    # not traceable) and 1 at Tensor.backward(), and 8 frames looked at. A change either way
-    # should be looked at: while dynamo still compiled the unpack hook during backward it looked
-    # at 17 frames here (110 for a resnet18 step, with 6 breaks under "8bit").
+    # not traceable) and 1 at Tensor.backward(). A change either way should be looked at.
     breaks = {reason.split("\n")[0]: count for reason, count in counters["graph_break"].items()}
     assert breaks == {"Skip calling `torch.compiler.disable()`d function": 2, "Unsupported Tensor.backward() call": 1}
-    assert counters["frames"]["total"] == 8
+    # The unpack hook runs eagerly: traced, dynamo would compile it once per holder, closure and
+    # size (110 frames for a resnet18 step) for tensors that are mostly bit operations.
+    assert traced and not any(traced)
 
 
 def test_large_tensors_are_quantized_in_chunks_with_the_same_groups(monkeypatch):
