@@ -78,21 +78,35 @@ def topk_mask(magnitudes: torch.Tensor, kept: int) -> torch.Tensor:
     return mask.view(magnitudes.shape)
 
 
+def expected_bits(count: int, kept: int, r: int) -> float:
+    """Expected Rice bits per position for random positions, summed in plain Python."""
+    q = 1 - kept / count
+    return r + 1 + sum(q ** (j * 2**r) for j in range(1, 10_000))
+
+
+def rule(count: int, kept: int) -> tuple[str, int]:
+    """The positions module's choice, recomputed by brute force: the r of fewest expected bits,
+    Rice if that beats a bitmask."""
+    r = min(range(41), key=lambda r: expected_bits(count, kept, r))
+    return ("rice", r) if kept * expected_bits(count, kept, r) < count else ("bitmask", 0)
+
+
 def encoding_bytes(index, count: int) -> dict[str, int]:
-    """The positions module's table, recomputed in plain Python: bytes of each encoding of the
-    sorted kept positions ``index`` among ``count`` (Rice: best of every r, gaps coded as r
-    low bits plus a unary high part)."""
+    """Bytes of each encoding of the sorted kept positions ``index`` among ``count``, recomputed
+    in plain Python (Rice: gaps as r low bits plus a unary high part, r from :func:`rule`)."""
     index = [int(i) for i in index]
     if len(index) == count:
         return {"dense": 0}
     gaps = [b - a - 1 for a, b in zip([-1] + index, index)]
-    rice = min(math.ceil(len(gaps) * r / 8) + math.ceil(sum((g >> r) + 1 for g in gaps) / 8) for r in range(41))
+    r = rule(count, len(index))[1] if index else 0
+    rice = math.ceil(len(gaps) * r / 8) + math.ceil(sum((g >> r) + 1 for g in gaps) / 8)
     return {"bitmask": math.ceil(count / 8), "rice": rice}
 
 
 def position_bytes(index, count: int) -> int:
-    """What a sparsifier pays for positions: the cheapest encoding."""
-    return min(encoding_bytes(index, count).values())
+    """What a sparsifier pays for positions: the encoding the rule picks."""
+    sizes = encoding_bytes(index, count)
+    return sizes["dense"] if "dense" in sizes else sizes[rule(count, len(index))[0]]
 
 
 def kept_positions(spec: str, x: torch.Tensor) -> torch.Tensor:
@@ -513,7 +527,7 @@ def test_random_is_reproducible_from_the_global_seed():
     (2**20, 31, "rice"),
     (1000, 1, "rice"),
 ])
-def test_positions_use_the_cheapest_encoding_and_decode_exactly(count, kept, encoding):
+def test_positions_use_the_encoding_the_rule_picks_and_decode_exactly(count, kept, encoding):
     generator = torch.Generator().manual_seed(count + kept)
     index = torch.randperm(count, generator=generator)[:kept].sort().values
     values = torch.randn(kept, generator=generator)

@@ -12,7 +12,7 @@ positions, so a non-finite value costs its group nothing.
 
 :func:`quantize_affine` and :func:`dequantize_affine` are the pure pair underneath, with the
 rounding noise passed in; the stages draw it from :mod:`~actcomp.compressors.noise`, never
-from torch's global generator.
+from torch's global generator, and run it a chunk at a time.
 
 >>> import torch
 >>> x = torch.linspace(-1, 1, 1000)
@@ -30,9 +30,10 @@ from typing import ClassVar
 
 import torch
 
-from actcomp.compressors.base import Compressor, Encoded, Hints, owned, setting
-from actcomp.compressors.bitpack import pack_codes, unpack_codes
-from actcomp.compressors.noise import rounding_noise
+from actcomp.compressors.base import Compressor, Encoded, Hints, setting
+from actcomp.compressors.bitpack import pack_codes, packed_size, unpack_codes
+from actcomp.compressors.chunks import aligned_length, spans
+from actcomp.compressors.noise import RoundingNoise
 from actcomp.errors import ActcompError
 from actcomp.registry import register_compressor
 
@@ -113,21 +114,46 @@ def dequantize_affine(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Te
 
 
 class GroupQuant(Compressor):
-    """Shared implementation; the registered stages are :class:`Int8`, :class:`Int4`, :class:`Int2`."""
+    """Shared implementation; the registered stages are :class:`Int8`, :class:`Int4`, :class:`Int2`.
+
+    Encodes and decodes a chunk at a time (:mod:`~actcomp.compressors.chunks`), in whole
+    groups and bytes: the groups, codes and noise are those of one whole-tensor call.
+    """
 
     kind = "quantizer"
     bits: ClassVar[int] = 8
 
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
         group = self.group  # type: ignore[attr-defined]
-        noise = rounding_noise(x, grouped_shape(x.numel(), group))
-        codes, offset, scale = quantize_affine(x, self.bits, group, noise)
-        return Encoded(owned(codes), (owned(offset), scale), (x.shape, x.dtype))
+        flat = x.reshape(-1)
+        count = flat.numel()
+        noise = RoundingNoise(flat, group)
+        length = aligned_length(flat.device, count, noise.period, 8)
+        codes = torch.empty(packed_size(count, self.bits), dtype=torch.uint8, device=flat.device)
+        groups = grouped_shape(count, group)[0]
+        offset = torch.empty(groups, dtype=flat.dtype, device=flat.device)
+        scale = torch.empty(groups, dtype=torch.bfloat16, device=flat.device)
+        for start, stop in spans(count, length):
+            shape = grouped_shape(stop - start, group)
+            part_noise = noise.slice(start, shape[0] * group).view(shape)
+            part_codes, part_offset, part_scale = quantize_affine(flat[start:stop], self.bits, group, part_noise)
+            first = start * self.bits // 8
+            codes[first:first + part_codes.numel()] = part_codes
+            offset[start // group:start // group + shape[0]] = part_offset
+            scale[start // group:start // group + shape[0]] = part_scale
+        return Encoded(codes, (offset, scale), (x.shape, x.dtype))
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
         shape, dtype = meta
         offset, scale = saved
-        return dequantize_affine(payload, offset, scale, self.bits, self.group, shape, dtype)  # type: ignore[attr-defined]
+        group, bits, count = self.group, self.bits, shape.numel()  # type: ignore[attr-defined]
+        out = torch.empty(count, dtype=dtype, device=payload.device)
+        for start, stop in spans(count, aligned_length(payload.device, count, group, 8)):
+            first, groups = start * bits // 8, grouped_shape(stop - start, group)[0]
+            out[start:stop] = dequantize_affine(
+                payload[first:first + packed_size(stop - start, bits)], offset[start // group:start // group + groups],
+                scale[start // group:start // group + groups], bits, group, torch.Size([stop - start]), dtype)
+        return out.view(shape)
 
 
 @register_compressor
