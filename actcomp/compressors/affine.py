@@ -85,7 +85,8 @@ def quantize_affine(x: torch.Tensor, bits: int, group: int,
         # Pad with a value of the last group so its min and max do not change.
         flat = torch.cat([flat, flat[-1:].expand(groups * group - count)])
     values = flat.view(shape).float()
-    low, high = values.aminmax(dim=1)
+    # Two reductions: aminmax over short rows is ten times slower than amin and amax.
+    low, high = values.amin(dim=1), values.amax(dim=1)
     levels = 2**bits - 1
     # max/levels - min/levels cannot overflow where (max - min) could.
     scale = round_up_to_bf16(high / levels - low / levels)
@@ -96,7 +97,8 @@ def quantize_affine(x: torch.Tensor, bits: int, group: int,
     # codes = floor((x - min) / step + u): one fused multiply-add onto the noise, and the
     # uint8 cast truncates, which is floor for the clamped, non-negative values.
     codes = torch.addcmul(noise, values - low.unsqueeze(1), inverse_step).clamp_(0, levels)
-    return pack_codes(codes.view(-1)[:count].to(torch.uint8), bits), offset, scale
+    # Through int16: float -> uint8 is not vectorized on CPU, float -> int16 -> uint8 is (4x).
+    return pack_codes(codes.view(-1)[:count].to(torch.int16).to(torch.uint8), bits), offset, scale
 
 
 def dequantize_affine(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, bits: int, group: int,

@@ -33,10 +33,22 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     return ((words * _GATHER_BITS) >> 56).to(torch.uint8)[: packed_size(count, 1)]
 
 
+# Unpacking spreads a byte into the eight bytes of an int64, keeps bit i in byte i, and turns
+# each non-zero byte into 1 (adding 0x7F sets its top bit without a carry into the next byte):
+# four operations on one word per 8 elements, instead of eight shifts per byte.
+_SPREAD = 0x0101010101010101
+_PICK = 0x8040201008040201 - 2**64  # as a signed int64
+_NON_ZERO = 0x7F7F7F7F7F7F7F7F
+
+
 def unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: a flat bool tensor of ``count`` elements."""
-    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
-    return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:count].bool()
+    words = packed.to(torch.int64) * _SPREAD
+    words &= _PICK
+    words += _NON_ZERO
+    words >>= 7
+    words &= _SPREAD
+    return words.view(torch.uint8).view(torch.bool)[:count]
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -67,8 +67,10 @@ class _ElementSparsifier(Compressor):
         for start, stop in spans(count, length):
             part = flat[start:stop]
             mask = select(part, start)
-            writer.add(mask)
-            values.add(part[mask])
+            # One compaction serves both: the positions and the values they pick.
+            index = mask.nonzero().view(-1)
+            writer.add(mask, index)
+            values.add(part[index])
         saved, meta = writer.finish()
         return Encoded(values.finish(), saved, meta)
 
@@ -166,8 +168,11 @@ class SampledMinK(_ElementSparsifier):
             mask = magnitude > value
             if share and value > 0:
                 equal = magnitude == value
-                wanted = round(share * int(equal.sum()))
-                mask |= equal & (equal.cumsum(0) <= wanted)
+                ties = int(equal.sum())
+                wanted = round(share * ties)
+                if wanted < ties:
+                    equal &= equal.cumsum(0) <= wanted
+                mask |= equal
             return mask
 
         return select

@@ -116,17 +116,18 @@ class PositionWriter:
         self.start = 0
         self.last = -1  # the last kept position so far: gaps run on across chunks
 
-    def add(self, mask: torch.Tensor) -> None:
-        """The next slice's mask (bool, flat); every slice but the last is ``length`` long."""
+    def add(self, mask: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """The next slice's mask (bool, flat), and ``mask.nonzero().view(-1)`` when the caller
+        has it already; every slice but the last is ``length`` long."""
         if self.encoding == "bitmask":
             self.bitmask.append(pack_bits(mask))
-            self.kept.append(int(mask.sum()))
+            self.kept.append(int(mask.sum()) if index is None else index.numel())
         elif self.encoding == "rice":
-            index = mask.nonzero().view(-1)
+            index = mask.nonzero().view(-1) if index is None else index
             kept = index.numel()
             self.kept.append(kept)
             if kept:
-                index += self.start
+                index = index + self.start
                 gaps = torch.diff(index, prepend=index.new_full((1,), self.last)) - 1
                 self.last = int(index[-1])
                 high = gaps >> self.low_bits
