@@ -19,7 +19,11 @@ from typing import ClassVar
 import torch
 
 from actcomp.compressors.base import Compressor, Encoded, Hints
+from actcomp.compressors.chunks import map_chunks
 from actcomp.registry import register_compressor
+
+
+_FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -33,8 +37,10 @@ def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     limit = torch.finfo(dtype).max
     if torch.finfo(x.dtype).max <= limit:
         return x.to(dtype)
-    # Clamp in fp32: the limit may not exist in x's dtype (bf16 rounds 65504 up to 65536).
-    return x.float().clamp(-limit, limit).to(dtype)
+    # Clamp in fp32 (the limit may not exist in x's dtype: bf16 rounds 65504 up to 65536), a
+    # chunk at a time so the fp32 copy stays a chunk's.
+    flat = x.reshape(-1)
+    return map_chunks(flat, dtype, lambda part: part.float().clamp(-limit, limit)).view(x.shape)
 
 
 class _Cast(Compressor):
@@ -70,11 +76,15 @@ class Fp8(Compressor):
     kind = "quantizer"
 
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
-        amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
-        scale = amax / torch.finfo(torch.float8_e4m3fn).max
+        # max(-min, max): two reductions, no |x| temporary.
+        amax = torch.maximum(-x.amin(), x.amax()).float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+        scale = amax / _FP8_MAX
         # Zero (or an amax so small the division underflows) keeps scale 1: no 0/0.
         scale = torch.where(scale > 0, scale, 1.0)
-        return Encoded(saturating_cast(x.float() / scale, torch.float8_e4m3fn), (scale,), x.dtype)
+        codes = map_chunks(x.reshape(-1), torch.float8_e4m3fn, lambda part: (part.float() / scale).clamp(-_FP8_MAX, _FP8_MAX))
+        return Encoded(codes.view(x.shape), (scale,), x.dtype)
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
-        return saturating_cast(payload.float() * saved[0], meta)
+        limit = torch.finfo(meta).max
+        values = map_chunks(payload.reshape(-1), meta, lambda part: (part.float() * saved[0]).clamp(-limit, limit))
+        return values.view(payload.shape)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from actcomp.compressors.base import Compressor, Encoded, Hints, drop_count
+from actcomp.compressors.chunks import aligned_length, spans
 from actcomp.errors import ActcompError
 from actcomp.registry import register_compressor
 
@@ -62,9 +63,26 @@ class ChannelMinK(_ChannelSparsifier):
     dim: int | None = None
 
     def choose(self, x: torch.Tensor, dim: int, kept: int) -> torch.Tensor:
-        other = [d for d in range(x.dim()) if d != dim]
-        norms = torch.linalg.vector_norm(x, dim=other, dtype=torch.float32) if other else x.float().abs()
-        return torch.topk(norms, kept, sorted=False).indices
+        return torch.topk(channel_norms(x, dim), kept, sorted=False).indices
+
+
+def channel_norms(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The fp32 L2 norm of each channel along ``dim``, summed over slices of the other leading
+    axis so that the fp32 copy of a low-precision ``x`` stays a slice's.
+
+    >>> channel_norms(torch.tensor([[3.0, 1.0], [4.0, 0.0]]), dim=1)
+    tensor([5., 1.])
+    """
+    other = [d for d in range(x.dim()) if d != dim]
+    if not other:
+        return x.float().abs()
+    outer = other[0]  # slice along the first non-channel axis
+    step = max(1, aligned_length(x.device, x.numel()) * x.shape[outer] // max(x.numel(), 1))
+    squares = torch.zeros(x.shape[dim], dtype=torch.float32, device=x.device)
+    for start, stop in spans(x.shape[outer], step):
+        part = x.narrow(outer, start, stop - start)
+        squares += torch.linalg.vector_norm(part, dim=other, dtype=torch.float32) ** 2
+    return squares.sqrt()
 
 
 @register_compressor

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from actcomp.compressors.base import Compressor, Encoded, Hints, setting
+from actcomp.compressors.chunks import aligned_length, spans
 from actcomp.errors import ActcompError
 from actcomp.registry import register_compressor
 
@@ -70,26 +71,21 @@ class Mesa8(Compressor):
         return RunningRange()
 
     def _grouped(self, x: torch.Tensor, channel_dim: int | None) -> tuple[torch.Tensor, int | None]:
+        """``x`` viewed as (outer, groups, channels per group, inner), and its channel axis."""
         if channel_dim is None or x.dim() == 0:
             if self.groups > 1:
                 raise ActcompError(
                     f"mesa8:groups={self.groups} needs a channel axis, but this tensor of shape "
                     f"{tuple(x.shape)} has none (e.g. it follows an element sparsifier)"
                 )
-            return x.reshape(1, -1), None
+            return x.reshape(1, 1, 1, -1), None
         channel_dim %= x.dim()
         channels = x.shape[channel_dim]
         if channels % self.groups:
             raise ActcompError(f"mesa8:groups={self.groups} does not divide the {channels} channels of shape {tuple(x.shape)}")
-        return x.movedim(channel_dim, 0).reshape(self.groups, -1), channel_dim
-
-    def _broadcast(self, per_group: torch.Tensor, shape: torch.Size, channel_dim: int | None) -> torch.Tensor:
-        if channel_dim is None:
-            return per_group.view([1] * len(shape))
-        per_channel = per_group.repeat_interleave(shape[channel_dim] // self.groups)
-        view = [1] * len(shape)
-        view[channel_dim] = shape[channel_dim]
-        return per_channel.view(view)
+        outer = x.shape[:channel_dim].numel()
+        inner = x.shape[channel_dim + 1:].numel()
+        return x.reshape(outer, self.groups, channels // self.groups, inner), channel_dim
 
     def encode(self, x: torch.Tensor, hints: Hints, state: RunningRange | None = None) -> Encoded:
         # Called directly without a state, this is one call of a fresh pipeline.
@@ -98,18 +94,39 @@ class Mesa8(Compressor):
         if x.numel() == 0:
             empty = torch.zeros(self.groups, device=x.device)
             return Encoded(x.to(torch.uint8), (empty, empty), (channel_dim, x.dtype))
-        batch_low, batch_high = grouped.float().aminmax(dim=1)
+        # Reductions over the other axes allocate nothing of x's size.
+        batch_low = grouped.amin(dim=(0, 2, 3)).float()
+        batch_high = grouped.amax(dim=(0, 2, 3)).float()
         low, high = running.update(batch_low, batch_high, self.momentum)
         scale = (high - low).clamp_(min=0) / _LEVELS
         safe_scale = torch.where(scale > 0, scale, 1.0)
-        low_b = self._broadcast(low, x.shape, channel_dim)
-        scale_b = self._broadcast(safe_scale, x.shape, channel_dim)
-        codes = ((x.float() - low_b) / scale_b).round_().clamp_(0, _LEVELS)
-        return Encoded(codes.to(torch.uint8), (low.clone(), scale), (channel_dim, x.dtype))
+        low_b, inverse_b = low.view(1, -1, 1, 1), (1 / safe_scale).view(1, -1, 1, 1)
+
+        def quantize(part: torch.Tensor) -> torch.Tensor:
+            # Through int16: float -> uint8 is not vectorized on CPU.
+            return ((part.float() - low_b) * inverse_b).round_().clamp_(0, _LEVELS).to(torch.int16)
+
+        codes = _map_rows(grouped, torch.uint8, quantize)
+        return Encoded(codes.view(x.shape), (low.clone(), scale), (channel_dim, x.dtype))
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
         channel_dim, dtype = meta
         low, scale = saved
-        low_b = self._broadcast(low, payload.shape, channel_dim)
-        scale_b = self._broadcast(scale, payload.shape, channel_dim)
-        return (low_b + payload.float() * scale_b).to(dtype)
+        grouped, _ = self._grouped(payload, channel_dim)
+        low_b, scale_b = low.view(1, -1, 1, 1), scale.view(1, -1, 1, 1)
+        values = _map_rows(grouped, dtype, lambda part: torch.addcmul(low_b, part.float(), scale_b))
+        return values.view(payload.shape)
+
+
+def _map_rows(grouped: torch.Tensor, dtype: torch.dtype, function) -> torch.Tensor:
+    """``function`` over slices of ``grouped`` (outer, groups, channels per group, inner), written
+    into one new tensor of ``dtype``: slices of the outer axis, or of the inner one when there
+    is a single outer row (a batch of one, or the channels first)."""
+    out = torch.empty(grouped.shape, dtype=dtype, device=grouped.device)
+    if grouped.numel() == 0:
+        return out
+    axis = 0 if grouped.shape[0] > 1 else 3
+    step = max(1, aligned_length(grouped.device, grouped.numel()) * grouped.shape[axis] // grouped.numel())
+    for start, stop in spans(grouped.shape[axis], step):
+        out.narrow(axis, start, stop - start).copy_(function(grouped.narrow(axis, start, stop - start)))
+    return out

@@ -1,0 +1,117 @@
+"""Min-k without sorting: the exact threshold (mink, dropit) and the one-pass sampled one (smink)."""
+
+import math
+
+import pytest
+import torch
+
+import actcomp
+from actcomp.compressors import thresholds
+from actcomp.compressors.chunks import CPU_CHUNK
+from actcomp.compressors.thresholds import SAMPLE, exact_threshold
+
+# smink's documented tolerance on the kept fraction.
+TOLERANCE = 0.01
+
+
+def distributions(count: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(count)
+    gaussian = torch.randn(count, generator=generator)
+    channels = torch.randn(count // 384, 384, generator=generator) * torch.logspace(-3, 1, 384)
+    return {
+        "gaussian": gaussian,
+        "heavy tail": torch.distributions.StudentT(1.5).sample((count,)),
+        "relu (half zeros)": gaussian.clamp(min=0),
+        "bf16 ties": torch.randn(count, generator=generator).to(torch.bfloat16),
+        "channel scales": channels.view(-1),  # structured: a sample that aliased would be off
+        "sorted": gaussian.abs().sort().values,
+    }
+
+
+def kept_of(spec: str, x: torch.Tensor) -> torch.Tensor:
+    stage = actcomp.parse(spec)
+    y = stage.decompress(stage.compress(x))
+    kept = y != 0
+    assert torch.equal(y[kept], x[kept])  # kept values are exact
+    return kept
+
+
+@pytest.mark.parametrize("count", [1000, 3 * CPU_CHUNK + 17])
+@pytest.mark.parametrize("name", ["gaussian", "heavy tail", "relu (half zeros)", "bf16 ties", "channel scales", "sorted"])
+def test_mink_keeps_exactly_k_and_only_the_largest(name, count):
+    x = distributions(1152)[name][:count] if count < 1152 else distributions(count - count % 384)[name]
+    kept_target = x.numel() - math.floor(0.9 * x.numel())
+
+    stage = actcomp.parse("mink0.9")
+    packed = stage.compress(x)
+    y = stage.decompress(packed)
+    # Exactly k positions kept (zeros among them come back as zeros, so count positions).
+    assert packed.layout.stages[0][1][2] == kept_target
+    kept = y != 0
+    assert torch.equal(y[kept], x[kept])
+    magnitude = x.abs().float()
+    dropped = (y == 0) & (x != 0)
+    if dropped.any() and kept.any():
+        assert float(magnitude[dropped].max()) <= float(magnitude[kept].min())
+
+
+def test_mink_breaks_ties_by_position():
+    x = torch.tensor([1.0, 2.0, 2.0, 2.0, 0.5, 2.0, 3.0, 0.1])
+    y = actcomp.parse("mink0.5").decompress(actcomp.parse("mink0.5").compress(x))
+
+    assert y.tolist() == [0.0, 2.0, 2.0, 2.0, 0.0, 0.0, 3.0, 0.0]
+
+
+def test_a_misleading_sample_widens_the_bracket_and_stays_exact(monkeypatch):
+    # A sample of other, much smaller values: every bracket it gives lies below the threshold
+    # until the bracket has widened to take everything in.
+    monkeypatch.setattr(thresholds, "magnitude_sample", lambda flat: torch.rand(SAMPLE) * 0.01)
+    calls = []
+    original = thresholds._threshold_in
+    monkeypatch.setattr(thresholds, "_threshold_in", lambda *args: calls.append(args[2:]) or original(*args))
+    x = torch.randn(4 * SAMPLE)
+
+    found = exact_threshold(x, 1000)
+
+    assert len(calls) >= 2  # at least one widening
+    assert int((x.abs() > found.value).sum()) + found.ties == 1000
+    assert found.value == float(torch.topk(x.abs(), 1000).values[-1])
+
+
+@pytest.mark.parametrize("name", ["gaussian", "heavy tail", "bf16 ties", "channel scales", "sorted"])
+@pytest.mark.parametrize("rate", [0.5, 0.9, 0.99])
+def test_smink_keeps_the_target_fraction_within_its_tolerance(name, rate):
+    x = distributions(768 * 1024)[name]
+
+    kept = kept_of(f"smink{rate}", x)
+
+    assert abs(float(kept.float().mean()) - (1 - rate)) <= TOLERANCE
+    # What it keeps is the largest: nothing dropped beats anything kept.
+    magnitude = x.abs().float()
+    assert float(magnitude[~kept].max()) <= float(magnitude[kept].min())
+
+
+def test_smink_keeps_only_non_zeros_when_zeros_are_more_than_the_drop_rate():
+    x = torch.randn(768 * 1024).clamp(min=0)  # half zeros
+    x[torch.rand(x.numel(), generator=torch.Generator().manual_seed(0)) < 0.45] = 0  # ~72% zeros
+
+    kept = kept_of("smink0.5", x)
+
+    assert torch.equal(kept, x != 0)
+
+
+def test_smink_on_a_small_tensor_is_exact_mink():
+    x = torch.randn(SAMPLE)
+    stage, exact = actcomp.parse("smink0.9"), actcomp.parse("mink0.9")
+
+    assert torch.equal(stage.decompress(stage.compress(x)), exact.decompress(exact.compress(x)))
+
+
+def test_smink_is_registered_and_chains():
+    assert "smink" in actcomp.list_compressors()
+    x = torch.randn(768 * 1024)
+    packed = actcomp.parse("smink0.9+int8").compress(x)
+    y = actcomp.parse("smink0.9+int8").decompress(packed)
+
+    assert packed.nbytes < 0.05 * x.numel() * 4
+    assert abs(float((y != 0).float().mean()) - 0.1) <= TOLERANCE
