@@ -22,7 +22,6 @@ from actcomp.compressors.base import Compressor, Encoded, Hints
 from actcomp.compressors.chunks import map_chunks
 from actcomp.registry import register_compressor
 
-
 _FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
