@@ -309,32 +309,17 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return bool(tensor.sum(dtype=torch.float32).isfinite())
 
 
-# Elements a quantizer-only pipeline compresses at a time: its temporaries (fp32 values, noise,
-# codes) then stay a few chunks in size, not several times a large activation. A multiple of
-# every power-of-two group size, so int8/int4/int2 groups are the same as in one piece.
-CHUNK = 1 << 21
-
-
 def _lossy(pipeline: Pipeline, tensor: torch.Tensor) -> Kept:
     # The rebuild closure must not capture ``tensor``: that would keep the full tensor alive.
-    stride, shape, count, dtype, device = dense_strides(tensor), tensor.shape, tensor.numel(), tensor.dtype, tensor.device
-    quantizers_only = all(stage.kind == "quantizer" for stage in pipeline.stages)
-    flat = tensor.detach().reshape(-1)
-    pieces = [pipeline.compress(flat[start:start + CHUNK]) for start in range(0, count, CHUNK)] \
-        if quantizers_only else [pipeline.compress(flat)]
-    counts = [len(piece.tensors) for piece in pieces]
-    layouts = [piece.layout for piece in pieces]
+    # The pipeline works a chunk at a time, so its temporaries stay small (actcomp.temporaries).
+    stride, shape = dense_strides(tensor), tensor.shape
+    packed = pipeline.compress(tensor.detach().reshape(-1))
+    layout = packed.layout
 
     def rebuild(tensors: tuple) -> torch.Tensor:
-        out = torch.empty(count, dtype=dtype, device=device)
-        start = first = 0
-        for kept, layout in zip(counts, layouts):
-            length = layout.shape.numel()
-            out[start:start + length] = pipeline.decompress(Packed(tensors[first:first + kept], layout))
-            start, first = start + length, first + kept
-        return restride(out.view(shape), stride)
+        return restride(pipeline.decompress(Packed(tensors, layout)).view(shape), stride)
 
-    return Kept(pipeline.spec, tuple(t for piece in pieces for t in piece.tensors), rebuild)
+    return Kept(pipeline.spec, packed.tensors, rebuild)
 
 
 def _argument(scope, index: int, name: str, default):
