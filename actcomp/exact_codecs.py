@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from actcomp.compressors.bitpack import pack_bits, pack_codes, unpack_bits, unpack_codes
+from actcomp.compressors.bitpack import pack_bits, pack_codes, packed_size, unpack_bits, unpack_codes
+from actcomp.compressors.chunks import aligned_length, spans
 from actcomp.storage import dense_strides, restride
 
 
@@ -53,27 +54,34 @@ class Kept:
         return f"Kept({self.codec!r}, {self.nbytes:,} bytes)"
 
 
-def _mask_codec(codec: str, tensor: torch.Tensor, mask: torch.Tensor, inside, outside) -> Kept:
-    """``mask`` in bits; unpacks to ``inside`` where it is set and ``outside`` elsewhere, laid out
-    like ``tensor``."""
+def _mask_codec(codec: str, tensor: torch.Tensor, predicate: Callable[[torch.Tensor], torch.Tensor],
+                inside, outside) -> Kept:
+    """``predicate`` (elementwise, giving bools) in bits, computed a chunk at a time so the bool
+    temporaries stay a chunk's; unpacks to ``inside`` where it held and ``outside`` elsewhere,
+    laid out like ``tensor``."""
     shape, stride, dtype, count = tensor.shape, dense_strides(tensor), tensor.dtype, tensor.numel()
     values = torch.tensor([outside, inside], dtype=dtype, device=tensor.device)
+    flat = tensor.reshape(-1)
+    length = aligned_length(tensor.device, count, 8)
+    bits = torch.empty(packed_size(count, 1), dtype=torch.uint8, device=tensor.device)
+    for start, stop in spans(count, length):
+        bits[start // 8:packed_size(stop, 1)] = pack_bits(predicate(flat[start:stop]))
 
     def rebuild(tensors: tuple) -> torch.Tensor:
-        bits = unpack_bits(tensors[0], count).view(shape)
-        return restride(bits if dtype == torch.bool else torch.where(bits, values[1], values[0]), stride)
+        mask = unpack_bits(tensors[0], count).view(shape)
+        return restride(mask if dtype == torch.bool else torch.where(mask, values[1], values[0]), stride)
 
-    return Kept(codec, (pack_bits(mask.reshape(-1)),), rebuild)
+    return Kept(codec, (bits,), rebuild)
 
 
 def relu_mask(result: torch.Tensor) -> Kept:
     """ReLU's saved output: its backward passes the gradient where ``not (y <= 0)``."""
-    return _mask_codec("relu-mask", result, ~(result <= 0), 1, 0)
+    return _mask_codec("relu-mask", result, lambda part: ~(part <= 0), 1, 0)
 
 
 def leaky_relu_mask(saved: torch.Tensor) -> Kept:
     """LeakyReLU's saved input (or output, in place): its backward branches on ``x > 0``."""
-    return _mask_codec("relu-mask", saved, saved > 0, 1, 0)
+    return _mask_codec("relu-mask", saved, lambda part: part > 0, 1, 0)
 
 
 def hardtanh_mask(saved: torch.Tensor, low: float, high: float) -> Kept | None:
@@ -85,10 +93,13 @@ def hardtanh_mask(saved: torch.Tensor, low: float, high: float) -> Kept | None:
     middle = torch.tensor((low + high) / 2, dtype=saved.dtype)
     if not bool((middle.to(compute) > low) & (middle.to(compute) < high)):
         return None
-    values = saved.to(compute)
-    inside = ~((values <= low) | (values >= high))
+
+    def inside(part: torch.Tensor) -> torch.Tensor:
+        values = part.to(compute)
+        return ~((values <= low) | (values >= high))
+
     kept = _mask_codec("clamp-mask", saved, inside, middle.item(), -math.inf)
-    nan = values.isnan()
+    nan = saved.isnan()
     if not bool(nan.any()):
         return kept
     # For NaN the CPU kernel's answer depends on the code path: its vectorised loop tests
@@ -109,11 +120,11 @@ def dropout_mask(mask: torch.Tensor) -> Kept | None:
     """Dropout's saved mask: ``bool`` or floats that are all ``0`` or one scale ``1/(1-p)``.
     None when the floats are not of that form (then it is not a dropout mask)."""
     if mask.dtype == torch.bool:
-        return _mask_codec("dropout-mask", mask, mask, True, False)
+        return _mask_codec("dropout-mask", mask, lambda part: part, True, False)
     scale = mask.amax() if mask.numel() else mask.new_zeros(())
     if not bool(((mask == 0) | (mask == scale)).all()):
         return None
-    return _mask_codec("dropout-mask", mask, mask != 0, scale.item(), 0)
+    return _mask_codec("dropout-mask", mask, lambda part: part != 0, scale.item(), 0)
 
 
 def shape_only(tensor: torch.Tensor) -> Kept:
