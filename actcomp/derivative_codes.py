@@ -100,17 +100,18 @@ def derivative_code(x: torch.Tensor, function: str, approximate: str = "none", *
     ``"gelu"`` (``approximate`` ``"none"`` or ``"tanh"``) or ``"silu"``. Finite inputs only.
 
     Works in chunks of :data:`CHUNK` elements, so its temporaries stay a few chunks in size
-    whatever the tensor's (the codes of a whole-tensor ``bucketize`` alone are int32, 1x fp32).
+    whatever the tensor's (whole-tensor interval indices alone would be 1 byte per element).
     """
     boundaries, representatives, _ = _codebook(function, approximate, bits)
-    edges = torch.tensor(boundaries, dtype=x.dtype, device=x.device)
+    # The edges as the input's dtype rounds them: a comparison with a Python number casts it so.
+    edges = torch.tensor(boundaries, dtype=x.dtype).tolist()
     values = torch.tensor(representatives, dtype=x.dtype, device=x.device)
     shape, stride, count = x.shape, dense_strides(x), x.numel()
     flat = x.detach().reshape(-1)
     packed = torch.empty(packed_size(count, bits), dtype=torch.uint8, device=x.device)
     # CHUNK is a multiple of 8, so each chunk packs into whole bytes of the output.
     for start in range(0, count, CHUNK):
-        codes = torch.bucketize(flat[start:start + CHUNK], edges, out_int32=True).to(torch.uint8)
+        codes = _interval(flat[start:start + CHUNK], edges)
         chunk_bytes = pack_codes(codes, bits)
         packed[start * bits // 8:start * bits // 8 + chunk_bytes.numel()] = chunk_bytes
 
@@ -123,3 +124,12 @@ def derivative_code(x: torch.Tensor, function: str, approximate: str = "none", *
         return restride(out.view(shape), stride)
 
     return Kept(f"fewbit{bits}", (packed,), rebuild)
+
+
+def _interval(part: torch.Tensor, edges: list[float]) -> torch.Tensor:
+    """``torch.bucketize(part, edges)`` as uint8: the number of edges below each value. One
+    comparison per edge (7 for 3 bits) is ten times faster on CPU than bucketize's search."""
+    codes = (part > edges[0]).to(torch.uint8)
+    for edge in edges[1:]:
+        codes += part > edge
+    return codes

@@ -67,9 +67,15 @@ def _mask_codec(codec: str, tensor: torch.Tensor, predicate: Callable[[torch.Ten
     for start, stop in spans(count, length):
         bits[start // 8:packed_size(stop, 1)] = pack_bits(predicate(flat[start:stop]))
 
+    ones_and_zeros = (inside, outside) == (1, 0)
+
     def rebuild(tensors: tuple) -> torch.Tensor:
         mask = unpack_bits(tensors[0], count).view(shape)
-        return restride(mask if dtype == torch.bool else torch.where(mask, values[1], values[0]), stride)
+        if dtype == torch.bool:
+            return restride(mask, stride)
+        # 1 and 0 (ReLU's stand-in) are the mask itself, cast: cheaper than a select.
+        standin = mask.to(dtype) if ones_and_zeros else torch.where(mask, values[1], values[0])
+        return restride(standin, stride)
 
     return Kept(codec, (bits,), rebuild)
 

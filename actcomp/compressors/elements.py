@@ -143,25 +143,26 @@ class MinK(_ElementSparsifier):
 @register_compressor
 @dataclass(frozen=True)
 class SampledMinK(_ElementSparsifier):
-    """One-pass min-k: the threshold is a quantile of an evenly spaced sample of 65,536 |x|,
-    and one compare-and-pack pass keeps what lies above it.
+    """One-pass min-k: the threshold is a quantile of an evenly spaced sample of ``sample`` |x|
+    (65,536 by default), and one compare-and-pack pass keeps what lies above it.
 
     The kept fraction is ``1 - drop_rate`` within sampling error: the sample quantile's
-    standard deviation is ``sqrt(p (1 - p) / 65536)``, 0.0012 at ``p = 0.1``, so the kept
-    fraction stays within 0.01 of its target (8 standard deviations). When more than
-    ``drop_rate`` of the values are zero, only the non-zero ones are kept: dropping a zero
-    loses nothing. Tensors of at most 65,536 elements are sampled whole, and select exactly
-    as ``mink`` does.
+    standard deviation is ``sqrt(p (1 - p) / sample)``, 0.0012 at ``p = 0.1`` and the default
+    sample, so the kept fraction stays within 0.01 of its target (8 standard deviations). When
+    more than ``drop_rate`` of the values are zero, only the non-zero ones are kept: dropping a
+    zero loses nothing. Tensors of at most ``sample`` elements are read whole, and select
+    exactly as ``mink`` does.
     """
 
     name = "smink"
     exact_count = False
     drop_rate: float = 0.9
+    sample: int = setting(SAMPLE, minimum=64)
 
     def selector(self, flat: torch.Tensor, kept: int) -> Selector:
-        if flat.numel() <= SAMPLE:
+        if flat.numel() <= self.sample:
             return threshold_selector(exact_threshold(flat, kept))
-        value, share = sampled_threshold(flat, kept)
+        value, share = sampled_threshold(flat, kept, self.sample)
 
         def select(part: torch.Tensor, start: int) -> torch.Tensor:
             magnitude = part.abs()
