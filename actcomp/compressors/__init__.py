@@ -4,6 +4,7 @@
 name        kind        what it keeps
 ==========  ==========  =====================================================
 mink        sparsifier  exact global min-k (largest |x|), compact positions
+smink       sparsifier  one-pass min-k: threshold from a sample, kept fraction +-0.01
 pmink       sparsifier  exact min-k per block of ``block`` elements
 random      sparsifier  random elements (positions from a seed: free)
 channel     sparsifier  channels with the largest L2 norm, their ids
@@ -16,18 +17,19 @@ fp8         quantizer   e4m3 storage with a per-tensor scale
 ==========  ==========  =====================================================
 
 Under int8/4/2 sit :func:`quantize_affine` and :func:`dequantize_affine`, pure functions
-with the rounding noise passed in.
+with the rounding noise passed in. Every stage works a chunk at a time (:mod:`.chunks`), so its
+temporaries stay small whatever the tensor's size.
 """
 
 from actcomp.compressors.affine import GroupQuant, Int2, Int4, Int8, dequantize_affine, quantize_affine
 from actcomp.compressors.base import Compressor, Encoded, Hints, drop_count, setting
 from actcomp.compressors.casts import Bf16, Fp8, Fp16
 from actcomp.compressors.channels import ChannelMinK, RandomChannels
-from actcomp.compressors.elements import DropITReference, MinK, ParallelMinK, RandomDrop
+from actcomp.compressors.elements import DropITReference, MinK, ParallelMinK, RandomDrop, SampledMinK
 from actcomp.compressors.mesa import Mesa8
 
 __all__ = [
     "Bf16", "ChannelMinK", "Compressor", "DropITReference", "Encoded", "Fp16", "Fp8", "GroupQuant",
     "Hints", "Int2", "Int4", "Int8", "Mesa8", "MinK", "ParallelMinK", "RandomChannels", "RandomDrop",
-    "dequantize_affine", "drop_count", "quantize_affine", "setting",
+    "SampledMinK", "dequantize_affine", "drop_count", "quantize_affine", "setting",
 ]

@@ -197,7 +197,8 @@ class ParallelMinK(_ElementSparsifier):
         return self.block
 
     def selector(self, flat: torch.Tensor, kept: int) -> Selector:
-        block, row_kept = self.block, super().kept_count(self.block)
+        block, one_block = self.block, super().kept_count
+        row_kept = one_block(block)
 
         def select(part: torch.Tensor, start: int) -> torch.Tensor:
             count = part.numel()
@@ -209,7 +210,7 @@ class ParallelMinK(_ElementSparsifier):
                 mask[:full].view(-1, block).scatter_(1, index, True)
             if full < count:  # the tensor's last, partial block
                 tail = part[full:].abs()
-                mask[full:][torch.topk(tail, super(ParallelMinK, self).kept_count(count - full), sorted=False).indices] = True
+                mask[full:][torch.topk(tail, one_block(count - full), sorted=False).indices] = True
             return mask
 
         return select
