@@ -31,7 +31,8 @@ from actcomp.compressors.positions import PositionWriter, scatter_kept
 from actcomp.compressors.thresholds import SAMPLE, Threshold, exact_threshold, sampled_threshold
 from actcomp.registry import register_compressor
 
-# Chooses the elements to keep in one slice: (slice, its start) -> bool mask.
+# Chooses the elements to keep in one slice: (slice, its start) -> a bool mask, or the kept
+# positions in the slice in ascending order (int64).
 Selector = Callable[[torch.Tensor, int], torch.Tensor]
 
 
@@ -66,10 +67,14 @@ class _ElementSparsifier(Compressor):
         values = _Values(flat, kept if self.exact_count else None)
         for start, stop in spans(count, length):
             part = flat[start:stop]
-            mask = select(part, start)
-            # One compaction serves both: the positions and the values they pick.
-            index = mask.nonzero().view(-1)
-            writer.add(mask, index)
+            chosen = select(part, start)
+            if chosen.dtype == torch.bool:
+                # One compaction serves both: the positions and the values they pick.
+                index = chosen.nonzero().view(-1)
+                writer.add(chosen, index)
+            else:
+                index = chosen
+                writer.add(index=index, length=part.numel())
             values.add(part[index])
         saved, meta = writer.finish()
         return Encoded(values.finish(), saved, meta)
@@ -201,17 +206,19 @@ class ParallelMinK(_ElementSparsifier):
         row_kept = one_block(block)
 
         def select(part: torch.Tensor, start: int) -> torch.Tensor:
+            # Positions straight from top-k, sorted within each block: no mask to compact.
             count = part.numel()
             full = count // block * block
-            mask = torch.zeros(count, dtype=torch.bool, device=part.device)
+            chosen = []
             if full:
                 rows = part[:full].view(-1, block).abs()
-                index = torch.topk(rows, row_kept, dim=1, sorted=False).indices
-                mask[:full].view(-1, block).scatter_(1, index, True)
+                index = torch.topk(rows, row_kept, dim=1, sorted=False).indices.sort(dim=1).values
+                offsets = torch.arange(0, full, block, device=part.device).unsqueeze(1)
+                chosen.append((index + offsets).view(-1))
             if full < count:  # the tensor's last, partial block
-                tail = part[full:].abs()
-                mask[full:][torch.topk(tail, one_block(count - full), sorted=False).indices] = True
-            return mask
+                tail = torch.topk(part[full:].abs(), one_block(count - full), sorted=False).indices
+                chosen.append(tail.sort().values + full)
+            return chosen[0] if len(chosen) == 1 else torch.cat(chosen)
 
         return select
 

@@ -116,10 +116,14 @@ class PositionWriter:
         self.start = 0
         self.last = -1  # the last kept position so far: gaps run on across chunks
 
-    def add(self, mask: torch.Tensor, index: torch.Tensor | None = None) -> None:
-        """The next slice's mask (bool, flat), and ``mask.nonzero().view(-1)`` when the caller
-        has it already; every slice but the last is ``length`` long."""
+    def add(self, mask: torch.Tensor | None = None, index: torch.Tensor | None = None, length: int | None = None) -> None:
+        """The next slice's kept positions: its bool ``mask``, or the ascending positions
+        ``index`` in it and its ``length``, or both; every slice but the last is ``length`` long."""
+        if mask is not None:
+            length = mask.numel()
         if self.encoding == "bitmask":
+            if mask is None:
+                mask = torch.zeros(length, dtype=torch.bool, device=self.device).index_fill_(0, index, True)
             self.bitmask.append(pack_bits(mask))
             self.kept.append(int(mask.sum()) if index is None else index.numel())
         elif self.encoding == "rice":
@@ -142,8 +146,8 @@ class PositionWriter:
             else:
                 self.unary.append(0)
         else:
-            self.kept.append(mask.numel())
-        self.start += mask.numel()
+            self.kept.append(length)
+        self.start += length
 
     def finish(self) -> tuple[tuple[torch.Tensor, ...], tuple]:
         """``(tensors, meta)`` to store; ``meta`` starts ``(encoding, count, kept)``."""
