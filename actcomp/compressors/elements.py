@@ -89,7 +89,7 @@ class _Values:
 
     def __init__(self, flat: torch.Tensor, count: int | None):
         self.out = None if count is None else flat.new_empty(count)
-        self.empty = flat[:0]
+        self.empty = flat.new_empty(0)
         self.parts: list[torch.Tensor] = []
         self.filled = 0
 
