@@ -29,6 +29,7 @@ import functools
 import torch
 
 from actcomp.compressors.bitpack import pack_codes, packed_size, unpack_codes
+from actcomp.compressors.chunks import spans
 from actcomp.exact_codecs import Kept
 from actcomp.storage import dense_strides, restride
 
@@ -110,17 +111,15 @@ def derivative_code(x: torch.Tensor, function: str, approximate: str = "none", *
     flat = x.detach().reshape(-1)
     packed = torch.empty(packed_size(count, bits), dtype=torch.uint8, device=x.device)
     # CHUNK is a multiple of 8, so each chunk packs into whole bytes of the output.
-    for start in range(0, count, CHUNK):
-        codes = _interval(flat[start:start + CHUNK], edges)
-        chunk_bytes = pack_codes(codes, bits)
+    for start, stop in spans(count, CHUNK):
+        chunk_bytes = pack_codes(_interval(flat[start:stop], edges), bits)
         packed[start * bits // 8:start * bits // 8 + chunk_bytes.numel()] = chunk_bytes
 
     def rebuild(tensors: tuple) -> torch.Tensor:
         out = torch.empty(count, dtype=values.dtype, device=values.device)
-        for start in range(0, count, CHUNK):
-            length = min(CHUNK, count - start)
-            codes = unpack_codes(tensors[0][start * bits // 8:], bits, length)
-            torch.index_select(values, 0, codes.int(), out=out[start:start + length])
+        for start, stop in spans(count, CHUNK):
+            codes = unpack_codes(tensors[0][start * bits // 8:], bits, stop - start)
+            torch.index_select(values, 0, codes.int(), out=out[start:stop])
         return restride(out.view(shape), stride)
 
     return Kept(f"fewbit{bits}", (packed,), rebuild)

@@ -9,7 +9,7 @@ from torch import nn
 import actcomp
 from actcomp.compressors.affine import grouped_shape, quantize_affine
 from actcomp.compressors.chunks import CPU_CHUNK
-from actcomp.compressors.noise import SAMPLE, RoundingNoise
+from actcomp.compressors.noise import FINGERPRINT_SAMPLE, RoundingNoise
 
 INT_STAGES = ["int8", "int4", "int2"]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -75,7 +75,7 @@ def test_noise_follows_the_values_not_their_layout():
 
 def test_the_fingerprint_reads_a_sample_not_every_value():
     # The price of a fingerprint that costs nothing: values outside the sample do not reseed.
-    x = torch.randn(SAMPLE * 8)
+    x = torch.randn(FINGERPRINT_SAMPLE * 8)
     nudged = x.clone()
     nudged[1] += 1.0
 

@@ -41,7 +41,7 @@ import torch
 PERIOD = 2**16
 # Elements of the values read to seed the noise: enough that any change of the values
 # a training step makes shows up, few enough to cost nothing.
-SAMPLE = 1024
+FINGERPRINT_SAMPLE = 1024
 
 _MASK64 = 2**64 - 1
 # Same-size integer views of float dtypes: their bit patterns sum exactly.
@@ -90,11 +90,11 @@ class RoundingNoise:
 
 
 def _fingerprint(x: torch.Tensor) -> int:
-    """The sum of the bit patterns of up to :data:`SAMPLE` evenly spaced elements of ``x``, and
+    """The sum of the bit patterns of up to :data:`FINGERPRINT_SAMPLE` evenly spaced elements of ``x``, and
     its size. Integer sums are exact, so equal values give an equal fingerprint whatever their
     memory layout."""
     count = x.numel()
-    step = max(1, count // SAMPLE)
+    step = max(1, count // FINGERPRINT_SAMPLE)
     if x.is_contiguous():
         sample = x.reshape(-1)[::step]
     else:  # the same elements, read in logical order without copying the tensor

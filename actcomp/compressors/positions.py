@@ -165,11 +165,9 @@ def encode_positions(index: torch.Tensor, count: int) -> tuple[tuple[torch.Tenso
     """Encode sorted, distinct flat positions ``index`` among ``count``; returns (tensors, meta)."""
     length = aligned_length(index.device, count, 8)
     writer = PositionWriter(count, index.numel(), length, index.device)
-    for start, stop in spans(count, length):
-        mask = torch.zeros(stop - start, dtype=torch.bool, device=index.device)
-        inside = index[(index >= start) & (index < stop)]
-        mask[inside - start] = True
-        writer.add(mask)
+    bounds = torch.searchsorted(index, torch.arange(0, count + length, length, device=index.device)).tolist()
+    for (start, stop), first, last in zip(spans(count, length), bounds, bounds[1:]):
+        writer.add(index=index[first:last] - start, length=stop - start)
     return writer.finish()
 
 
