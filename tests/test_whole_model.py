@@ -990,6 +990,40 @@ def test_forward_without_backward_frees_its_graph():
     assert hidden[0]() is None and outputs[0]() is None
 
 
+def test_each_compressed_tensor_is_freed_as_its_backward_runs():
+    # Autograd keeps the pack hook with every saved variable until the last one is released: a
+    # per-forward cache reachable from it kept every compressed tensor to the end of backward
+    # (the kept size on top of the peak). The first layers' codes must be freed before the
+    # backward reaches the start of the network.
+    model = whole(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8), nn.LayerNorm(8),
+                                nn.GELU(), nn.Linear(8, 2)), "8bit")
+    codes = []
+
+    def record(event):
+        if event.codec is not None:
+            codes.append([weakref.ref(t) for t in event.kept])
+
+    alive_when_first_layer_runs = []
+
+    def count_alive(grad):
+        alive_when_first_layer_runs.append(sum(r() is not None for refs in codes for r in refs))
+
+    def watch_first_layer(module, args, output):
+        # The gradient of the first layer's output arrives just before that layer's backward runs.
+        output.register_hook(count_alive)
+
+    model[0].register_forward_hook(watch_first_layer)
+    with listening(record):
+        loss = model(torch.randn(4, 8)).sum()
+    last_block = codes[-1]
+    loss.backward()
+
+    assert len(codes) >= 4  # both LayerNorm inputs and both GELU inputs were compressed
+    assert all(r() is None for r in last_block)
+    # Only what the first layers' backward still reads may remain: the first LayerNorm and GELU.
+    assert alive_when_first_layer_runs[0] <= sum(len(refs) for refs in codes[:2])
+
+
 def test_foreign_saved_tensor_hooks_win_with_a_warning():
     class OwnHooksNet(SigmoidNet):  # a class of its own: the warning is given once per class
         pass
