@@ -33,6 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--amp", choices=["bf16"], default=None, help="run the forward under bf16 autocast")
     report.add_argument("--layers", action="store_true", help="also list the largest modules")
     report.add_argument("--rss", action="store_true", help="also measure peak RSS of 3 steps in fresh processes")
+    report.add_argument("--max-batch", metavar="BUDGET",
+                        help="also find the largest batch whose training step peaks under BUDGET (e.g. 4GiB): plain, "
+                             "checkpointed per block, and compressed; fresh processes, minutes on a large model")
+    report.add_argument("--threads", type=int, default=None, help="torch threads in the --rss/--max-batch probes")
     report.add_argument("--plot", metavar="FILE.png", help="bar chart per layer type (needs matplotlib)")
 
     demo = commands.add_parser("demo", help="train a small CNN and ViT on scikit-learn's digits, plain vs compressed")
@@ -104,7 +108,7 @@ def _report(args: argparse.Namespace) -> int:
     import torch
 
     import actcomp
-    from actcomp.memory import format_bytes
+    from actcomp.memory import format_bytes, parse_bytes
     from actcomp.whole_model import RestPolicy
 
     pipeline = actcomp.parse(args.pipeline)
@@ -117,6 +121,7 @@ def _report(args: argparse.Namespace) -> int:
         raise ActcompError(f"unknown timm model {args.model!r}{hint}")
     if args.batch < 1 or args.img_size < 1:
         raise ActcompError(f"--batch and --img-size must be positive, got {args.batch} and {args.img_size}")
+    budget = parse_bytes(args.max_batch) if args.max_batch is not None else None
     torch.manual_seed(0)
     try:
         plain = timm.create_model(args.model, pretrained=False, img_size=args.img_size)
@@ -164,17 +169,20 @@ def _report(args: argparse.Namespace) -> int:
     if args.rss:
         from actcomp.peak_rss import peak_rss
 
-        sizes = dict(batch=args.batch, img_size=args.img_size, amp=args.amp)
+        sizes = dict(batch=args.batch, img_size=args.img_size, amp=args.amp, threads=args.threads)
         rss = []
         # Each probe trains in a fresh process and can take minutes on a large model: say what is running.
-        for number, (label, spec) in enumerate([("plain", None), ("compressed", pipeline.spec)], start=1):
+        for number, (label, spec, rest_spec) in enumerate([("plain", None, None), ("compressed", pipeline.spec, args.rest)],
+                                                          start=1):
             print(f"measuring peak RSS: {label} ({number}/2) ...", end="", file=sys.stderr, flush=True)
             started = time.perf_counter()
-            rss.append(peak_rss(args.model, spec, **sizes))
+            rss.append(peak_rss(args.model, spec, rest=rest_spec, **sizes))
             print(f" done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         rss_plain, rss_packed = rss
         print(f"peak RSS of 3 training steps: plain {format_bytes(rss_plain)}, compressed {format_bytes(rss_packed)}"
               " (fresh processes; freed memory returned to the OS, see actcomp.peak_rss)")
+    if budget is not None:
+        _print_largest_batches(args, pipeline.spec, budget)
     if plt is not None:
         names = list(plain_types)
         figure, axes = plt.subplots(figsize=(8, 4))
@@ -189,6 +197,31 @@ def _report(args: argparse.Namespace) -> int:
         figure.savefig(args.plot)
         print(f"bar chart saved to {args.plot}")
     return 0
+
+
+def _print_largest_batches(args: argparse.Namespace, spec: str, budget: int) -> None:
+    from actcomp.max_batch import largest_batch
+    from actcomp.memory import format_bytes
+
+    compressed = f"{spec}, rest {args.rest}" if args.rest else spec
+    methods = [("plain", None, None, False), ("checkpoint per block", None, None, True), (compressed, spec, args.rest, False)]
+    found = []
+    for label, method_spec, rest, checkpoint in methods:
+        print(f"largest batch in {format_bytes(budget)}: {label} ...", file=sys.stderr, flush=True)
+        # Bisection over fresh processes: each probe can take minutes on a large model, so show each one.
+        search = largest_batch(args.model, method_spec, rest=rest, checkpoint=checkpoint, budget=budget,
+                               img_size=args.img_size, threads=args.threads,
+                               progress=lambda batch, peak, fits: print(
+                                   f"  batch {batch}: peak {format_bytes(peak)}{'' if fits else ' (over)'}",
+                                   file=sys.stderr, flush=True))
+        found.append((label, search))
+    plain_batch = found[0][1].batch
+    print(f"largest batch whose 2 training steps peak under {format_bytes(budget)} (RSS, fresh processes, "
+          f"{args.img_size} px):")
+    print(f"{'method':<40} {'batch':>6} {'peak':>10} {'x plain':>8}")
+    for label, search in found:
+        ratio = f"{search.batch / plain_batch:.2f}x" if plain_batch else "-"
+        print(f"{label:<40} {search.batch:>6} {format_bytes(search.peak):>10} {ratio:>8}")
 
 
 def _print_rows(title: str, rows: list[tuple[str, int, int, str]], plain_total: int, packed_total: int) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from actcomp.errors import ActcompError
 from actcomp.op_kinds import KINDS
 from actcomp.saved_tensors import (
     SavedEvent,
@@ -174,6 +175,30 @@ def format_bytes(count: float) -> str:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1024
     raise AssertionError("unreachable")
+
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"4GiB"`` -> ``4294967296``: a size as people write it (KB/MB/GB are powers of 1000,
+    KiB/MiB/GiB and bare K/M/G powers of 1024, case-insensitive, a plain number is bytes).
+
+    >>> parse_bytes("4GiB"), parse_bytes("1.5 GB"), parse_bytes("512M")
+    (4294967296, 1500000000, 536870912)
+    """
+    cleaned = text.strip().replace(" ", "").lower()
+    number = cleaned.rstrip("kmgtib")
+    unit = cleaned[len(number):] or "b"
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not 0 < value < float("inf"):
+        raise ActcompError(f"cannot read {text!r} as a memory size: write a positive number and a unit, e.g. "
+                           "'4GiB', '3.5GB', '512MiB' (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, K, M, G, T)")
+    return int(value * _UNITS[unit])
 
 
 def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:

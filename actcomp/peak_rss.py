@@ -29,10 +29,37 @@ from actcomp.errors import ActcompError
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 _PROBE = r"""
-import json, resource, sys, torch, timm, actcomp
+import json, os, resource, sys, threading, time, torch, timm, actcomp
 args = json.loads(sys.argv[1])
+
+def high_water_mark():
+    # VmHWM belongs to this process's memory map, which exec created fresh. ru_maxrss would
+    # also remember the parent's size at fork, whatever the probe itself used.
+    try:
+        status = open("/proc/self/status").read()
+        return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def stop_when_over(limit):
+    # A batch that cannot fit is known as soon as the peak passes the limit: no need to finish it.
+    while True:
+        peak = high_water_mark()
+        if peak > limit:
+            print(json.dumps(peak), flush=True)
+            os._exit(0)
+        time.sleep(0.02)
+
+if args["abort_above"]:
+    threading.Thread(target=stop_when_over, args=(args["abort_above"],), daemon=True).start()
+if args["threads"]:
+    torch.set_num_threads(args["threads"])
 torch.manual_seed(0)
 model = timm.create_model(args["model"], pretrained=False, num_classes=10)
+if args["checkpoint"]:
+    # timm's own per-block checkpointing (checkpoint_seq), non-reentrant as torch recommends.
+    timm.layers.set_reentrant_ckpt(False)
+    model.set_grad_checkpointing(True)
 if args["spec"]:
     actcomp.to_compressed(model, args["spec"], first_layer=args["first_layer"], rest=args["rest"])
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -45,29 +72,30 @@ for _ in range(args["steps"]):
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-try:
-    # VmHWM belongs to this process's memory map, which exec created fresh. ru_maxrss would
-    # also remember the parent's size at fork, whatever the probe itself used.
-    status = open("/proc/self/status").read()
-    peak = int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
-except (OSError, StopIteration):
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps(peak))
+print(json.dumps(high_water_mark()), flush=True)
+os._exit(0)  # the watcher thread may be mid-print otherwise
 """
 
 
 def peak_rss(model: str, spec: str | None, *, batch: int, img_size: int, steps: int = 3, amp: str | None = None,
-             return_freed_memory: bool = True, rest: str | None = None, first_layer: str | None = "auto") -> int:
+             return_freed_memory: bool = True, rest: str | None = None, first_layer: str | None = "auto",
+             checkpoint: bool = False, threads: int | None = None, abort_above: int | None = None) -> int:
     """Peak RSS in bytes of ``steps`` training steps of timm ``model`` (``spec`` None = plain).
 
     ``rest`` (a preset such as ``"8bit"``, or a spec) and ``first_layer`` are passed on to
-    :func:`actcomp.to_compressed` with ``spec``; ``rest=None`` is Linear/Conv mode. Read from
-    ``VmHWM`` in ``/proc/self/status`` (Linux), else ``ru_maxrss`` (in KiB on Linux).
+    :func:`actcomp.to_compressed` with ``spec``; ``rest=None`` is Linear/Conv mode.
+    ``checkpoint=True`` turns on timm's per-block activation checkpointing (non-reentrant
+    ``torch.utils.checkpoint``), alone or under ``spec``. ``threads`` sets torch's intra-op
+    threads. With ``abort_above`` (bytes) the probe stops as soon as its peak passes it and
+    returns that peak (some value above ``abort_above``), which is all a search for the
+    largest batch needs to know. Read from ``VmHWM`` in ``/proc/self/status`` (Linux), else
+    ``ru_maxrss`` (in KiB on Linux).
     """
     if spec is None and rest is not None:
         raise ActcompError(f"peak_rss: rest={rest!r} needs a spec for the Linear/Conv layers (spec is None: plain)")
     args = json.dumps({"model": model, "spec": spec, "batch": batch, "img_size": img_size, "steps": steps, "amp": amp,
-                       "rest": rest, "first_layer": first_layer})
+                       "rest": rest, "first_layer": first_layer, "checkpoint": checkpoint, "threads": threads,
+                       "abort_above": abort_above})
     env = dict(os.environ)
     # The probe must run this actcomp, not whichever one the interpreter would find first
     # (an installed copy may predate ``rest``).
@@ -76,5 +104,6 @@ def peak_rss(model: str, spec: str | None, *, batch: int, img_size: int, steps: 
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     done = subprocess.run([sys.executable, "-c", _PROBE, args], capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
-        raise RuntimeError(f"peak-RSS probe failed for {model} {spec!r} rest={rest!r}:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"peak-RSS probe failed for {model} {spec!r} rest={rest!r} checkpoint={checkpoint} "
+                           f"batch={batch}:\n{done.stderr[-2000:]}")
     return int(json.loads(done.stdout.strip().splitlines()[-1]))

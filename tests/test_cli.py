@@ -183,6 +183,42 @@ def test_report_says_which_peak_rss_probe_is_running(monkeypatch, capsys):
     assert capsys.readouterr().err.startswith(" done in ")
 
 
+def test_report_rss_probe_uses_the_rest_policy(monkeypatch, capsys):
+    import actcomp.peak_rss
+
+    asked = []
+    monkeypatch.setattr(actcomp.peak_rss, "peak_rss", lambda model, spec, **kwargs: asked.append((spec, kwargs["rest"])) or 2**20)
+    assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--rest", "8bit", "--rss"]) == 0
+    assert asked == [(None, None), ("int8", "8bit")]
+
+
+def test_report_max_batch_searches_plain_checkpoint_and_compressed(monkeypatch, capsys):
+    from actcomp import max_batch
+
+    per_sample = {(None, False): 40, (None, True): 12, ("mink0.9+int8", False): 10}
+
+    def curve(model, spec, *, batch, checkpoint, rest, abort_above, **kwargs):
+        assert rest == ("8bit" if spec else None)
+        return (800 + per_sample[spec, checkpoint] * batch) * 2**20
+
+    monkeypatch.setattr(max_batch, "peak_rss", curve)
+    assert main(["report", "--model", "resnet18", "--pipeline", "mink0.9+int8", "--rest", "8bit", *TINY,
+                 "--max-batch", "2GiB"]) == 0
+    out, err = capsys.readouterr()
+    rows = {line.rsplit(None, 4)[0]: line.split()[-4:] for line in out.splitlines()[-3:]}
+    # (2048 - 800) MiB / 40, 12 and 10 MiB per sample, within the search's 2% tolerance.
+    assert rows["plain"][0] == "31"
+    assert 101 <= int(rows["checkpoint per block"][0]) <= 104
+    compressed = rows["mink0.9+int8, rest 8bit"]
+    assert 122 <= int(compressed[0]) <= 124 and compressed[3] == f"{int(compressed[0]) / 31:.2f}x"
+    assert "batch 8: peak" in err and "(over)" in err
+
+
+def test_report_rejects_a_bad_budget_before_any_work(capsys):
+    assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--max-batch", "4 gigs"]) == 2
+    assert "cannot read '4 gigs' as a memory size" in capsys.readouterr().err
+
+
 def test_demo_rows_give_memory_as_plain_over_compressed(capsys):
     from actcomp.demo import run_demo
 

@@ -1,0 +1,107 @@
+"""The largest batch whose training step stays under a memory budget, found in fresh processes.
+
+Each candidate batch trains for a few steps in a process of its own (:func:`actcomp.peak_rss.peak_rss`),
+so the answer is the operating system's peak, allocator slack and backward temporaries included,
+never an estimate from bytes kept. Peak memory grows about linearly with the batch, so two small
+probes give a first guess; bisection between the largest batch that fits and the smallest that
+does not then settles it. A probe stops as soon as it passes the budget.
+
+>>> search = largest_batch("resnet18", None, budget=1 << 30, img_size=32)  # doctest: +SKIP
+>>> search.batch, search.peak <= search.budget  # doctest: +SKIP
+(412, True)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from actcomp.errors import ActcompError
+from actcomp.peak_rss import peak_rss
+
+
+@dataclass
+class BatchSearch:
+    """What :func:`largest_batch` found: ``batch`` fits (peak ``peak``), ``batch + 1`` or the next
+    probe above it did not; ``probes`` lists every (batch, peak) measured, in order."""
+
+    budget: int
+    batch: int = 0
+    peak: int = 0
+    probes: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def smallest_over(self) -> int | None:
+        over = [batch for batch, peak in self.probes if peak > self.budget]
+        return min(over) if over else None
+
+
+def largest_batch(model: str, spec: str | None, *, budget: int, rest: str | None = None, checkpoint: bool = False,
+                  img_size: int = 224, steps: int = 2, threads: int | None = None, first_layer: str | None = "auto",
+                  start: int = 8, tolerance: float = 0.02, limit: int = 1 << 16,
+                  progress: Callable[[int, int, bool], None] | None = None) -> BatchSearch:
+    """The largest batch of timm ``model`` whose ``steps`` training steps peak at most ``budget`` bytes.
+
+    ``spec``, ``rest``, ``checkpoint``, ``threads`` and ``first_layer`` configure the step as in
+    :func:`actcomp.peak_rss.peak_rss` (``spec=None``: plain PyTorch). The search stops when the
+    largest batch that fits and the smallest that does not are within ``tolerance`` of each
+    other (relative; 1 batch at least): ``batch`` may then be up to that much below the true
+    largest. ``progress(batch, peak, fits)`` is called after every probe.
+    """
+    if budget <= 0:
+        raise ActcompError(f"largest_batch: the budget must be a positive number of bytes, got {budget}")
+    if not 0 <= tolerance < 1:
+        raise ActcompError(f"largest_batch: tolerance must be in [0, 1), got {tolerance}")
+    search = BatchSearch(budget)
+    measured: dict[int, int] = {}
+
+    def fits(batch: int) -> bool:
+        if batch not in measured:
+            measured[batch] = peak_rss(model, spec, batch=batch, img_size=img_size, steps=steps, rest=rest,
+                                       first_layer=first_layer, checkpoint=checkpoint, threads=threads,
+                                       abort_above=budget)
+            search.probes.append((batch, measured[batch]))
+            if progress is not None:
+                progress(batch, measured[batch], measured[batch] <= budget)
+        return measured[batch] <= budget
+
+    low, high = 0, None  # low fits (0 trivially), high does not
+    small, larger = start, 2 * start
+    if not fits(small):
+        high = small
+    elif not fits(larger):
+        low, high = small, larger
+    else:
+        low = larger
+        # Peak is about affine in the batch: aim at the budget, then walk from there with
+        # doubling steps until one batch fits and a larger one does not.
+        per_sample = max(1.0, (measured[larger] - measured[small]) / (larger - small))
+        guess = max(larger + 1, min(limit, larger + int((budget - measured[larger]) / per_sample)))
+        step = max(1, math.ceil(tolerance * guess))
+        if fits(guess):
+            low = guess
+            while high is None and low < limit:
+                candidate = min(limit, low + step)
+                if fits(candidate):
+                    low = candidate
+                else:
+                    high = candidate
+                step *= 2
+        else:
+            high = guess
+            while high - step > low:
+                if fits(high - step):
+                    low = high - step
+                    break
+                high -= step
+                step *= 2
+    while high is not None and high - low > max(1, tolerance * low):
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    search.batch = low
+    search.peak = measured.get(low, 0)
+    return search

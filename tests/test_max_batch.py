@@ -1,0 +1,86 @@
+"""The largest-batch search: its bisection on a known peak curve, and one real fresh-process probe."""
+
+from __future__ import annotations
+
+import pytest
+
+import actcomp
+from actcomp import max_batch
+from actcomp.max_batch import largest_batch
+from actcomp.memory import parse_bytes
+from actcomp.peak_rss import peak_rss
+
+MiB = 2**20
+
+
+def affine_curve(base: int, per_sample: int, wobble: int = 0):
+    """A peak curve like a real one: affine in the batch, with a little non-linearity."""
+    return lambda batch: base + per_sample * batch + wobble * (batch % 7)
+
+
+def fake_probe(monkeypatch, curve):
+    """Make the search measure ``curve`` instead of fresh processes; returns the batches asked for."""
+    asked: list[int] = []
+
+    def probe(model, spec, *, batch, abort_above, **kwargs):
+        asked.append(batch)
+        return curve(batch)
+
+    monkeypatch.setattr(max_batch, "peak_rss", probe)
+    return asked
+
+
+@pytest.mark.parametrize("budget_mib", [850, 1000, 4096, 20000])
+@pytest.mark.parametrize("wobble", [0, 3 * MiB])
+@pytest.mark.parametrize("tolerance", [0.0, 0.02])
+def test_search_finds_the_largest_batch_within_tolerance(monkeypatch, budget_mib, wobble, tolerance):
+    curve = affine_curve(800 * MiB, 17 * MiB, wobble)
+    asked = fake_probe(monkeypatch, curve)
+    budget = budget_mib * MiB
+
+    search = largest_batch("m", None, budget=budget, tolerance=tolerance)
+
+    true_largest = max((b for b in range(1, 5000) if curve(b) <= budget), default=0)
+    assert search.batch <= true_largest
+    assert search.batch >= int(true_largest * (1 - tolerance)) - 1
+    assert search.batch == 0 or (search.peak == curve(search.batch) <= budget)
+    # What the search reports as over really was, and it is just above the answer.
+    assert search.smallest_over is not None and curve(search.smallest_over) > budget
+    assert search.smallest_over - search.batch <= max(1, tolerance * search.batch)
+    assert len(asked) == len(set(asked))  # no batch is measured twice
+    assert len(asked) <= 14
+
+
+def test_search_when_even_the_smallest_probe_is_over(monkeypatch):
+    fake_probe(monkeypatch, affine_curve(800 * MiB, 100 * MiB))
+    search = largest_batch("m", None, budget=1000 * MiB)
+    assert search.batch == 2 and search.smallest_over == 3
+    assert largest_batch("m", None, budget=850 * MiB).batch == 0
+
+
+@pytest.mark.parametrize("budget, tolerance, message", [(0, 0.02, "positive"), (MiB, 1.0, "tolerance")])
+def test_bad_search_settings_raise(budget, tolerance, message):
+    with pytest.raises(actcomp.ActcompError, match=message):
+        largest_batch("m", None, budget=budget, tolerance=tolerance)
+
+
+def test_probe_stops_early_above_a_limit_and_checkpoint_runs():
+    # One real fresh-process probe of each kind: a limit far below the process's own size is
+    # passed at once, and a checkpointed whole-model step trains to the end.
+    stopped = peak_rss("resnet18", None, batch=2, img_size=32, steps=1, threads=1, abort_above=MiB)
+    assert stopped > MiB
+    finished = peak_rss("resnet18", "mink0.9+int8", rest="8bit", checkpoint=True, batch=2, img_size=32, steps=1,
+                        threads=1)
+    assert finished > 100 * MiB
+
+
+@pytest.mark.parametrize("text, expected", [("4GiB", 4 * 2**30), ("4 gib", 4 * 2**30), ("3.5GB", 3_500_000_000),
+                                            ("512M", 512 * MiB), ("100", 100), ("2k", 2048)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["4 GiBs", "GiB", "-1G", "0", "nanG", "infG", ""])
+def test_parse_bytes_refuses_what_is_not_a_size(text):
+    with pytest.raises(actcomp.ActcompError, match="memory size.*4GiB"):
+        parse_bytes(text)
