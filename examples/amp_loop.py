@@ -1,7 +1,7 @@
 """A plain PyTorch loop with autocast and GradScaler, plain and with actcomp, side by side.
 
-    python examples/amp_loop.py                # ~30 s on 2 CPU cores
-    python examples/amp_loop.py --tiny         # what CI runs, ~15 s
+    python examples/amp_loop.py                # ~20 s on 2 CPU cores
+    python examples/amp_loop.py --tiny         # what CI runs, ~10 s
 
 A small CNN (Conv, BatchNorm, ReLU, MaxPool) on scikit-learn's digits, under CUDA fp16 autocast
 with a GradScaler, or CPU bf16 autocast without one. Both models start from the same weights and
@@ -16,11 +16,10 @@ import argparse
 import copy
 import os
 import tempfile
-import time
 
 import torch
 import torch.nn.functional as F
-from compare import Run, print_comparison
+from compare import Measured, Run, print_comparison
 from torch import nn
 
 import actcomp
@@ -115,17 +114,13 @@ def main() -> None:
         for name, model in (("plain", plain), ("actcomp", compressed)):
             training = Training(model, args, device)
             kept = kept_bytes(training, train_images)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-            while training.epoch < args.epochs:
-                training.train_epoch(train_images, train_labels)
-                if name == "actcomp" and training.epoch == args.epochs // 2:
-                    torch.save(training.state_dict(), path)
-                    saved_accuracy = training.evaluate(test_images, test_labels)
-            seconds = time.perf_counter() - start
-            peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-            runs[name] = Run(name, kept, training.evaluate(test_images, test_labels), seconds, peak)
+            with Measured() as measured:
+                while training.epoch < args.epochs:
+                    training.train_epoch(train_images, train_labels)
+                    if name == "actcomp" and training.epoch == args.epochs // 2:
+                        torch.save(training.state_dict(), path)
+                        saved_accuracy = training.evaluate(test_images, test_labels)
+            runs[name] = Run(name, kept, training.evaluate(test_images, test_labels), measured.seconds, measured.peak_cuda)
         print_comparison(runs["plain"], runs["actcomp"])
 
         # A fresh model, converted again, loads the checkpoint (state_dict keys are those of the

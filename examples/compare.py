@@ -1,7 +1,11 @@
-"""The plain-vs-actcomp table every example prints.
+"""How the examples measure a training run and print plain vs actcomp.
 
->>> plain, packed = Run("plain", 4 << 20, 0.962, 2.0), Run("actcomp", 1 << 20, 0.958, 2.6)
->>> print_comparison(plain, packed)
+>>> with Measured() as measured:
+...     total = sum(range(1000))
+>>> measured.seconds > 0
+True
+>>> plain = Run("plain", 4 << 20, 0.962, 2.0)
+>>> print_comparison(plain, Run("actcomp", 1 << 20, 0.958, 2.6))
 run      kept for backward  test acc  step time
 plain              4.0 MiB    96.2%      1.00x
 actcomp            1.0 MiB    95.8%      1.30x
@@ -10,16 +14,42 @@ verdict: actcomp keeps 4.0x fewer bytes for backward, accuracy -0.4 pp, steps 1.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+import torch
 
 from actcomp.memory import format_bytes
 
 
+class Measured:
+    """Wall time of a ``with`` block (``seconds``) and, on CUDA, the peak memory allocated during
+    it above what was allocated when it began (``peak_cuda``; None without CUDA), so tensors
+    left from an earlier run do not count."""
+
+    seconds: float
+    peak_cuda: int | None = None
+
+    def __enter__(self) -> Measured:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exception) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.peak_cuda = torch.cuda.max_memory_allocated() - self.base
+        self.seconds = time.perf_counter() - self.start
+
+
 @dataclass(frozen=True)
 class Run:
-    """One training run's results: ``kept_bytes`` is what autograd keeps for backward
-    (:func:`actcomp.memory_report`), ``seconds`` the training time, ``peak_cuda`` the
-    ``torch.cuda.max_memory_allocated`` of the run (None on CPU)."""
+    """One training run's results: ``kept_bytes`` is what autograd keeps for backward for one
+    batch (:func:`actcomp.memory_report`), ``seconds`` the training time, ``peak_cuda`` as
+    :class:`Measured` gives it."""
 
     name: str
     kept_bytes: int
@@ -29,7 +59,7 @@ class Run:
 
 
 def print_comparison(plain: Run, compressed: Run) -> None:
-    """Print both runs (step time relative to ``plain``) and a one-line verdict."""
+    """Print both runs (step time relative to ``plain``: both take the same steps) and a verdict."""
     cuda = plain.peak_cuda is not None
     print(f"{'run':<8} {'kept for backward':>17}" + (f" {'peak CUDA':>10}" if cuda else "") + "  test acc  step time")
     for run in (plain, compressed):

@@ -1,7 +1,7 @@
 """DDP or FSDP2 training, plain and with actcomp, side by side in one launch.
 
-    torchrun --nproc_per_node 2 examples/distributed.py --mode ddp             # ~1 min on 2 CPU cores
-    torchrun --nproc_per_node 2 examples/distributed.py --mode fsdp2 --tiny    # what CI runs, ~20 s
+    torchrun --nproc_per_node 2 examples/distributed.py --mode ddp             # ~45 s on 2 CPU cores
+    torchrun --nproc_per_node 2 examples/distributed.py --mode fsdp2 --tiny    # what CI runs, ~25 s
 
 A small transformer reads scikit-learn's digits as 8 tokens (the image rows); each rank trains
 on its DistributedSampler shard, on CPU with gloo (CUDA with NCCL when there is a GPU). The model
@@ -18,13 +18,12 @@ import argparse
 import os
 import shutil
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from compare import Run, print_comparison
+from compare import Measured, Run, print_comparison
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -122,21 +121,17 @@ def fit(name: str, args: argparse.Namespace, device: torch.device, train: Tensor
     # Bytes autograd keeps for one per-rank batch (every rank runs the report's forward).
     kept = actcomp.memory_report(model, next(iter(loader))[0].to(device)).total_bytes
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for epoch in range(args.epochs):
-        model.train()
-        sampler.set_epoch(epoch)
-        for images, labels in loader:
-            loss = F.cross_entropy(model(images.to(device)), labels.to(device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-    dist.barrier()
-    seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    return Run(name, kept, accuracy(model, test, device), seconds, peak), model, optimizer
+    with Measured() as measured:
+        for epoch in range(args.epochs):
+            model.train()
+            sampler.set_epoch(epoch)
+            for images, labels in loader:
+                loss = F.cross_entropy(model(images.to(device)), labels.to(device))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+        dist.barrier()
+    return Run(name, kept, accuracy(model, test, device), measured.seconds, measured.peak_cuda), model, optimizer
 
 
 def save_and_reload(args: argparse.Namespace, device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer,
