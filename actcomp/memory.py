@@ -204,8 +204,9 @@ def parse_bytes(text: str) -> int:
 def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
     """Run ``model(*inputs, **kwargs)`` once in training mode and account its saved tensors.
 
-    The model is put in training mode for the pass and restored afterwards. Run it under
-    ``torch.autocast`` to account mixed precision.
+    The model is put in training mode for the pass and restored afterwards, and an FSDP2 model
+    is left sharded, as after a training step. Run it under ``torch.autocast`` to account mixed
+    precision.
     """
     from actcomp.layers import CompressedLayer, autocast_casts
 
@@ -300,6 +301,7 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
         for handle in handles:
             handle.remove()
         alive.clear()
+        _reshard(model)
 
     def kind(key: tuple) -> str:
         return "input" if key in input_keys else "parameter_copy" if key in copy_keys else "activation"
@@ -349,6 +351,21 @@ def _kind_rows(storages: list[SavedStorage], plain) -> list[KindRow]:
             codecs[storage.op_kind][storage.codec or "as is"] = None
     order = [kind for kind in KINDS if kind in plain_bytes or kind in kept_bytes]
     return [KindRow(kind, plain_bytes[kind], kept_bytes[kind], tuple(codecs[kind])) for kind in order]
+
+
+def _reshard(model: nn.Module) -> None:
+    """Shard FSDP2 parameters again, as the backward that never follows the report would.
+
+    The root (and any module sharded with ``reshard_after_forward=False``) keeps its all-gathered
+    parameters registered after a forward: an optimizer built then would step those, and the
+    shards would never train.
+    """
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def _type_name(module: nn.Module) -> str:

@@ -42,6 +42,8 @@ CompressedSequential(
 
 from __future__ import annotations
 
+import inspect
+import types
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -429,9 +431,25 @@ _MODEL_CLASSES: dict[type, type] = {}
 def compressed_model_class(base: type) -> type:
     """The (cached) whole-model subclass of ``base``."""
     if base not in _MODEL_CLASSES:
-        namespace = {"__module__": __name__, "actcomp_base": base}
+        namespace = {"__module__": __name__, "actcomp_base": base, "forward": _forward_like(base)}
         _MODEL_CLASSES[base] = type(f"Compressed{base.__name__}", (CompressedModel, base), namespace)
     return _MODEL_CLASSES[base]
+
+
+def _forward_like(base: type):
+    """:meth:`CompressedModel.forward` with ``base.forward``'s docstring and signature.
+
+    Callers read the signature: Hugging Face's Trainer passes on only the batch keys that
+    ``forward`` names and finds the label names there; ``(*args, **kwargs)`` would make it drop
+    every input. A copy of the function, not a wrapper: a wrapper would be one more frame for
+    torch.compile to trace and break in.
+    """
+    shared = CompressedModel.forward
+    forward = types.FunctionType(shared.__code__, shared.__globals__, "forward", shared.__defaults__, shared.__closure__)
+    forward.__qualname__ = f"Compressed{base.__name__}.forward"
+    forward.__doc__ = base.forward.__doc__
+    forward.__signature__ = inspect.signature(base.forward)
+    return forward
 
 
 def check_whole_model_root(model: nn.Module) -> None:

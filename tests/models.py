@@ -266,17 +266,19 @@ def fsdp_worker(rank: int, world_size: int, port: int, build, inputs, targets, s
 
 def fsdp_memory_worker(rank: int, world_size: int, port: int, cases, out_dir: str):
     """One FSDP2 rank: the :func:`actcomp.memory_report` of each ``(build, state, spec, inputs)``
-    case, converted with ``spec`` (None: not converted), sharded, on its part of ``inputs``."""
+    case, converted with ``spec`` (None: not converted), sharded, on its part of ``inputs``, and
+    the types of the parameters the model registers after the report."""
     from torch.distributed.device_mesh import init_device_mesh
 
     with gloo_group(rank, world_size, port):
         mesh = init_device_mesh("cpu", (world_size,))
-        reports = []
+        results = []
         for build, state, spec, inputs in cases:
             model = build()
             model.load_state_dict(state)
             if spec is not None:
                 actcomp.to_compressed(model, spec)
             fully_shard_blocks(model, mesh)
-            reports.append(actcomp.memory_report(model, inputs.chunk(world_size)[rank]))
-        torch.save(reports, os.path.join(out_dir, f"rank{rank}.pt"))
+            report = actcomp.memory_report(model, inputs.chunk(world_size)[rank])
+            results.append((report, {type(p).__name__ for p in model.parameters()}))
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -147,6 +147,9 @@ def test_report_of_fsdp2_sharded_model_equals_unsharded_report(tmp_path):
     # Two gloo processes shard each model (layers, blocks, root) and report on their half of
     # the batch. Sharded parameters are DTensors, and the unsharded ones FSDP2 all-gathers
     # for the forward are parameters too: the report is the unsharded model's, field by field.
+    # After it every parameter is sharded again, as after a training step: a forward without its
+    # backward leaves the root's all-gathered parameters registered, and an optimizer built then
+    # would step those instead of the shards.
     torch.manual_seed(0)
     cases = []
     for _, build, batch in SMALL_MODELS:
@@ -155,8 +158,8 @@ def test_report_of_fsdp2_sharded_model_equals_unsharded_report(tmp_path):
     torch.multiprocessing.spawn(fsdp_memory_worker, args=(2, free_port(), cases, str(tmp_path)), nprocs=2, join=True)
 
     for rank in range(2):
-        reports = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        for (build, state, spec, inputs), report in zip(cases, reports, strict=True):
+        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for (build, state, spec, inputs), (report, parameter_types) in zip(cases, results, strict=True):
             model = build()
             model.load_state_dict(state)
             if spec is not None:
@@ -167,6 +170,7 @@ def test_report_of_fsdp2_sharded_model_equals_unsharded_report(tmp_path):
             assert report == expected
             assert report.total_bytes > 0
             assert {row.compressed for row in report.rows} - {None} == ({spec} if spec else set())
+            assert parameter_types == {"DTensor"}
 
 
 def test_kind_rows_of_a_relu_output_that_a_plain_linear_also_keeps():

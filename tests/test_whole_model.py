@@ -18,6 +18,7 @@ What must hold, each checked against plain PyTorch:
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import pickle
 import warnings
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from zoo import ZOO, train_step
+from zoo import HF_ZOO, ZOO, train_step
 
 import actcomp
 from actcomp.derivative_codes import derivative_code, derivative_error
@@ -767,6 +768,22 @@ def test_state_dict_and_parameters_unchanged_by_conversion():
     assert list(model.state_dict()) == list(state)
     assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
     model.load_state_dict(NormNet().state_dict())  # a plain model's state loads into it
+
+
+def test_root_forward_keeps_its_signature():
+    # Callers read it: Hugging Face's Trainer passes on only the batch keys that forward names
+    # and finds the label names there; (*args, **kwargs) made it drop every input.
+    from transformers.utils import find_labels
+
+    model = next(entry for entry in HF_ZOO if entry.id == "bert").build()
+    base = type(model)
+
+    actcomp.to_compressed(model, "int8", rest="8bit")
+
+    assert inspect.signature(type(model).forward) == inspect.signature(base.forward)
+    assert inspect.signature(model.forward) == inspect.signature(base.forward.__get__(model))
+    assert type(model).forward.__doc__ == base.forward.__doc__
+    assert find_labels(type(model)) == ["labels"]
 
 
 def test_converting_again_replaces_rest_and_never_nests():
