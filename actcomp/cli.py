@@ -40,11 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--plot", metavar="FILE.png", help="bar chart per layer type (needs matplotlib)")
 
     demo = commands.add_parser("demo", help="train a small CNN and ViT on scikit-learn's digits, plain vs compressed")
-    demo.add_argument("--epochs", type=int, default=12)
+    demo.add_argument("--epochs", type=int, default=8)
     demo.add_argument("--threads", type=int, default=1, help="torch threads (tiny models run best on one)")
-    demo.add_argument("--pipelines", nargs="+", default=["mink0.9", "pmink0.9+int8", "int8"])
-    demo.add_argument("--rest", metavar="PRESET_OR_SPEC", default=None,
-                      help="whole-model mode for every pipeline ('8bit', '4bit', 'exact', or a spec)")
+    demo.add_argument("--pipelines", nargs="+", default=["mink0.9+int8"],
+                      help="Linear/Conv specs; each runs in Linear/Conv mode and in whole-model mode")
+    demo.add_argument("--rest", metavar="PRESET_OR_SPEC", default="8bit",
+                      help="whole-model policy for the whole-model rows ('8bit', '4bit', 'exact', a spec; 'none': no such rows)")
     demo.add_argument("--models", nargs="+", default=["cnn", "vit"], choices=["cnn", "vit"])
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--plot", metavar="FILE.png", help="save the loss curves (needs matplotlib)")
@@ -58,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
             return _report(args)
         from actcomp.demo import run_demo
 
+        rest = None if args.rest.lower() == "none" else args.rest
         run_demo(epochs=args.epochs, specs=args.pipelines, models=args.models, seed=args.seed, threads=args.threads,
-                 plot=args.plot, rest=args.rest)
+                 plot=args.plot, rest=rest)
         return 0
     except ActcompError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -125,13 +125,21 @@ def test_demo_runs_end_to_end(capsys):
 
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("cnn ") and "%" in line]
-    assert [row[1] for row in rows] == ["plain", "mink0.9"]
-    accuracy = float(rows[1][2].rstrip("%"))
-    assert accuracy > 50  # three short epochs on digits are far above chance (10%): 90% measured
+    # Plain, Linear/Conv mode, and whole-model mode (the default rest="8bit").
+    assert [row[1] for row in rows] == ["plain", "mink0.9", "mink0.9"] and rows[2][2] == "rest=8bit"
+    accuracy = [float(row[-5].rstrip("%")) for row in rows]
+    assert min(accuracy) > 50  # three short epochs on digits are far above chance (10%): ~90% measured
     # Memory is plain / compressed like the report's: mink0.9 keeps fewer bytes, so above 1.
     assert "x less = plain / compressed bytes, higher is better; step time = compressed / plain" in out
     x_less = [float(row[-2].rstrip("x")) for row in rows]
-    assert x_less[0] == 1 and x_less[1] > 1
+    assert x_less[0] == 1 and 1 < x_less[1] < x_less[2]
+    verdict = next(line for line in out.splitlines() if line.startswith("verdict"))
+    found = re.fullmatch(r"verdict for mink0\.9 rest=8bit: cnn keeps ([\d.]+)x less for backward, "
+                         r"accuracy ([+-][\d.]+) pp, ([\d.]+)x step time", verdict)
+    assert found, verdict
+    # The table rounds each accuracy, the verdict their difference: within 0.1 pp of each other.
+    assert float(found[1]) == round(x_less[2], 1) and float(found[3]) == round(float(rows[2][-1].rstrip("x")), 1)
+    assert abs(float(found[2]) - (accuracy[2] - accuracy[0])) <= 0.11
     assert re.fullmatch(r"total wall time \d+ s on 1 torch thread", out.splitlines()[-1])
 
 
@@ -139,9 +147,21 @@ def test_demo_whole_model_option(capsys):
     assert main(["demo", "--epochs", "2", "--models", "cnn", "--pipelines", "mink0.9", "--rest", "exact"]) == 0
 
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("cnn ") and "%" in line]
-    assert rows[0][1] == "plain" and rows[1][1:3] == ["mink0.9", "rest=exact"]
+    assert rows[0][1] == "plain" and rows[2][1:3] == ["mink0.9", "rest=exact"]
     # The exact codecs alone (ReLU masks, pool offsets) already keep far fewer bytes than plain.
-    assert float(rows[1][-2].rstrip("x")) > 3
+    assert float(rows[2][-2].rstrip("x")) > 3
+
+
+def test_demo_without_whole_model_rows(capsys):
+    assert main(["demo", "--epochs", "1", "--models", "cnn", "--pipelines", "int8", "--rest", "none"]) == 0
+    rows = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("cnn ") and "%" in line]
+    assert rows == ["plain", "int8"]
+
+
+def test_demo_without_tqdm_says_how_to_get_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    assert main(["demo", "--epochs", "1", "--models", "cnn"]) == 2
+    assert "pip install tqdm" in capsys.readouterr().err
 
 
 def test_module_entry_point_runs():
@@ -222,7 +242,7 @@ def test_report_rejects_a_bad_budget_before_any_work(capsys):
 def test_demo_rows_give_memory_as_plain_over_compressed(capsys):
     from actcomp.demo import run_demo
 
-    plain, compressed = run_demo(epochs=1, specs=["mink0.9"], models=["cnn"])
+    plain, compressed = run_demo(epochs=1, specs=["mink0.9"], models=["cnn"], rest=None)
 
     assert compressed["memory_reduction"] == plain["saved_bytes"] / compressed["saved_bytes"] > 1
     assert plain["memory_reduction"] == 1
