@@ -1,15 +1,17 @@
 """Largest batch in a memory budget: plain, per-block checkpointing and actcomp, fresh processes.
 
-    python benchmarks/bench_max_batch.py                 # defaults: 4 GiB, about 40 minutes on 2 cores
+    python benchmarks/bench_max_batch.py                 # defaults: 4 GiB, about 45 minutes on 2 cores
     python benchmarks/bench_max_batch.py --models resnet18 --img-size 64 --budget 1GiB   # check: ~3 minutes
 
 For each timm model (224 px, fp32, 10 classes, SGD), :func:`actcomp.max_batch.largest_batch` finds
-the largest batch whose ``--steps`` training steps peak at most ``--budget`` (VmHWM of a fresh
-process per probe, freed memory returned to the OS): an affine first guess from batches 8 and 16,
-a doubling walk, then bisection until the largest batch that fits and the smallest that does not
-are within 2%. The same configurations as ``bench_frontier.py``: ``plain``, ``checkpoint``
-(timm's per-block, non-reentrant), ``linear`` (Linear/Conv inputs only), ``whole``
-(``rest=REST``), ``checkpoint+whole``. Every probe is listed in the results file.
+the largest batch whose training step peaks at most ``--budget`` (VmHWM of a fresh process per
+probe, freed memory returned to the OS; a step at batch 1 first, so the measured step starts with
+its gradients allocated, as every step after the first does): an affine first guess from
+batches 8 and 16, a doubling walk, then bisection until the largest batch that fits and the
+smallest that does not are within 3%. Configurations as in ``bench_frontier.py``: by default
+``plain``, ``whole`` (``to_compressed(model, SPEC, rest=REST)``) and ``checkpoint`` (timm's
+per-block, non-reentrant); ``linear`` and ``checkpoint+whole`` on request. Every probe is
+listed in the results file.
 
 Writes ``benchmarks/results/max_batch_<budget>_<torch>_cpu_t<threads>.{md,csv}``.
 """
@@ -32,10 +34,10 @@ def main() -> None:
     parser.add_argument("--budget", default="4GiB")
     parser.add_argument("--spec", default="mink0.9+int8", help="Linear/Conv pipeline")
     parser.add_argument("--rest", default="8bit", help="whole-model policy")
-    parser.add_argument("--methods", nargs="+", default=["plain", "checkpoint", "whole", "checkpoint+whole"],
+    parser.add_argument("--methods", nargs="+", default=["plain", "whole", "checkpoint"],
                         choices=list(METHODS))
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=1, help="full-size steps per probe, after one at batch 1")
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--out", default=str(RESULTS_DIR))
     args = parser.parse_args()
