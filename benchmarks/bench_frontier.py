@@ -26,7 +26,6 @@ memory against step time, one point per configuration and batch.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import timm
