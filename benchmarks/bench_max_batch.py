@@ -53,7 +53,7 @@ def main() -> None:
             search = largest_batch(model_name, args.spec if compress else None, rest=args.rest if whole else None,
                                    checkpoint=checkpoint, budget=budget, img_size=args.img_size, steps=args.steps,
                                    threads=args.threads,
-                                   progress=lambda batch, peak, fits: print(
+                                   progress=lambda batch, peak, fits, model_name=model_name, method=method: print(
                                        f"  {model_name} {method} batch {batch}: {format_bytes(peak)}"
                                        f"{'' if fits else ' (over)'}", flush=True))
             rows.append({"model": model_name, "method": method, "batch": search.batch, "peak_mib": search.peak / 2**20,
