@@ -40,7 +40,7 @@ class BatchSearch:
 
 def largest_batch(model: str, spec: str | None, *, budget: int, rest: str | None = None, checkpoint: bool = False,
                   img_size: int = 224, steps: int = 1, warmup_batch: int | None = 1, threads: int | None = None,
-                  first_layer: str | None = "auto", start: int = 8, tolerance: float = 0.03, limit: int = 1 << 16,
+                  first_layer: str | None = "auto", start: int = 16, tolerance: float = 0.03, limit: int = 1 << 16,
                   progress: Callable[[int, int, bool], None] | None = None) -> BatchSearch:
     """The largest batch of timm ``model`` whose training step peaks at most ``budget`` bytes.
 

@@ -7,13 +7,15 @@ For each timm model (224 px, fp32, 10 classes, SGD), :func:`actcomp.max_batch.la
 the largest batch whose training step peaks at most ``--budget`` (VmHWM of a fresh process per
 probe, freed memory returned to the OS; a step at batch 1 first, so the measured step starts with
 its gradients allocated, as every step after the first does): an affine first guess from
-batches 8 and 16, a doubling walk, then bisection until the largest batch that fits and the
-smallest that does not are within 3%. Configurations as in ``bench_frontier.py``: by default
+batches 16 and 32 (smaller ones overrate the slope: the process itself dominates their peak), a
+doubling walk, then bisection until the largest batch that fits and the smallest that does not
+are within 3%. Configurations as in ``bench_frontier.py``: by default
 ``plain``, ``whole`` (``to_compressed(model, SPEC, rest=REST)``) and ``checkpoint`` (timm's
 per-block, non-reentrant); ``linear`` and ``checkpoint+whole`` on request. Every probe is
 listed in the results file.
 
-Writes ``benchmarks/results/max_batch_<budget>_<torch>_cpu_t<threads>.{md,csv}``.
+Writes ``benchmarks/results/max_batch_<budget>_<models>_<torch>_cpu_t<threads>.{md,csv}``; run one
+process per model (``--models resnet50``) to search them in parallel.
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ def main() -> None:
     body += ["", "Probes (batch:peak MiB, in order):", ""]
     body += [f"- {row['model']} {row['method']}: {row['probes']}" for row in rows]
     columns = ["model", "method", "batch", "peak_mib", "smallest_over", "probes", "search_s"]
-    write_results(f"max_batch_{args.budget.replace(' ', '')}", device, args.threads, header,
+    # One file per model set, so models can be searched in parallel processes.
+    models = "_".join(name.split("_")[0] for name in args.models)
+    write_results(f"max_batch_{args.budget.replace(' ', '')}_{models}", device, args.threads, header,
                   f"Largest batch whose training step peaks under {args.budget}", body, rows, columns,
                   RESULTS_DIR.__class__(args.out))
 

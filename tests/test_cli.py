@@ -231,7 +231,7 @@ def test_report_max_batch_searches_plain_checkpoint_and_compressed(monkeypatch, 
     assert 101 <= int(rows["checkpoint per block"][0]) <= 104
     compressed = rows["mink0.9+int8, rest 8bit"]
     assert 122 <= int(compressed[0]) <= 124 and compressed[3] == f"{int(compressed[0]) / 31:.2f}x"
-    assert "batch 8: peak" in err and "(over)" in err
+    assert "batch 16: peak" in err and "(over)" in err
 
 
 def test_report_rejects_a_bad_budget_before_any_work(capsys):
