@@ -218,8 +218,8 @@ def _print_largest_batches(args: argparse.Namespace, spec: str, budget: int) -> 
                                    file=sys.stderr, flush=True))
         found.append((label, search))
     plain_batch = found[0][1].batch
-    print(f"largest batch whose 2 training steps peak under {format_bytes(budget)} (RSS, fresh processes, "
-          f"{args.img_size} px):")
+    print(f"largest batch whose training step peaks under {format_bytes(budget)} (RSS after a batch-2 step, "
+          f"fresh processes, {args.img_size} px):")
     print(f"{'method':<40} {'batch':>6} {'peak':>10} {'x plain':>8}")
     for label, search in found:
         ratio = f"{search.batch / plain_batch:.2f}x" if plain_batch else "-"

@@ -99,8 +99,9 @@ def peak_rss(model: str, spec: str | None, *, batch: int, img_size: int, steps: 
     returns that peak (some value above ``abort_above``), which is all a search for the
     largest batch needs to know. ``warmup_batch`` runs one step of that batch first, so that a
     single full-size step already starts from a trained step's state (gradients allocated):
-    ``steps=1, warmup_batch=1`` measures the steady-state peak at half the cost of ``steps=2``
-    (resnet18, batch 16 at 96 px: 891 MiB either way, 874 MiB for one step alone). Read from
+    ``steps=1, warmup_batch=2`` measures the steady-state peak at half the cost of ``steps=2``
+    (resnet18, batch 16 at 96 px: 891 MiB either way, 874 MiB for one step alone;
+    ``tests/test_max_batch.py`` checks the first two agree). Read from
     ``VmHWM`` in ``/proc/self/status`` (Linux), else ``ru_maxrss`` (in KiB on Linux).
     """
     if spec is None and rest is not None:

@@ -1,6 +1,6 @@
 """Memory-time frontier: peak process memory and step time of plain, checkpointing and actcomp.
 
-    python benchmarks/bench_frontier.py             # defaults: about 25 minutes on 2 idle cores
+    python benchmarks/bench_frontier.py --threads 1   # the README's run: 41 minutes, another process on the other core
     python benchmarks/bench_frontier.py --models resnet18 --batches 4 8 --rounds 2   # check: ~2 minutes
 
 For each timm model (224 px, fp32, 10 classes, SGD) and batch size, five ways to train:
@@ -27,6 +27,7 @@ memory against step time, one point per configuration and batch.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import timm
 import torch
@@ -136,7 +137,7 @@ def main() -> None:
                     f"{row['peak_x_less']:.2f}x | {timing} |")
     columns = ["model", "batch", "method", "peak_mib", "peak_x_less", "ratio", "ratio_p25", "ratio_p75", "ratio_best",
                "median_s"]
-    out = RESULTS_DIR.__class__(args.out)
+    out = Path(args.out)
     write_results("frontier", device, args.threads, header, "Peak memory vs step time: plain, checkpointing, actcomp",
                   body, rows, columns, out)
     if not args.skip_time:

@@ -1,11 +1,11 @@
 """Largest batch in a memory budget: plain, per-block checkpointing and actcomp, fresh processes.
 
-    python benchmarks/bench_max_batch.py                 # defaults: 4 GiB, about 45 minutes on 2 cores
+    python benchmarks/bench_max_batch.py --models resnet50   # 4 GiB, 1 thread: 26 minutes (ViT-S: 49) beside another process
     python benchmarks/bench_max_batch.py --models resnet18 --img-size 64 --budget 1GiB   # check: ~3 minutes
 
 For each timm model (224 px, fp32, 10 classes, SGD), :func:`actcomp.max_batch.largest_batch` finds
 the largest batch whose training step peaks at most ``--budget`` (VmHWM of a fresh process per
-probe, freed memory returned to the OS; a step at batch 1 first, so the measured step starts with
+probe, freed memory returned to the OS; a step at batch 2 first, so the measured step starts with
 its gradients allocated, as every step after the first does): an affine first guess from
 batches 16 and 32 (smaller ones overrate the slope: the process itself dominates their peak), a
 doubling walk, then bisection until the largest batch that fits and the smallest that does not
@@ -21,6 +21,7 @@ process per model (``--models resnet50``) to search them in parallel.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 from bench_frontier import METHODS
@@ -83,7 +84,7 @@ def main() -> None:
     models = "_".join(name.split("_")[0] for name in args.models)
     write_results(f"max_batch_{args.budget.replace(' ', '')}_{models}", device, args.threads, header,
                   f"Largest batch whose training step peaks under {args.budget}", body, rows, columns,
-                  RESULTS_DIR.__class__(args.out))
+                  Path(args.out))
 
 
 if __name__ == "__main__":
