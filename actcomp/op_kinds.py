@@ -59,11 +59,18 @@ def _table() -> dict:
                 F.sigmoid, F.tanh, torch.sigmoid, torch.tanh, torch.Tensor.sigmoid, torch.Tensor.tanh,
             ],
         },
+        # Each norm by name: the unit it normalizes decides the quantization groups.
         "normalization": {
-            "norm": [F.batch_norm, F.layer_norm, F.group_norm, F.instance_norm, F.rms_norm],
+            "batch_norm": [F.batch_norm],
+            "layer_norm": [F.layer_norm],
+            "group_norm": [F.group_norm],
+            "instance_norm": [F.instance_norm],
+            "rms_norm": [F.rms_norm],
         },
+        # SDPA apart: with dropout_p > 0 on CPU it saves its dropout mask, kept as bits.
         "attention": {
-            "attention": [F.scaled_dot_product_attention, F.softmax, torch.softmax, torch.Tensor.softmax],
+            "sdpa": [F.scaled_dot_product_attention],
+            "softmax": [F.softmax, torch.softmax, torch.Tensor.softmax],
         },
         "pooling": {
             "max_pool2d": [F.max_pool2d, F.max_pool2d_with_indices, torch.max_pool2d],

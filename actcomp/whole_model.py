@@ -47,7 +47,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
@@ -64,6 +64,7 @@ from actcomp.exact_codecs import (
     shape_only,
 )
 from actcomp.model_inputs import tensors_in
+from actcomp.normalized_units import Unit, normalized_unit, row_group
 from actcomp.pipeline import Packed, Pipeline, parse
 from actcomp.saved_tensors import (
     SavedEvent,
@@ -91,12 +92,12 @@ class RestPolicy:
     ReLU-family masks for activations, window offsets for pooling, bits for dropout; every other
     tensor of the kind as is) or None (the kind's tensors as they are). ``str`` prints it back.
 
-    >>> print(RestPolicy.parse({"normalization": "int4"}))
+    >>> print(RestPolicy.parse({"normalization": "int4", "fewbit": 3}))
     activation=int8, normalization=int4, attention=int8, pooling=exact, dropout=exact, other=None, fewbit=3
     >>> print(RestPolicy.parse("int8"))
-    activation=int8, normalization=int8, attention=int8, pooling=exact, dropout=exact, other=None
-    >>> print(RestPolicy.parse({"normalization": "int4", "attention": "int4", "activation": "int4"}))
-    4bit
+    8bit
+    >>> print(RestPolicy.parse({"normalization": "int4", "fewbit": 4}))
+    activation=int8, normalization=int4, attention=int8, pooling=exact, dropout=exact, other=None, fewbit=4
     """
 
     activation: Pipeline | str | None
@@ -127,7 +128,7 @@ class RestPolicy:
                 f"rest must be 'exact', a spec string, a Pipeline or a mapping from op kinds to specs, got "
                 f"{type(rest).__name__}: {rest!r}"
             )
-        values = vars(cls.parse("int8")).copy() | {"fewbit": 3}
+        values = vars(cls.parse("8bit")).copy()
         for kind, spec in rest.items():
             if kind in EXACT_KINDS:
                 if spec not in (EXACT, None):
@@ -144,10 +145,6 @@ class RestPolicy:
                     f"unknown op kind {kind!r} in rest; valid keys: {', '.join(LOSSY_KINDS + EXACT_KINDS)}, fewbit "
                     "(Linear/Conv inputs take the main pipeline argument)"
                 )
-        if "fewbit" not in rest and not isinstance(values["activation"], Pipeline):
-            # The preset's derivative codes are lossy: they follow a lossy activation spec, and
-            # never turn activation="exact" (or None) into an approximation unasked.
-            values["fewbit"] = None
         return cls(**values)
 
     def pipeline(self, kind: str) -> Pipeline | None:
@@ -191,11 +188,14 @@ def _lossy_pipeline(spec: str | Pipeline, where: str) -> Pipeline:
     return pipeline
 
 
-# The one-switch choices. "8bit" and "4bit" keep GELU/SiLU inputs as 3-bit derivative codes.
-PRESETS: dict[str, RestPolicy | Mapping] = {
+# The one-switch choices. "4bit" keeps GELU/SiLU inputs as 4-bit derivative codes: the bytes
+# of int4, a derivative within 0.044 (int4 codes of a deep SiLU net's inputs drift further:
+# EfficientNet-B0's gradient cosine 0.93 against 0.98). "8bit" keeps them in int8: 3-bit codes
+# (rest={"fewbit": 3}) take 0.375 bytes an element instead of 1, at cosine 0.95 on EfficientNet.
+PRESETS: dict[str, RestPolicy | Mapping | str] = {
     "exact": RestPolicy(EXACT, EXACT, EXACT, EXACT, EXACT, EXACT),
-    "8bit": {},
-    "4bit": {"activation": "int4", "normalization": "int4", "attention": "int4"},
+    "8bit": "int8",
+    "4bit": {"activation": "int4:group=64", "normalization": "int4:group=64", "attention": "int4:group=64", "fewbit": 4},
 }
 
 
@@ -263,44 +263,102 @@ class _Session:
         return kind, self.cached(tensor, kind, scope)
 
     def cached(self, tensor: torch.Tensor, kind: str, scope) -> Kept | None:
-        key = (id(tensor), f"{kind}:{scope.op if scope is not None else ''}")
+        codec = choose_codec(self.policy, tensor, kind, scope)
+        if codec is None:
+            return None
+        # The key is everything the codec reads besides the tensor's values (its function and
+        # settings: a clamp's range, GELU's approximation, a norm's unit), so two saves of one
+        # tensor under one op with other arguments never share a code.
+        key = (id(tensor), codec)
         hit = self.cache.get(key)
         if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
             return hit[2]
-        kept = self.encode(tensor, kind, scope)
+        kept = codec.encode(tensor)
         if kept is not None:
             self.cache[key] = (weakref.ref(tensor), tensor._version, kept)
         return kept
 
-    def encode(self, tensor: torch.Tensor, kind: str, scope) -> Kept | None:
-        policy, op = self.policy, scope.op if scope is not None else None
-        if tensor.dtype == torch.bool:
-            return dropout_mask(tensor) if policy.dropout else None
-        if not tensor.is_floating_point():
-            if kind == "pooling" and op == "max_pool2d" and policy.pooling:
-                return pool_offsets(tensor, _argument(scope, 0, "input", None).shape, *_pool_settings(scope))
+
+@dataclass(frozen=True)
+class Codec:
+    """A codec function and every setting it reads: ``encode(t)`` is ``function(t, *settings)``.
+
+    Frozen and hashable: whole-model mode shares one encoding between saves of one tensor
+    only when their ``Codec`` values are equal.
+
+    >>> x = torch.randn(4, 8)
+    >>> Codec(hardtanh_mask, (-1.0, 1.0)) == Codec(hardtanh_mask, (0.0, 0.5))
+    False
+    >>> Codec(hardtanh_mask, (-1.0, 1.0)).encode(x)
+    Kept('clamp-mask', 4 bytes)
+    """
+
+    function: object
+    settings: tuple = ()
+
+    def encode(self, tensor: torch.Tensor) -> Kept | None:
+        return self.function(tensor, *self.settings)
+
+
+def choose_codec(policy: RestPolicy, tensor: torch.Tensor, kind: str, scope) -> Codec | None:
+    """The codec whole-model mode applies to ``tensor``, saved by an op of ``kind`` in
+    ``scope``, under ``policy``; None to keep it as it is. Reads the tensor's metadata only
+    (its values are the codec's business), so choosing costs nothing per element."""
+    op = scope.op if scope is not None else None
+    if tensor.dtype == torch.bool:
+        return Codec(dropout_mask) if policy.dropout else None
+    if not tensor.is_floating_point():
+        if kind == "pooling" and op == "max_pool2d" and policy.pooling:
+            input_shape = tuple(_argument(scope, 0, "input", None).shape)
+            return Codec(pool_offsets, (input_shape, *(_hashable(value) for value in _pool_settings(scope))))
+        return None
+    if kind == "activation":
+        if policy.activation is None:
             return None
-        if kind == "activation":
-            if policy.activation is None:
-                return None
-            if op == "relu":
-                return relu_mask(tensor)
-            if op == "leaky_relu":
-                return leaky_relu_mask(tensor)
-            if op in ("hardtanh", "relu6"):
-                return hardtanh_mask(tensor, *_clamp_range(scope))
-            if op in ("gelu", "silu") and policy.fewbit is not None and _all_finite(tensor) \
-                    and tensor.numel() == scope.reference:
-                approximate = _argument(scope, 1, "approximate", "none") if op == "gelu" else "none"
-                return derivative_code(tensor, op, approximate, bits=policy.fewbit)
-        if kind == "dropout":
-            return dropout_mask(tensor) if policy.dropout else None
-        if kind == "pooling":
-            return shape_only(tensor) if op == "max_pool2d" and policy.pooling else None
-        pipeline = policy.pipeline(kind)
-        if pipeline is None or (scope is not None and tensor.numel() * 4 < scope.reference):
-            return None  # kept as is, or a statistic (a norm's mean and rstd, a log-sum-exp)
-        return _lossy(pipeline, tensor)
+        if op == "relu":
+            return Codec(relu_mask)
+        if op == "leaky_relu":
+            return Codec(leaky_relu_mask)
+        if op in ("hardtanh", "relu6"):
+            return Codec(hardtanh_mask, _clamp_range(scope))
+        if op in ("gelu", "silu") and policy.fewbit is not None and tensor.numel() == scope.reference:
+            approximate = _argument(scope, 1, "approximate", "none") if op == "gelu" else "none"
+            return Codec(_derivative_or_lossy, (op, approximate, policy.fewbit, policy.pipeline("activation")))
+    if kind == "dropout":
+        return Codec(dropout_mask) if policy.dropout else None
+    if kind == "pooling":
+        return Codec(shape_only) if op == "max_pool2d" and policy.pooling else None
+    if kind == "attention" and op == "sdpa" and policy.dropout and _sdpa_dropout_mask(tensor, scope):
+        # SDPA's math path (CPU) multiplies by a 0-or-1/(1-p) tensor it drew and saves it: a
+        # dropout mask, one exact bit an element, or the pipeline if it is not of that form.
+        return Codec(_dropout_or_lossy, (policy.pipeline("attention"),))
+    pipeline = policy.pipeline(kind)
+    if pipeline is None or (scope is not None and tensor.numel() * 4 < scope.reference):
+        return None  # kept as is, or a statistic (a norm's mean and rstd, a log-sum-exp)
+    unit = _normalized_unit(tensor, scope) if kind == "normalization" else None
+    return Codec(_lossy, (pipeline, unit))
+
+
+def _hashable(value):
+    return tuple(value) if isinstance(value, (list, torch.Size)) else value
+
+
+def _sdpa_dropout_mask(tensor: torch.Tensor, scope) -> bool:
+    """Whether ``tensor``, saved inside ``F.scaled_dot_product_attention``, can be its dropout
+    mask: dropout is on and the tensor is not on autograd's path (the mask needs no gradient)."""
+    return float(_argument(scope, 4, "dropout_p", 0.0)) > 0 and tensor.grad_fn is None and not tensor.requires_grad
+
+
+def _normalized_unit(tensor: torch.Tensor, scope) -> Unit | None:
+    op = scope.op if scope is not None and scope.op is not None else None
+    if scope is None or (op is None and scope.module is None):
+        return None
+    setting = None
+    if op in ("layer_norm", "rms_norm"):
+        setting = _hashable(_argument(scope, 1, "normalized_shape", None))
+    elif op == "group_norm":
+        setting = _argument(scope, 1, "num_groups", None)
+    return normalized_unit(op, tensor.shape, setting)
 
 
 def _frees_memory(tensor: torch.Tensor) -> bool:
@@ -316,15 +374,66 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return bool(tensor.sum(dtype=torch.float32).isfinite())
 
 
-def _lossy(pipeline: Pipeline, tensor: torch.Tensor) -> Kept:
+def _derivative_or_lossy(tensor: torch.Tensor, function: str, approximate: str, bits: int,
+                         fallback: Pipeline | None) -> Kept | None:
+    if _all_finite(tensor):
+        return derivative_code(tensor, function, approximate, bits=bits)
+    return None if fallback is None else _lossy(tensor, fallback, None)
+
+
+def _dropout_or_lossy(tensor: torch.Tensor, fallback: Pipeline | None) -> Kept | None:
+    kept = dropout_mask(tensor)
+    if kept is not None or fallback is None:
+        return kept
+    return _lossy(tensor, fallback, None)
+
+
+_REGROUPED: dict[tuple[Pipeline, int], Pipeline] = {}
+
+
+def _grouped_by_rows(pipeline: Pipeline, row: int) -> Pipeline | None:
+    """``pipeline`` with its quantizer's groups dividing rows of ``row`` elements (cached), or
+    None when rows do not apply: a sparsifier first (its kept values have lost their rows) or
+    a quantizer without groups (fp8, fp16, bf16 scale nothing across elements)."""
+    stages = pipeline.stages
+    if len(stages) != 1 or not any(item.name == "group" for item in fields(stages[0])):
+        return None
+    group = row_group(row, stages[0].group)
+    if group == stages[0].group:
+        return pipeline
+    key = (pipeline, group)
+    if key not in _REGROUPED:
+        _REGROUPED[key] = Pipeline(replace(stages[0], group=group))
+    return _REGROUPED[key]
+
+
+def _lossy(tensor: torch.Tensor, pipeline: Pipeline, unit: Unit | None) -> Kept | None:
+    """``tensor`` through ``pipeline``; with a normalized ``unit``, laid out in its rows and
+    quantized in groups that never straddle two rows. None when that would not save memory
+    (rows of a few elements, each with a range of its own)."""
     # The rebuild closure must not capture ``tensor``: that would keep the full tensor alive.
     # The pipeline works a chunk at a time, so its temporaries stay small (actcomp.temporaries).
-    stride, shape = dense_strides(tensor), tensor.shape
-    packed = pipeline.compress(tensor.detach().reshape(-1))
-    layout = packed.layout
+    stride, shape, permutation = dense_strides(tensor), tensor.shape, None
+    values = tensor.detach()
+    if unit is not None:
+        grouped = _grouped_by_rows(pipeline, unit.row)
+        if grouped is not None:
+            pipeline, permutation = grouped, unit.permutation
+            if permutation is not None:
+                values = values.permute(permutation)
+    packed = pipeline.compress(values.reshape(-1))
+    if unit is not None and packed.nbytes >= tensor.numel() * tensor.element_size():
+        return None
+    layout, laid_out = packed.layout, values.shape
+    inverse = None if permutation is None else tuple(sorted(range(len(permutation)), key=permutation.__getitem__))
 
     def rebuild(tensors: tuple) -> torch.Tensor:
-        return restride(pipeline.decompress(Packed(tensors, layout)).view(shape), stride)
+        out = pipeline.decompress(Packed(tensors, layout)).view(laid_out)
+        if inverse is not None:
+            # Back to the tensor's dimension order; a tensor that was not dense comes back
+            # contiguous, as it does without rows.
+            out = out.permute(inverse) if stride is not None else out.permute(inverse).contiguous()
+        return restride(out, stride)
 
     return Kept(pipeline.spec, packed.tensors, rebuild)
 

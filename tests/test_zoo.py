@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from zoo import TIMM_ZOO, ZOO, train_step
+from zoo import ROOMY, TIMM_ZOO, ZOO, train_step
 
 import actcomp
 from actcomp.layers import is_supported
@@ -136,3 +136,55 @@ def test_zoo_covers_every_timm_layer_class_with_its_own_forward():
     }
     covered = {name for entry in TIMM_ZOO for name in entry.own_forward_layers}
     assert found == covered | LAYER_TESTED
+
+
+# Lossy presets, one step in fp32 with a lossless layer spec: the gradient's direction holds.
+# Floors from issue 15; measured (min over the zoo): "8bit" 0.9988, "4bit" 0.97.
+GRADIENT_FLOORS = {"8bit": 0.99, "4bit": 0.97}
+
+
+def _gradient_cosine(grads: dict, ref_grads: dict) -> float:
+    # Normalise first: cosine_similarity's eps would clamp the norms of tiny gradients (a
+    # layer-scaled ConvNeXt block's are 1e-9) and report nonsense.
+    flat = [torch.cat([g.reshape(-1).double() for g in gs.values() if g is not None]) for gs in (grads, ref_grads)]
+    a, b = (f / f.norm() for f in flat)
+    return float((a * b).sum())
+
+
+def _batchnorm_counts(model: torch.nn.Module, batch: dict) -> list[int]:
+    """Values per channel each BatchNorm normalizes on ``batch``."""
+    counts: list[int] = []
+    hooks = [m.register_forward_pre_hook(lambda m, args: counts.append(args[0].numel() // args[0].shape[1]))
+             for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    try:
+        train_step(model, batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return counts
+
+
+@pytest.mark.parametrize("preset", list(GRADIENT_FLOORS))
+@pytest.mark.parametrize("entry", ZOO, ids=[entry.id for entry in ZOO])
+def test_zoo_lossy_presets_keep_the_gradient_direction(entry, preset):
+    torch.manual_seed(0)
+    plain = entry.build()
+    model = actcomp.to_compressed(copy.deepcopy(plain), "mink0", first_layer=None, rest=preset)
+    torch.manual_seed(2)
+    batch = (entry.roomy_batch or entry.batch)()
+    _, ref_grads = train_step(plain, batch)
+    _, grads = train_step(model, batch)
+    assert _gradient_cosine(grads, ref_grads) >= GRADIENT_FLOORS[preset]
+
+
+@pytest.mark.parametrize("entry", ZOO, ids=[entry.id for entry in ZOO])
+def test_zoo_roomy_batches_give_batchnorm_room(entry):
+    # The floors' one exception is stated, not assumed: the batch they use gives every
+    # BatchNorm channel ROOMY values, and a model whose plain batch does not has a roomy one.
+    torch.manual_seed(0)
+    model = entry.build()
+    torch.manual_seed(2)
+    counts = _batchnorm_counts(model, (entry.roomy_batch or entry.batch)())
+    assert min(counts, default=ROOMY) >= ROOMY
+    if entry.roomy_batch is not None:
+        assert min(_batchnorm_counts(model, entry.batch())) < ROOMY, "roomy_batch is needed"

@@ -25,14 +25,26 @@ class ZooModel:
     batch: Callable[[], dict]
     # The Linear/Conv subclasses with a forward of their own this model brings (checked).
     own_forward_layers: tuple[str, ...] = ()
+    # A batch in which every BatchNorm channel normalizes at least ROOMY values (checked), for
+    # the lossy presets' gradient floors; None: ``batch`` already is (no BatchNorm). With 2 or 8
+    # values a channel, BatchNorm's input gradient is mostly cancellation noise that any
+    # rounding reshuffles (the documented exception).
+    roomy_batch: Callable[[], dict] | None = None
 
 
-def _images(size: int) -> Callable[[], dict]:
-    return lambda: {"x": torch.randn(2, 3, size, size), "targets": torch.tensor([0, 2])}
+# Values a BatchNorm channel normalizes in ``roomy_batch``.
+ROOMY = 64
 
 
-def _timm(name: str, size: int = 32, own: tuple[str, ...] = (), **kwargs) -> ZooModel:
-    return ZooModel(name, lambda: timm.create_model(name, pretrained=False, num_classes=3, **kwargs), _images(size), own)
+def _images(size: int, count: int = 2) -> Callable[[], dict]:
+    return lambda: {"x": torch.randn(count, 3, size, size), "targets": torch.arange(count) % 3}
+
+
+def _timm(name: str, size: int = 32, own: tuple[str, ...] = (), roomy: tuple[int, int] | None = None,
+          **kwargs) -> ZooModel:
+    """``roomy``: (images, size) of a batch giving every BatchNorm channel ROOMY values."""
+    return ZooModel(name, lambda: timm.create_model(name, pretrained=False, num_classes=3, **kwargs), _images(size), own,
+                    None if roomy is None else _images(roomy[1], roomy[0]))
 
 
 def _tokens(labels: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], dict]:
@@ -81,23 +93,23 @@ def _t5() -> nn.Module:
 
 
 TIMM_ZOO = [
-    _timm("resnet18"),
+    _timm("resnet18", roomy=(4, 128)),
     # BiT: every conv is timm's StdConv2d (weight standardisation in its own forward).
     _timm("resnetv2_50x1_bit", own=("StdConv2d",)),
     # NFNet: ScaledStdConv2d (standardised, gain-scaled weight).
     _timm("nfnet_l0", own=("ScaledStdConv2d",)),
     # TF ports: Conv2dSame pads TF-style in its own forward (stride 2 changes the shape if skipped).
-    _timm("tf_efficientnet_b0", own=("Conv2dSame",)),
-    _timm("efficientnet_b0"),
+    _timm("tf_efficientnet_b0", own=("Conv2dSame",), roomy=(4, 128)),
+    _timm("efficientnet_b0", roomy=(4, 128)),
     # timm's own Linear subclass (a forward of its own for torchscript).
-    _timm("mobilenetv3_small_050", own=("Linear",)),
-    _timm("regnetx_002"),
+    _timm("mobilenetv3_small_050", own=("Linear",), roomy=(4, 128)),
+    _timm("regnetx_002", roomy=(4, 128)),
     _timm("convnext_atto", size=64),
     _timm("swin_tiny_patch4_window7_224", size=56, img_size=56),
     _timm("vit_tiny_patch16_224", img_size=32),
     _timm("deit_tiny_patch16_224", img_size=32),
-    _timm("levit_128s", size=64, img_size=64),
-    _timm("maxvit_nano_rw_256", size=64, img_size=64),
+    _timm("levit_128s", size=64, img_size=64, roomy=(64, 64)),
+    _timm("maxvit_nano_rw_256", size=64, img_size=64, roomy=(16, 64)),
 ]
 
 HF_ZOO = [
