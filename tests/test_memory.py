@@ -228,7 +228,9 @@ def test_whole_resnet18_keeps_over_5x_less_and_plain_keeps_what_it_keeps():
     kinds = {row.kind: row for row in report.kinds}
     assert kinds["activation"].plain_bytes == 32 * kinds["activation"].kept_bytes
     assert kinds["pooling"].codecs == ("pool-offsets4",)
-    assert set(kinds["normalization"].codecs) == {"int8", "as is"}
+    # int8 in groups inside each channel: 16x16 planes (256), 8x8 planes, and channel rows of
+    # the batch's 2 x 4x4 and 2 x 2x2 values (BatchNorm's statistics stay as is).
+    assert set(kinds["normalization"].codecs) == {"int8", "int8:group=64", "int8:group=32", "int8:group=8", "as is"}
 
 
 @pytest.mark.parametrize("count, text", [(0, "0 B"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB")])
