@@ -33,9 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--amp", choices=["bf16"], default=None, help="run the forward under bf16 autocast")
     report.add_argument("--layers", action="store_true", help="also list the largest modules")
     report.add_argument("--rss", action="store_true", help="also measure peak RSS of 3 steps in fresh processes")
-    report.add_argument("--max-batch", metavar="BUDGET",
-                        help="also find the largest batch whose training step peaks under BUDGET (e.g. 4GiB): plain, "
-                             "checkpointed per block, and compressed; fresh processes, minutes on a large model")
+    # nargs="+": "--max-batch 4 GiB" (unquoted) reads as 4 GiB, not as a stray argument "GiB".
+    report.add_argument("--max-batch", metavar=("BUDGET", "UNIT"), nargs="+",
+                        help="also find the largest batch whose training step peaks under BUDGET, a size with its "
+                             "unit (4GiB, '4 GiB', 3.5GB, 512MiB): plain, checkpointed per block, and compressed; "
+                             "fresh processes, minutes on a large model")
     report.add_argument("--threads", type=int, default=None, help="torch threads in the --rss/--max-batch probes")
     report.add_argument("--plot", metavar="FILE.png", help="bar chart per layer type (needs matplotlib)")
 
@@ -110,11 +112,13 @@ def _report(args: argparse.Namespace) -> int:
     import torch
 
     import actcomp
-    from actcomp.memory import format_bytes, parse_bytes
+    from actcomp.max_batch import parse_budget
+    from actcomp.memory import format_bytes
     from actcomp.whole_model import RestPolicy
 
     pipeline = actcomp.parse(args.pipeline)
     rest = None if args.rest is None else RestPolicy.parse(args.rest)
+    budget = parse_budget(" ".join(args.max_batch), "--max-batch") if args.max_batch is not None else None
     plt = _pyplot_for(args.plot) if args.plot else None
     timm = _timm()
     if not timm.is_model(args.model):
@@ -123,7 +127,6 @@ def _report(args: argparse.Namespace) -> int:
         raise ActcompError(f"unknown timm model {args.model!r}{hint}")
     if args.batch < 1 or args.img_size < 1:
         raise ActcompError(f"--batch and --img-size must be positive, got {args.batch} and {args.img_size}")
-    budget = parse_bytes(args.max_batch) if args.max_batch is not None else None
     torch.manual_seed(0)
     try:
         plain = timm.create_model(args.model, pretrained=False, img_size=args.img_size)

@@ -234,9 +234,26 @@ def test_report_max_batch_searches_plain_checkpoint_and_compressed(monkeypatch, 
     assert "batch 16: peak" in err and "(over)" in err
 
 
-def test_report_rejects_a_bad_budget_before_any_work(capsys):
-    assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--max-batch", "4 gigs"]) == 2
-    assert "cannot read '4 gigs' as a memory size" in capsys.readouterr().err
+@pytest.mark.parametrize("budget, message", [
+    (["4 gigs"], "--max-batch: cannot read '4 gigs' as a memory size"),
+    # A bare number would be 4 bytes: a search that probes for minutes and cannot succeed.
+    (["4"], "--max-batch '4' has no unit; write the size with one, e.g. '4GiB', '3.5GB', '512MiB', '512M'"),
+    (["4", "KiB"], "--max-batch '4 KiB' is 4.0 KiB, below 64.0 MiB"),
+])
+def test_report_rejects_a_bad_budget_before_any_work(budget, message, no_work, capsys):
+    assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--max-batch", *budget]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_report_reads_an_unquoted_budget_with_a_space(monkeypatch, capsys):
+    from actcomp import max_batch
+
+    budgets = []
+    monkeypatch.setattr(max_batch, "peak_rss", lambda model, spec, *, batch, abort_above, **kwargs:
+                        budgets.append(abort_above) or (800 + 40 * batch) * 2**20)
+    assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--max-batch", "4", "GiB"]) == 0
+    assert set(budgets) == {4 * 2**30}
+    assert "largest batch whose training step peaks under 4.0 GiB" in capsys.readouterr().out
 
 
 def test_demo_rows_give_memory_as_plain_over_compressed(capsys):
