@@ -41,10 +41,16 @@ def test_report_whole_model_prints_per_op_kind_and_codecs(capsys):
     assert "! kept as is" not in out
 
 
-def test_report_rejects_a_bad_rest(capsys):
-    assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--rest", "9bit"]) == 2
+@pytest.mark.parametrize("command", [["report", "--model", "resnet18", "--pipeline", "int8", *TINY], ["demo"]])
+@pytest.mark.parametrize("rest, message", [
+    ("9bit", "rest='9bit' is neither a preset ('exact', '8bit', '4bit') nor a spec whole-model mode can use:\n"
+             "unknown stage '9bit'"),
+    ("8BIT", "unknown rest preset '8BIT'; did you mean '8bit'?"),
+])
+def test_a_bad_rest_names_the_presets_before_any_work(command, rest, message, no_work, capsys):
+    assert main([*command, "--rest", rest]) == 2
 
-    assert "unknown stage '9bit'" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_report_under_bf16_autocast_with_plot(tmp_path, capsys):
