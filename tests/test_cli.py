@@ -269,3 +269,26 @@ def test_demo_rows_give_memory_as_plain_over_compressed(capsys):
 
     assert compressed["memory_reduction"] == plain["saved_bytes"] / compressed["saved_bytes"] > 1
     assert plain["memory_reduction"] == 1
+
+
+def _all_actions(parser, where="python -m actcomp"):
+    """(where, action) for every argument of ``parser`` and of its subcommands."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        yield where, action
+        if isinstance(action, argparse._SubParsersAction):
+            yield from ((where, choice) for choice in action._choices_actions)
+            for name, sub in action.choices.items():
+                yield from _all_actions(sub, f"{where} {name}")
+
+
+def test_every_cli_argument_has_help():
+    from actcomp.cli import _parser
+
+    actions = list(_all_actions(_parser()))
+    assert len(actions) > 20  # both subcommands were walked
+    missing = [f"{where} {action.option_strings or action.dest}" for where, action in actions if not action.help]
+    assert not missing, f"arguments without help: {missing}"
