@@ -147,6 +147,9 @@ def test_demo_runs_end_to_end(capsys):
     assert float(found[1]) == round(x_less[2], 1) and float(found[3]) == round(float(rows[2][-1].rstrip("x")), 1)
     assert abs(float(found[2]) - (accuracy[2] - accuracy[0])) <= 0.11
     assert re.fullmatch(r"total wall time \d+ s on 1 torch thread", out.splitlines()[-1])
+    # The note names what this CNN has (a ReLU), not what only the ViT has (attention).
+    assert "note: cnn: 1 of 4 converted layers free nothing: their input is also kept by ReLU;" in out
+    assert "attention" not in out
 
 
 def test_demo_whole_model_option(capsys):
@@ -292,3 +295,18 @@ def test_every_cli_argument_has_help():
     assert len(actions) > 20  # both subcommands were walked
     missing = [f"{where} {action.option_strings or action.dest}" for where, action in actions if not action.help]
     assert not missing, f"arguments without help: {missing}"
+
+
+@pytest.mark.parametrize("model, kept_by", [("cnn", "ReLU"), ("vit", "the attention in Block")])
+def test_demo_note_names_what_keeps_the_inputs_in_that_model(model, kept_by):
+    import torch
+
+    import actcomp
+    from actcomp.demo import _MODELS, inputs_also_kept_by
+
+    sample = torch.randn(4, 1, 8, 8)
+    net = actcomp.to_compressed(_MODELS[model][0](), "mink0.9")
+    assert inputs_also_kept_by(net, actcomp.memory_report(net, sample)) == kept_by
+    # Whole-model mode frees the shared tensors too: nothing left to name.
+    whole = actcomp.to_compressed(_MODELS[model][0](), "mink0.9", rest="8bit")
+    assert inputs_also_kept_by(whole, actcomp.memory_report(whole, sample)) == ""
