@@ -21,33 +21,40 @@ _X_LESS_NOTE = "x less = plain / compressed bytes, higher is better"
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m actcomp", description="Activation compression for training.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, help="what to run; add -h after it for its options")
 
     report = commands.add_parser("report", help="saved-activation bytes of a timm model, plain vs compressed")
     report.add_argument("--model", required=True, help="timm model name, e.g. resnet18 or vit_small_patch16_224")
     report.add_argument("--pipeline", required=True, help="spec for Linear/Conv inputs, e.g. 'mink0.9+int8'")
     report.add_argument("--rest", metavar="PRESET_OR_SPEC", default=None,
                         help="whole-model mode: compress every other saved tensor too ('8bit', '4bit', 'exact', or a spec)")
-    report.add_argument("--batch", type=int, default=8)
-    report.add_argument("--img-size", type=int, default=224)
+    report.add_argument("--batch", type=int, default=8,
+                        help="batch size of the measured forward and of the --rss steps (default %(default)s)")
+    report.add_argument("--img-size", type=int, default=224,
+                        help="input images are IMG_SIZE x IMG_SIZE pixels, here and in the --rss/--max-batch probes "
+                             "(default %(default)s)")
     report.add_argument("--amp", choices=["bf16"], default=None, help="run the forward under bf16 autocast")
     report.add_argument("--layers", action="store_true", help="also list the largest modules")
     report.add_argument("--rss", action="store_true", help="also measure peak RSS of 3 steps in fresh processes")
-    report.add_argument("--max-batch", metavar="BUDGET",
-                        help="also find the largest batch whose training step peaks under BUDGET (e.g. 4GiB): plain, "
-                             "checkpointed per block, and compressed; fresh processes, minutes on a large model")
+    # nargs="+": "--max-batch 4 GiB" (unquoted) reads as 4 GiB, not as a stray argument "GiB".
+    report.add_argument("--max-batch", metavar=("BUDGET", "UNIT"), nargs="+",
+                        help="also find the largest batch whose training step peaks under BUDGET, a size with its "
+                             "unit (4GiB, '4 GiB', 3.5GB, 512MiB): plain, checkpointed per block, and compressed; "
+                             "fresh processes, minutes on a large model")
     report.add_argument("--threads", type=int, default=None, help="torch threads in the --rss/--max-batch probes")
     report.add_argument("--plot", metavar="FILE.png", help="bar chart per layer type (needs matplotlib)")
 
     demo = commands.add_parser("demo", help="train a small CNN and ViT on scikit-learn's digits, plain vs compressed")
-    demo.add_argument("--epochs", type=int, default=8)
+    demo.add_argument("--epochs", type=int, default=8, help="passes over the digits training set (default %(default)s)")
     demo.add_argument("--threads", type=int, default=1, help="torch threads (tiny models run best on one)")
     demo.add_argument("--pipelines", nargs="+", default=["mink0.9+int8"],
                       help="Linear/Conv specs; each runs in Linear/Conv mode and in whole-model mode")
     demo.add_argument("--rest", metavar="PRESET_OR_SPEC", default="8bit",
                       help="whole-model policy for the whole-model rows ('8bit', '4bit', 'exact', a spec; 'none': no such rows)")
-    demo.add_argument("--models", nargs="+", default=["cnn", "vit"], choices=["cnn", "vit"])
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--models", nargs="+", default=["cnn", "vit"], choices=["cnn", "vit"],
+                      help="which to train: cnn (3 convs), vit (3 transformer blocks); default both")
+    demo.add_argument("--seed", type=int, default=0,
+                      help="seed of the weights, the train/test split and the batch order (default %(default)s)")
     demo.add_argument("--plot", metavar="FILE.png", help="save the loss curves (needs matplotlib)")
     return parser
 
@@ -110,11 +117,13 @@ def _report(args: argparse.Namespace) -> int:
     import torch
 
     import actcomp
-    from actcomp.memory import format_bytes, parse_bytes
+    from actcomp.max_batch import parse_budget
+    from actcomp.memory import format_bytes
     from actcomp.whole_model import RestPolicy
 
     pipeline = actcomp.parse(args.pipeline)
     rest = None if args.rest is None else RestPolicy.parse(args.rest)
+    budget = parse_budget(" ".join(args.max_batch), "--max-batch") if args.max_batch is not None else None
     plt = _pyplot_for(args.plot) if args.plot else None
     timm = _timm()
     if not timm.is_model(args.model):
@@ -123,7 +132,6 @@ def _report(args: argparse.Namespace) -> int:
         raise ActcompError(f"unknown timm model {args.model!r}{hint}")
     if args.batch < 1 or args.img_size < 1:
         raise ActcompError(f"--batch and --img-size must be positive, got {args.batch} and {args.img_size}")
-    budget = parse_bytes(args.max_batch) if args.max_batch is not None else None
     torch.manual_seed(0)
     try:
         plain = timm.create_model(args.model, pretrained=False, img_size=args.img_size)

@@ -16,6 +16,7 @@ Layer ``0`` reads the model's input, so it runs plain (``first_layer="auto"``, s
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Callable, Mapping
 
 from torch import nn
@@ -71,7 +72,8 @@ def to_compressed(
     set it.
 
     Converting an already converted model replaces the pipelines of the layers it selects
-    (never nests); other layers keep theirs.
+    (never nests); other layers keep theirs. A call that changes nothing (no layer selected, no
+    ``rest``) warns.
     """
     if not isinstance(model, nn.Module):
         raise ActcompError(f"to_compressed expects an nn.Module, got {type(model).__name__}")
@@ -87,6 +89,7 @@ def to_compressed(
                 "their first forward, which would drop compression; run one forward pass before to_compressed"
             )
     skipped = _first_layer_name(candidates, first_layer)
+    converted = 0
     for name, module in candidates:
         if name == skipped or (filter_fn is not None and not filter_fn(module, name)):
             continue
@@ -95,13 +98,28 @@ def to_compressed(
             compress_layer(module, chosen.fresh())
             module.actcomp_name = name
             module.actcomp_plain_on_model_input = first_layer == "auto"
+            converted += 1
     if policy is not None:
         compress_whole_model(model, policy)
+    elif not converted:
+        # rest= alone still compresses what the other ops save: only a call that changes nothing warns.
+        _warn_nothing_converted(model, [name for name, _ in candidates])
     if any(getattr(m, "actcomp_plain_on_model_input", False) for m in model.modules()):
         watch_model_inputs(model)
     else:
         unwatch_model_inputs(model)
     return model
+
+
+def _warn_nothing_converted(model: nn.Module, supported: list[str]) -> None:
+    if supported:
+        shown = ", ".join(repr(name) for name in supported[:5]) + (" ..." if len(supported) > 5 else "")
+        why = (f"it has {len(supported)} Linear/Conv layer{'s' * (len(supported) > 1)} ({shown}), but the "
+               "pipeline's patterns, filter_fn or first_layer selected none")
+    else:
+        why = ("it has no layer to convert (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, their subclasses, "
+               "transformers' GPT-2 Conv1D); rest='8bit' would compress the tensors its other ops save for backward")
+    warnings.warn(f"to_compressed left this {type(model).__name__} unchanged: {why}", UserWarning, stacklevel=3)
 
 
 def from_compressed(model: nn.Module) -> nn.Module:

@@ -22,6 +22,7 @@ import actcomp
 from actcomp.cli import _X_LESS_NOTE, _pyplot_for
 from actcomp.errors import ActcompError
 from actcomp.memory import format_bytes
+from actcomp.op_kinds import module_kind
 
 
 def load_digits_tensors(seed: int = 0):
@@ -148,6 +149,7 @@ def run_demo(epochs: int = 8, specs=("mink0.9+int8",), models=("cnn", "vit"), se
             rows.append({"model": model_name, "pipeline": label, "accuracy": accuracy,
                          "saved_bytes": report.total_bytes, "memory_reduction": plain_bytes / report.total_bytes,
                          "step_time_vs_plain": statistics.median(ratios), "layers_freeing_nothing": len(report.not_freed),
+                         "inputs_also_kept_by": inputs_also_kept_by(net, report),
                          "layers_compressed": len(actcomp.compressed_layers(net))})
         curves[model_name] = dict(zip(labels, losses))
     _print_table(rows, batch)
@@ -195,11 +197,34 @@ def _print_table(rows: list[dict], batch: int) -> None:
     print("saved = bytes autograd keeps for backward, deduplicated by storage; step time = median over steps, "
           "interleaved with the plain model's")
     # The same layers free nothing whatever the pipeline: one note per model.
-    notes = {(row["model"], row["layers_freeing_nothing"], row["layers_compressed"]) for row in rows}
-    for model_name, lost, total in sorted(notes):
+    notes = {(row["model"], row["layers_freeing_nothing"], row["layers_compressed"], row["inputs_also_kept_by"])
+             for row in rows}
+    for model_name, lost, total, kept_by in sorted(notes):
         if lost:
-            print(f"note: {model_name}: {lost} of {total} converted layers free nothing: another op keeps their input "
-                  "(a ReLU's or the attention's output); see 'Shared tensors' in the README")
+            print(f"note: {model_name}: {lost} of {total} converted layers free nothing: their input is also kept by "
+                  f"{kept_by}; see 'Shared tensors' in the README")
+
+
+def inputs_also_kept_by(net: nn.Module, report) -> str:
+    """What else keeps the inputs of the converted layers that free nothing, by module class
+    (and, for a block of no kind of its own, the kind of op in it); '' when there are none.
+
+    >>> net = actcomp.to_compressed(SmallCNN(), "mink0.9")
+    >>> inputs_also_kept_by(net, actcomp.memory_report(net, torch.randn(2, 1, 8, 8)))
+    'ReLU'
+    """
+    modules = {name or "(model)": module for name, module in net.named_modules()}
+    found = {}
+    for item in report.not_freed:
+        for saver in item.kept_by:
+            module = modules[saver]
+            name = getattr(type(module), "actcomp_base", type(module)).__name__
+            if next(module.children(), None) is not None and module_kind(module) is None:
+                # A block running functional ops (a ViT block's attention): the op kind says which.
+                kinds = sorted({s.op_kind for s in report.storages if saver in s.savers and s.nbytes == item.input_bytes})
+                name = f"the {' or '.join(kinds)} in {name}" if kinds else name
+            found[name] = None
+    return ", ".join(found)
 
 
 def _plot(plt, curves: dict, path: str) -> None:

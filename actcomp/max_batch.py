@@ -7,7 +7,7 @@ never an estimate from bytes kept. Peak memory grows about linearly with the bat
 probes give a first guess; bisection between the largest batch that fits and the smallest that
 does not then settles it. A probe stops as soon as it passes the budget.
 
->>> search = largest_batch("resnet18", None, budget=1 << 30, img_size=32)  # doctest: +SKIP
+>>> search = largest_batch("resnet18", None, budget=parse_budget("1GiB"), img_size=32)  # doctest: +SKIP
 >>> 0 < search.batch < search.smallest_over and search.peak <= search.budget  # doctest: +SKIP
 True
 """
@@ -19,7 +19,38 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from actcomp.errors import ActcompError
+from actcomp.memory import format_bytes, parse_bytes
 from actcomp.peak_rss import peak_rss
+
+# A probe is a fresh Python process that has imported torch and timm: hundreds of MiB before
+# its first step. A budget below this is a typo (a missing or wrong unit), never a real limit.
+SMALLEST_BUDGET = 64 * 2**20
+
+
+def parse_budget(text: str, where: str = "budget") -> int:
+    """A memory budget as people write it, in bytes; unlike :func:`actcomp.memory.parse_bytes`
+    it needs a unit, and refuses budgets under 64 MiB, which no training process fits.
+
+    >>> parse_budget("4GiB"), parse_budget("512M")
+    (4294967296, 536870912)
+    """
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if 0 < number < math.inf:
+        # "4" meant 4 GiB, never 4 bytes: read as bytes, it would start a search that cannot succeed.
+        raise ActcompError(f"{where} {text!r} has no unit; write the size with one, e.g. '{text.strip()}GiB', "
+                           "'3.5GB', '512MiB', '512M' (KiB/MiB/GiB and K/M/G are powers of 1024, KB/MB/GB of 1000)")
+    try:
+        budget = parse_bytes(text)
+    except ActcompError as error:
+        raise ActcompError(f"{where}: {error}") from None
+    if budget < SMALLEST_BUDGET:
+        raise ActcompError(f"{where} {text!r} is {format_bytes(budget)}, below {format_bytes(SMALLEST_BUDGET)}: a "
+                           "process that has imported torch is larger than that before its first step, so no batch "
+                           "fits; give it in MiB or GiB, e.g. '4GiB'")
+    return budget
 
 
 @dataclass

@@ -120,7 +120,19 @@ class RestPolicy:
             return rest
         if isinstance(rest, str) and rest in PRESETS:
             return cls.parse(PRESETS[rest])
-        if isinstance(rest, (str, Pipeline)):
+        if isinstance(rest, str):
+            presets = ", ".join(repr(name) for name in PRESETS)
+            near = rest.lower().translate({ord(c): None for c in " -_"})
+            if near in PRESETS:
+                # Told, not accepted: a spelling the library reads silently would be one more to support.
+                raise ActcompError(f"unknown rest preset {rest!r}; did you mean {near!r}? presets: {presets}")
+            try:
+                pipeline = _lossy_pipeline(rest, "rest")
+            except ActcompError as error:
+                raise ActcompError(f"rest={rest!r} is neither a preset ({presets}) nor a spec whole-model mode can "
+                                   f"use:\n{error}") from None
+            return cls(pipeline, pipeline, pipeline, EXACT, EXACT)
+        if isinstance(rest, Pipeline):
             pipeline = _lossy_pipeline(rest, "rest")
             return cls(pipeline, pipeline, pipeline, EXACT, EXACT)
         if not isinstance(rest, Mapping):

@@ -41,10 +41,16 @@ def test_report_whole_model_prints_per_op_kind_and_codecs(capsys):
     assert "! kept as is" not in out
 
 
-def test_report_rejects_a_bad_rest(capsys):
-    assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--rest", "9bit"]) == 2
+@pytest.mark.parametrize("command", [["report", "--model", "resnet18", "--pipeline", "int8", *TINY], ["demo"]])
+@pytest.mark.parametrize("rest, message", [
+    ("9bit", "rest='9bit' is neither a preset ('exact', '8bit', '4bit') nor a spec whole-model mode can use:\n"
+             "unknown stage '9bit'"),
+    ("8BIT", "unknown rest preset '8BIT'; did you mean '8bit'?"),
+])
+def test_a_bad_rest_names_the_presets_before_any_work(command, rest, message, no_work, capsys):
+    assert main([*command, "--rest", rest]) == 2
 
-    assert "unknown stage '9bit'" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_report_under_bf16_autocast_with_plot(tmp_path, capsys):
@@ -141,6 +147,9 @@ def test_demo_runs_end_to_end(capsys):
     assert float(found[1]) == round(x_less[2], 1) and float(found[3]) == round(float(rows[2][-1].rstrip("x")), 1)
     assert abs(float(found[2]) - (accuracy[2] - accuracy[0])) <= 0.11
     assert re.fullmatch(r"total wall time \d+ s on 1 torch thread", out.splitlines()[-1])
+    # The note names what this CNN has (a ReLU), not what only the ViT has (attention).
+    assert "note: cnn: 1 of 4 converted layers free nothing: their input is also kept by ReLU;" in out
+    assert "attention" not in out
 
 
 def test_demo_whole_model_option(capsys):
@@ -234,9 +243,26 @@ def test_report_max_batch_searches_plain_checkpoint_and_compressed(monkeypatch, 
     assert "batch 16: peak" in err and "(over)" in err
 
 
-def test_report_rejects_a_bad_budget_before_any_work(capsys):
-    assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--max-batch", "4 gigs"]) == 2
-    assert "cannot read '4 gigs' as a memory size" in capsys.readouterr().err
+@pytest.mark.parametrize("budget, message", [
+    (["4 gigs"], "--max-batch: cannot read '4 gigs' as a memory size"),
+    # A bare number would be 4 bytes: a search that probes for minutes and cannot succeed.
+    (["4"], "--max-batch '4' has no unit; write the size with one, e.g. '4GiB', '3.5GB', '512MiB', '512M'"),
+    (["4", "KiB"], "--max-batch '4 KiB' is 4.0 KiB, below 64.0 MiB"),
+])
+def test_report_rejects_a_bad_budget_before_any_work(budget, message, no_work, capsys):
+    assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--max-batch", *budget]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_report_reads_an_unquoted_budget_with_a_space(monkeypatch, capsys):
+    from actcomp import max_batch
+
+    budgets = []
+    monkeypatch.setattr(max_batch, "peak_rss", lambda model, spec, *, batch, abort_above, **kwargs:
+                        budgets.append(abort_above) or (800 + 40 * batch) * 2**20)
+    assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--max-batch", "4", "GiB"]) == 0
+    assert set(budgets) == {4 * 2**30}
+    assert "largest batch whose training step peaks under 4.0 GiB" in capsys.readouterr().out
 
 
 def test_demo_rows_give_memory_as_plain_over_compressed(capsys):
@@ -246,3 +272,41 @@ def test_demo_rows_give_memory_as_plain_over_compressed(capsys):
 
     assert compressed["memory_reduction"] == plain["saved_bytes"] / compressed["saved_bytes"] > 1
     assert plain["memory_reduction"] == 1
+
+
+def _all_actions(parser, where="python -m actcomp"):
+    """(where, action) for every argument of ``parser`` and of its subcommands."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        yield where, action
+        if isinstance(action, argparse._SubParsersAction):
+            yield from ((where, choice) for choice in action._choices_actions)
+            for name, sub in action.choices.items():
+                yield from _all_actions(sub, f"{where} {name}")
+
+
+def test_every_cli_argument_has_help():
+    from actcomp.cli import _parser
+
+    actions = list(_all_actions(_parser()))
+    assert len(actions) > 20  # both subcommands were walked
+    missing = [f"{where} {action.option_strings or action.dest}" for where, action in actions if not action.help]
+    assert not missing, f"arguments without help: {missing}"
+
+
+@pytest.mark.parametrize("model, kept_by", [("cnn", "ReLU"), ("vit", "the attention in Block")])
+def test_demo_note_names_what_keeps_the_inputs_in_that_model(model, kept_by):
+    import torch
+
+    import actcomp
+    from actcomp.demo import _MODELS, inputs_also_kept_by
+
+    sample = torch.randn(4, 1, 8, 8)
+    net = actcomp.to_compressed(_MODELS[model][0](), "mink0.9")
+    assert inputs_also_kept_by(net, actcomp.memory_report(net, sample)) == kept_by
+    # Whole-model mode frees the shared tensors too: nothing left to name.
+    whole = actcomp.to_compressed(_MODELS[model][0](), "mink0.9", rest="8bit")
+    assert inputs_also_kept_by(whole, actcomp.memory_report(whole, sample)) == ""

@@ -206,8 +206,9 @@ def test_first_layer_by_name_and_bad_name():
         actcomp.to_compressed(Mixed(), "mink0.9", first_layer="nope")
     with pytest.raises(actcomp.ActcompError, match="first_layer='bn'"):
         actcomp.to_compressed(Mixed(), "mink0.9", first_layer="bn")  # exists, but unsupported
-    # Nothing supported: "auto" has nothing to skip and nothing is converted.
-    assert actcomp.compressed_layers(actcomp.to_compressed(nn.Sequential(nn.ReLU()), "mink0.9")) == {}
+    # Nothing supported: "auto" has nothing to skip and nothing is converted (and it says so).
+    with pytest.warns(UserWarning, match="left this Sequential unchanged"):
+        assert actcomp.compressed_layers(actcomp.to_compressed(nn.Sequential(nn.ReLU()), "mink0.9")) == {}
 
 
 def test_filter_fn_vetoes_layers():
@@ -282,3 +283,36 @@ def test_uninitialized_lazy_layer_is_refused_and_works_once_materialized():
     actcomp.to_compressed(model, "mink0.9", first_layer=None)
     model(torch.randn(2, 3)).sum().backward()
     assert set(actcomp.compressed_layers(model)) == {"0", "1"}
+
+
+class NoLinearOrConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return F.gelu(self.norm(x))
+
+
+def test_a_model_with_nothing_to_convert_warns_naming_what_is_supported():
+    with pytest.warns(UserWarning, match=r"to_compressed left this NoLinearOrConv unchanged: it has no layer to "
+                                         r"convert \(nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, .*GPT-2 Conv1D\); "
+                                         r"rest='8bit' would compress"):
+        actcomp.to_compressed(NoLinearOrConv(), "int8")
+
+
+@pytest.mark.parametrize("pipeline, kwargs", [({"blocks.*": "int8"}, {}), ("int8", {"filter_fn": lambda m, n: False})])
+def test_a_selection_that_converts_nothing_warns(pipeline, kwargs):
+    with pytest.warns(UserWarning, match=r"left this Mixed unchanged: it has 6 Linear/Conv layers \('stem', "
+                                         r"'body.0', .* \.\.\.\), but the pipeline's patterns, filter_fn or first_layer "
+                                         r"selected none"):
+        actcomp.to_compressed(Mixed(), pipeline, **kwargs)
+
+
+def test_whole_model_mode_without_linear_or_conv_is_no_warning(recwarn):
+    # rest= still compresses what the other ops save: the GELU input as 3-bit derivative codes.
+    model = actcomp.to_compressed(NoLinearOrConv(), "int8", rest="8bit")
+    actcomp.to_compressed(Mixed(), "int8")
+    assert not [w for w in recwarn if "to_compressed" in str(w.message)]
+    activation = next(row for row in actcomp.memory_report(model, torch.randn(4, 8)).kinds if row.kind == "activation")
+    assert activation.codecs == ("fewbit3",) and activation.kept_bytes < activation.plain_bytes

@@ -96,3 +96,22 @@ def test_parse_bytes(text, expected):
 def test_parse_bytes_refuses_what_is_not_a_size(text):
     with pytest.raises(actcomp.ActcompError, match="memory size.*4GiB"):
         parse_bytes(text)
+
+
+@pytest.mark.parametrize("text, expected", [("4GiB", 4 * 2**30), ("4 GiB", 4 * 2**30), ("512M", 512 * MiB),
+                                            ("64MiB", 64 * MiB)])
+def test_parse_budget(text, expected):
+    assert max_batch.parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    ("4", r"budget '4' has no unit; write the size with one, e\.g\. '4GiB', '3\.5GB', '512MiB', '512M'"),
+    ("0.5", "budget '0.5' has no unit.*'0.5GiB'"),
+    ("10KiB", r"budget '10KiB' is 10\.0 KiB, below 64\.0 MiB.*'4GiB'"),
+    ("4B", "below 64.0 MiB"),
+    ("4 gigs", "budget: cannot read '4 gigs' as a memory size.*'4GiB'"),
+    ("-4", "cannot read '-4' as a memory size"),
+])
+def test_parse_budget_refuses_a_number_without_unit_or_too_small(text, message):
+    with pytest.raises(actcomp.ActcompError, match=message):
+        max_batch.parse_budget(text)

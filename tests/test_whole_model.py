@@ -1140,3 +1140,17 @@ def test_large_tensors_are_quantized_in_chunks_with_the_same_groups(monkeypatch)
     monkeypatch.setattr(derivative_codes, "CHUNK", 1 << 20)
     assert torch.equal(codes.tensors[0], derivative_code(x, "gelu", bits=3).tensors[0])
     assert torch.equal(codes.unpack(), derivative_code(x, "gelu", bits=3).unpack())
+
+
+@pytest.mark.parametrize("rest, message", [
+    ("9bit", r"rest='9bit' is neither a preset \('exact', '8bit', '4bit'\) nor a spec whole-model mode can use:\n"
+             r"unknown stage '9bit' in spec '9bit'"),
+    ("mesa8", r"rest='mesa8' is neither a preset \('exact', '8bit', '4bit'\) .*\nrest: 'mesa8' uses 'mesa8'"),
+    # A near miss is named, never silently accepted.
+    ("8BIT", r"unknown rest preset '8BIT'; did you mean '8bit'\? presets: 'exact', '8bit', '4bit'"),
+    ("Exact", r"unknown rest preset 'Exact'; did you mean 'exact'\?"),
+    ("4-bit", r"unknown rest preset '4-bit'; did you mean '4bit'\?"),
+])
+def test_a_bad_rest_string_names_the_presets(rest, message):
+    with pytest.raises(actcomp.ActcompError, match=message):
+        actcomp.to_compressed(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), "int8", rest=rest)
