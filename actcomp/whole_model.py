@@ -8,10 +8,13 @@ kind of op saving it (:mod:`actcomp.op_kinds`):
 kind            kept as                                           exact?
 ==============  ================================================  =========
 activation      ReLU / ReLU6 / Hardtanh / LeakyReLU: 1-bit mask   yes
-                GELU, SiLU: 3-bit derivative codes ("8bit")       no
+                GELU, SiLU: the ``rest`` spec ("8bit": int8), or  no
+                few-bit derivative codes ("4bit": 4 bits)
                 Sigmoid, Tanh, Mish, ...: the ``rest`` spec        no
-normalization   Batch/Layer/Group/RMS norm inputs: ``rest`` spec   no
+normalization   Batch/Layer/Group/RMS norm inputs: ``rest`` spec,  no
+                in groups inside each normalized unit
 attention       softmax, SDPA q/k/v/out: ``rest`` spec             no
+                SDPA's own dropout mask (CPU): 1-bit mask         yes
 pooling         MaxPool2d: window offsets, input shape only       yes
 dropout         1-bit mask (and any saved bool tensor)            yes
 linear          the layer's own pipeline (never these hooks)      as today
@@ -21,7 +24,11 @@ other           as is, unless ``rest={"other": spec}``            yes
 Parameters, buffers, autocast's weight copies, the model's own inputs and small statistics (a
 norm's mean and rstd, attention's log-sum-exp) are always kept as they are. A tensor saved by
 several ops gets one compressed form per saver, so no full-size copy survives; a tensor saved
-twice under the same codec is compressed once.
+twice under the same :class:`Codec` (function and every setting it reads: a clamp's range,
+GELU's approximation, a norm's unit) is compressed once. Norm inputs are laid out in rows
+inside the unit the norm normalizes (:mod:`actcomp.normalized_units`) and quantized in groups
+that divide a row: a group spanning a tiny-spread row and a wide one would round the tiny one
+away, and the norm's backward multiplies that error by ``1/std``.
 
 Why saved-tensor hooks and not one autograd Function per op: the forward and the backward stay
 PyTorch's own kernels (cuDNN batch norm, flash attention, fused dropout), so a 1-bit mask gives

@@ -1,0 +1,100 @@
+"""Gradient direction under the lossy whole-model presets, over the zoo exactness harness.
+
+    python benchmarks/bench_gradient_cosine.py   # every zoo model and policy: ~3 minutes, 1 thread
+
+For every model of ``tests/zoo.py`` (13 timm families, BERT, GPT-2, Llama and T5 from small
+configs; a BatchNorm model on its ``roomy_batch``, which gives every BatchNorm channel at least
+64 values), one training step in fp32 with a lossless layer spec (``mink0``) and each ``rest``
+policy: the cosine between the flattened parameter gradient and plain PyTorch's, and the lowest
+cosine of a single parameter's gradient (with that parameter's name). ``tests/test_zoo.py``
+holds the floors (``"8bit"`` >= 0.99, ``"4bit"`` >= 0.97); this writes the numbers behind them
+and the alternatives they were chosen against.
+
+Writes ``benchmarks/results/gradient_cosine_<torch>_cpu_t<threads>.{md,csv}``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, write_results
+
+import actcomp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from zoo import ZOO, train_step  # noqa: E402  (the harness's models, not a package)
+
+POLICIES = {
+    "8bit": "8bit",
+    "4bit": "4bit",
+    "8bit+fewbit3": {"fewbit": 3},
+    "int4": "int4",
+}
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    # Normalised first: cosine_similarity's eps clamps the norms of tiny gradients.
+    a, b = a.double().reshape(-1), b.double().reshape(-1)
+    return float((a / a.norm() * (b / b.norm())).sum())
+
+
+def measure(entry, policy) -> dict:
+    torch.manual_seed(0)
+    plain = entry.build()
+    model = actcomp.to_compressed(copy.deepcopy(plain), "mink0", first_layer=None, rest=policy)
+    torch.manual_seed(2)
+    batch = (entry.roomy_batch or entry.batch)()
+    _, ref = train_step(plain, batch)
+    _, grads = train_step(model, batch)
+    names = [name for name, grad in ref.items() if grad is not None and grad.norm() > 0]
+    whole = cosine(torch.cat([grads[n].reshape(-1) for n in names]), torch.cat([ref[n].reshape(-1) for n in names]))
+    worst = min((cosine(grads[n], ref[n]), n) for n in names)
+    return {"cosine": whole, "worst_parameter_cosine": worst[0], "worst_parameter": worst[1]}
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__)
+    parser.add_argument("--models", nargs="+", default=[entry.id for entry in ZOO], help="zoo ids")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--out", default=str(RESULTS_DIR), help="results folder")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    load_before, start = load_average(), time.perf_counter()
+
+    rows = []
+    for entry in ZOO:
+        if entry.id not in args.models:
+            continue
+        for name in args.policies:
+            row = {"model": entry.id, "policy": name, **measure(entry, POLICIES[name])}
+            rows.append(row)
+            print(f"{entry.id:30s} {name:14s} {row['cosine']:.5f}  worst {row['worst_parameter_cosine']:.4f}"
+                  f" ({row['worst_parameter']})", flush=True)
+
+    table = ["| model | " + " | ".join(args.policies) + " |", "|---|" + "---:|" * len(args.policies)]
+    for model in dict.fromkeys(row["model"] for row in rows):
+        cells = [f"{row['cosine']:.4f}" for name in args.policies for row in rows
+                 if row["model"] == model and row["policy"] == name]
+        table.append(f"| {model} | " + " | ".join(cells) + " |")
+    lowest = ["", "Lowest per policy: " + ", ".join(
+        f"{name} {min(row['cosine'] for row in rows if row['policy'] == name):.4f}" for name in args.policies),
+        "", "Lowest single-parameter cosine (a parameter's gradient alone; tiny gradients of a norm's bias "
+        "before a layer scale sit here):", ""]
+    lowest += [f"- {row['model']} {row['policy']}: {row['worst_parameter_cosine']:.4f} ({row['worst_parameter']})"
+               for row in rows]
+    settings = {"policies": " ".join(args.policies), "layer spec": "mink0"}
+    header = header_lines(torch.device("cpu"), args.threads, 0, time.perf_counter() - start, settings, load_before)
+    write_results("gradient_cosine", torch.device("cpu"), args.threads, header,
+                  "Gradient cosine vs plain PyTorch, one fp32 step, whole-model presets", table + lowest, rows,
+                  ["model", "policy", "cosine", "worst_parameter_cosine", "worst_parameter"], Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
