@@ -10,8 +10,9 @@ gradient must also come back with plain's strides: the layers before it read the
 
 Layouts are made as views of a larger or differently ordered tensor, as models make them:
 permuted (a Linear over NHWC of an NCHW tensor), swapped (sequence-first), transposed-then-
-reshaped with a gap (ViT tokens without the class token, back to an image), sliced, channels_last
-and broadcast (stride 0).
+reshaped with a gap (ViT tokens without the class token, back to an image), the feature axis
+outermost with a gap, sliced, overlapping (unfold's windows), channels_last and broadcast
+(stride 0).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ LINEARS = [
     ("linear-4d", lambda: nn.Linear(12, 10), (2, 8, 9, 12)),
     ("linear-3d", lambda: nn.Linear(12, 10), (3, 20, 12)),
     ("linear-2d", lambda: nn.Linear(12, 10), (40, 12)),
+    ("linear-1d", lambda: nn.Linear(40, 30), (40,)),
     ("linear-3d-nobias", lambda: nn.Linear(12, 10, bias=False), (3, 20, 12)),
     ("own-forward-linear-4d", lambda: OwnForwardLinear(12, 10), (2, 8, 9, 12)),
     ("gpt2-conv1d-3d", lambda: Conv1D(10, 12), (3, 20, 12)),
@@ -62,7 +64,10 @@ LAYERS = LINEARS + CONVS
 
 
 def _random(shape, dtype) -> torch.Tensor:
-    return torch.randn(shape).to(dtype)
+    # With some -0.0 among the values (a dropout's backward makes them): a sum over one
+    # element turns -0.0 into 0.0, so the bitwise check also sees a sum plain autograd skips.
+    values = torch.randn(shape)
+    return values.masked_fill(values.abs() < 0.05, -0.0).to(dtype)
 
 
 def _permuted(shape, dtype) -> torch.Tensor:
@@ -85,15 +90,37 @@ def _tokens_to_image(shape, dtype) -> torch.Tensor:
     its first row, as a ViT's patch tokens without the class token, reshaped back to an image."""
     rest = math.prod(shape[2:]) if len(shape) > 2 else 1
     if len(shape) == 2:
-        return _random((shape[1] + 1, shape[0]), dtype)[1:].t()
+        return _random((shape[1], shape[0] + 1), dtype)[:, 1:].t()  # column-major, with gaps
     tokens = _random((shape[0], rest + 1, shape[1]), dtype)[:, 1:]
     return tokens.transpose(1, 2).reshape(shape)
 
 
+def _last_axis_outer(shape, dtype) -> torch.Tensor:
+    """Not dense: the last axis outermost and the one before it without its first row, so a
+    Linear's fold to 2-d copies here but would be a (column-major) view with the gap closed."""
+    base = _random((shape[-1], *shape[:-2], shape[-2] + 1), dtype)[..., 1:]
+    return base.permute(*range(1, len(shape)), 0)
+
+
 def _sliced(shape, dtype) -> torch.Tensor:
-    """Not dense: every other element of the last axis, and axis 1 without its first row."""
-    base = _random((shape[0], shape[1] + 1, *shape[2:-1], 2 * shape[-1]), dtype)
-    return base[:, 1:, ..., ::2]
+    """Not dense: every other element of the last axis, and the axis before the features (axis
+    1, or axis 0 of a 2-d tensor) without its first row."""
+    if len(shape) == 1:
+        return _random(2 * shape[0], dtype)[::2]
+    axis = 1 if len(shape) > 2 else 0
+    base = list(shape)
+    base[axis] += 1
+    base[-1] *= 2
+    return _random(base, dtype)[(slice(None),) * axis + (slice(1, None), ..., slice(None, None, 2))]
+
+
+def _overlapping(shape, dtype) -> torch.Tensor:
+    """Overlapping: consecutive batch elements share half their memory, as windows that
+    ``unfold`` slides over a sequence do."""
+    stride = list(torch.empty(shape, device="meta").stride())
+    stride[0] //= 2
+    storage = sum((size - 1) * step for size, step in zip(shape, stride)) + 1
+    return _random(storage, dtype).as_strided(shape, stride)
 
 
 def _channels_last(shape, dtype) -> torch.Tensor:
@@ -111,13 +138,16 @@ def _broadcast_last(shape, dtype) -> torch.Tensor:
 
 LAYOUTS = {
     "contiguous": _random, "permuted": _permuted, "swapped": _swapped, "tokens-to-image": _tokens_to_image,
-    "sliced": _sliced, "channels-last": _channels_last, "broadcast-batch": _broadcast_batch,
+    "last-axis-outer": _last_axis_outer, "sliced": _sliced, "overlapping": _overlapping,
+    "channels-last": _channels_last, "broadcast-batch": _broadcast_batch,
     "broadcast-last": _broadcast_last,
 }
 
 
 def _applies(layout: str, shape) -> bool:
-    return layout != "channels-last" or len(shape) in (4, 5)
+    if layout == "channels-last":
+        return len(shape) in (4, 5)
+    return len(shape) > 1 or layout in ("contiguous", "sliced", "broadcast-last")
 
 
 # Every layout for the input with a contiguous gradient, every layout for the gradient with a
@@ -160,6 +190,9 @@ def _assert_identical(got, want, what: str) -> None:
         return
     assert got.dtype == want.dtype, what
     torch.testing.assert_close(got, want, rtol=0, atol=0, msg=what)
+    # assert_close takes -0.0 for 0.0; the bits may not differ either.
+    as_bits = {2: torch.int16, 4: torch.int32}[want.element_size()]
+    assert torch.equal(got.view(as_bits), want.view(as_bits)), f"{what}: signs of zeros"
 
 
 def _check(build, shape, input_layout, grad_layout, dtype, train_weight=True, input_needs_grad=True):
@@ -173,7 +206,9 @@ def _check(build, shape, input_layout, grad_layout, dtype, train_weight=True, in
     def make_input() -> torch.Tensor:
         # A view as the layout makes it (a clone would drop its gaps and broadcast strides).
         torch.manual_seed(1)
-        return LAYOUTS[input_layout](shape, param_dtype).requires_grad_(input_needs_grad)
+        x = LAYOUTS[input_layout](shape, param_dtype)
+        assert x.shape == shape
+        return x.requires_grad_(input_needs_grad)
 
     try:
         want = _run(plain, make_input, grad_layout, autocast)
@@ -222,3 +257,11 @@ def test_depthwise_conv_on_token_view():
     other kernels than plain autograd's channels_last ones."""
     _check(lambda: nn.Conv2d(16, 16, 3, padding=1, groups=16), (2, 16, 14, 14), "tokens-to-image", "contiguous",
            "fp32")
+
+
+def test_broadcast_input_is_compressed_once(compress_calls):
+    """A broadcast input keeps each of its values once: its compressed copy is of the values
+    behind the view, and backward broadcasts them again (the layout plain autograd sees)."""
+    layer = actcomp.to_compressed(nn.Linear(12, 10), "mink0.5", first_layer=None)
+    layer(torch.randn(1, 20, 12).expand(3, 20, 12)).sum().backward()
+    assert compress_calls == [(1, 20, 12)]
