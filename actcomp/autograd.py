@@ -7,6 +7,12 @@ hooks, checkpointing and ``retain_graph`` see every byte), and in backward decom
 for the weight gradient only. Input and bias gradients never read the input, so they are
 exact whatever the pipeline.
 
+The decompressed input is laid out as ``x`` was: the same strides where ``x`` is dense,
+broadcast (stride 0) where ``x`` is, and dense in ``x``'s axis order where ``x`` has gaps (a
+slice). Only the broadcast values are compressed, once each. Backward kernels choose their
+algorithm from the layout, so with a lossless pipeline every gradient is bit-identical to
+plain autograd's (see :mod:`actcomp.ops`).
+
 >>> import torch, actcomp
 >>> from actcomp.ops import LinearOp
 >>> x = torch.randn(8, 16, requires_grad=True)
@@ -29,7 +35,7 @@ from torch.autograd.function import FunctionCtx
 from actcomp.errors import ActcompError
 from actcomp.pipeline import Packed, Pipeline
 from actcomp.saved_tensors import saving_compressed_layer
-from actcomp.storage import dense_strides, restride
+from actcomp.storage import unbroadcast, with_layout_of
 
 # Layers that read one tensor with one pipeline (a ResNet block input read by conv1 and the
 # downsample conv; BERT's query, key and value projections) share one compressed copy. Keyed by
@@ -53,13 +59,16 @@ def _compress_once(pipeline: Pipeline, uncast: torch.Tensor, x: torch.Tensor, ch
 class CompressedInputFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, x, weight, bias, op, pipeline: Pipeline | None, compute_dtype, where):  # type: ignore[override]
-        ctx.op, ctx.pipeline, ctx.x_shape, ctx.x_dtype, ctx.where = op, pipeline, x.shape, x.dtype, where
+        ctx.op, ctx.pipeline, ctx.x_dtype, ctx.where = op, pipeline, x.dtype, where
         ctx.compute_dtype = compute_dtype
         uncast = x
         # The cast happens in here, not before, so the input gradient is cast back before the
         # op's own padding backward runs, exactly as in plain autocast.
         if compute_dtype is not None:
             x = x.to(compute_dtype)
+        # The input's shape and strides, without its memory: the op's backward follows the
+        # path plain autograd takes for this layout.
+        ctx.x_like = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
         out = op.forward(x, weight, bias)
         needs_weight = ctx.needs_input_grad[1]
         ctx.layout = None
@@ -72,9 +81,8 @@ class CompressedInputFunction(torch.autograd.Function):
             ctx.layout = "recast"
             saved.append(uncast)
         elif needs_weight:
-            packed = _compress_once(pipeline, uncast, x, op.channel_dim)
+            packed = _compress_once(pipeline, uncast, unbroadcast(x), op.channel_dim)
             ctx.layout = packed.layout
-            ctx.x_stride = dense_strides(x)
             saved.extend(packed.tensors)
         ctx.save_for_backward(*saved)
         return out
@@ -97,8 +105,8 @@ class CompressedInputFunction(torch.autograd.Function):
                 x = ctx.pipeline.decompress(Packed(tuple(packed_tensors), ctx.layout))
             except ActcompError as error:
                 raise ActcompError(f"in the backward of layer {ctx.where}: {error}") from None
-            x = restride(x, ctx.x_stride)
-        grad_input, grad_weight, grad_bias = ctx.op.backward(grad, x, weight, ctx.x_shape, ctx.x_dtype, needs)
+            x = with_layout_of(x, ctx.x_like)
+        grad_input, grad_weight, grad_bias = ctx.op.backward(grad, x, weight, ctx.x_like, ctx.x_dtype, needs)
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 

@@ -6,6 +6,15 @@
 (True, False)
 >>> storage_key(torch.empty(3, device="meta")) is None
 True
+
+A tensor rebuilt from a compressed copy gets the layout of the one it replaces, because
+backward kernels pick their algorithm (and so their summation order) from strides:
+
+>>> tokens = torch.randn(2, 17, 8)[:, 1:].transpose(1, 2).reshape(2, 8, 4, 4)  # not dense
+>>> core = unbroadcast(tokens)
+>>> rebuilt = with_layout_of(core.contiguous(), tokens)
+>>> rebuilt.stride(), rebuilt.is_contiguous(memory_format=torch.channels_last)
+((128, 1, 32, 8), True)
 """
 
 from __future__ import annotations
@@ -59,3 +68,45 @@ def restride(x: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
     if stride is None or x.stride() == stride:
         return x
     return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
+
+
+def unbroadcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with each broadcast axis (stride 0) cut to size 1: the values it holds, once each.
+    ``unbroadcast(x).expand(x.shape)`` is ``x`` again, strides included.
+
+    >>> unbroadcast(torch.randn(3, 1).expand(3, 5)).shape
+    torch.Size([3, 1])
+    """
+    return x[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in x.stride())]
+
+
+def dense_strides_like(x: torch.Tensor) -> tuple[int, ...]:
+    """Strides of a dense tensor shaped like ``x`` whose axes lie in memory in the order of
+    ``x``'s: ``x``'s own when it is dense, else the same order with the gaps closed (a slice of
+    a channels_last tensor stays channels_last).
+
+    >>> dense_strides_like(torch.randn(5, 8)[:, ::2].t())
+    (1, 4)
+    """
+    stride = dense_strides(x)
+    if stride is not None:
+        return stride
+    dense, step = [0] * x.dim(), 1
+    # Innermost axis first; of two axes with equal strides the later one counts as inner.
+    for axis in sorted(range(x.dim()), key=lambda axis: (x.stride(axis), -axis)):
+        dense[axis] = step
+        step *= x.shape[axis]
+    return tuple(dense)
+
+
+def with_layout_of(core: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``core`` (values of ``unbroadcast(like)``, any layout) laid out as ``like``: dense in
+    ``like``'s axis order, broadcast where ``like`` is. ``like`` may be a meta tensor."""
+    return restride(core, dense_strides_like(unbroadcast(like))).expand(like.shape)
+
+
+def empty_with_layout_of(like: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor laid out as :func:`with_layout_of` lays out ``like``, for kernels
+    that read an input's shape and layout but not its values."""
+    core = unbroadcast(like)
+    return torch.empty_strided(core.shape, dense_strides_like(core), dtype=dtype, device=device).expand(like.shape)
