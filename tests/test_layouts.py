@@ -265,3 +265,41 @@ def test_broadcast_input_is_compressed_once(compress_calls):
     layer = actcomp.to_compressed(nn.Linear(12, 10), "mink0.5", first_layer=None)
     layer(torch.randn(1, 20, 12).expand(3, 20, 12)).sum().backward()
     assert compress_calls == [(1, 20, 12)]
+
+
+class _ViewThenActivation(nn.Module):
+    """A conv, a view of its output in ``layout``, an activation and a Linear: whole-model
+    mode keeps the activation's tensor in an exact code and must rebuild a stand-in whose
+    gradient flows back through the view in plain PyTorch's layout."""
+
+    def __init__(self, layout: str, activation):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(6, 8, 3, padding=1), nn.Linear(8, 5)
+        self.layout, self.activation = layout, activation
+
+    def forward(self, x):
+        y = self.conv(x)
+        y = {"contiguous": lambda t: t.flatten(2).transpose(1, 2).contiguous(),
+             "permuted": lambda t: t.permute(0, 2, 3, 1),
+             "sliced": lambda t: t[:, :, 1:, ::2].permute(0, 2, 3, 1),
+             "transposed": lambda t: t.flatten(2).transpose(1, 2)}[self.layout](y)
+        return self.fc(self.activation(y))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "sliced", "transposed"])
+@pytest.mark.parametrize("activation", [F.relu, F.hardtanh, F.leaky_relu, lambda t: F.dropout(t, 0.3)],
+                         ids=["relu", "hardtanh", "leaky_relu", "dropout"])
+def test_whole_model_exact_codecs_on_every_layout(layout, activation):
+    torch.manual_seed(0)
+    plain = _ViewThenActivation(layout, activation)
+    model = actcomp.to_compressed(copy.deepcopy(plain), "mink0", rest="exact")
+    x = torch.randn(4, 6, 8, 8)
+    results = []
+    for net in (plain, model):
+        net.train()
+        inputs = x.clone().requires_grad_(True)
+        torch.manual_seed(1)
+        net(inputs).pow(2).sum().backward()
+        results.append([inputs.grad, *(p.grad for p in net.parameters())])
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
