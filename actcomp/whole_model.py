@@ -42,11 +42,13 @@ CompressedSequential(
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import threading
 import types
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 
 import torch
@@ -225,10 +227,10 @@ class _AsIs:
 class _Session:
     """One training forward of a whole-model: chooses and applies codecs as tensors are saved."""
 
-    def __init__(self, model: nn.Module, policy: RestPolicy, inputs: tuple):
+    def __init__(self, policy: RestPolicy, excluded: Iterable[torch.Tensor]):
         self.policy = policy
-        self.excluded = {storage_key(t) for t in model.buffers()}
-        self.excluded.update(storage_key(t) for t in tensors_in(inputs))
+        # Buffers and the caller's data stay alive anyway: a compressed copy would only add bytes.
+        self.excluded = {storage_key(t) for t in excluded}
         self.excluded.discard(None)
         # (id of the saved tensor, codec) -> (weak reference, version, Kept): one tensor saved
         # twice under one codec (RMSNorm's input, by pow and by mul) is compressed once.
@@ -389,39 +391,69 @@ class CompressedModel:
         return _rebuild_compressed_model, (type(self).actcomp_base,), self.__getstate__()
 
 
+class _Running(threading.local):
+    """The whole-model forward running in this thread, if any: ``owner`` is the module whose call
+    started it and ``close`` ends its session (None where it declined: under checkpoint or other
+    saved-tensor hooks)."""
+
+    owner: nn.Module | None = None
+    close: contextlib.ExitStack | None = None
+
+
+_RUNNING = _Running()
+
+
 # Storage keys, saved-tensor hooks and the op-kind mode are not traceable: under torch.compile a
 # whole-model forward runs eagerly (one graph break at the model's entry).
 @torch.compiler.disable
 def _whole_model_forward(module: nn.Module, args: tuple, kwargs: dict):
     forward = super(CompressedModel, module).forward  # type: ignore[misc]
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if checkpoint_hooks_on_top():
-        return forward(*args, **kwargs)  # checkpoint recomputes these tensors: nothing is stored
-    if top is not None and isinstance(getattr(top[0], "__self__", None), _Session):
+    if _RUNNING.owner is not None:
         return forward(*args, **kwargs)  # a whole-model inside another: the outer one's hooks decide
-    if top is not None and not getattr(top[0], "actcomp_observer", False):
-        _warn_foreign_hooks(module, top[0])
-        return forward(*args, **kwargs)
-    session = _Session(module, module.actcomp_rest, (args, kwargs))
     try:
-        with tracking_scopes(), torch.autograd.graph.saved_tensors_hooks(session.pack, _unpack):
-            return forward(*args, **kwargs)
+        _start(module, module.actcomp_rest, [*module.buffers(), *tensors_in((args, kwargs))],
+               type(module).actcomp_base)
+        return forward(*args, **kwargs)
     finally:
-        # Autograd keeps the pack hook (this session) with every saved variable until backward
-        # releases the last one. Holding the compressed tensors in the cache past the forward
-        # would keep every one of them alive to the end of backward instead of freeing each as
-        # its node runs: on ViT-S at batch 32 that was the whole kept size on top of the peak.
-        session.close()
+        _finish()
 
 
-def _warn_foreign_hooks(module: nn.Module, pack) -> None:
-    key = type(module)
-    if key not in _WARNED_FOREIGN:
-        _WARNED_FOREIGN.add(key)
+def _start(owner: nn.Module, policy: RestPolicy, excluded: list, model_class: type):
+    """Start a whole-model forward owned by ``owner``: a session compressing what is saved until
+    :func:`_finish`, unless checkpoint's or someone else's saved-tensor hooks are on top."""
+    _RUNNING.owner = owner
+    if checkpoint_hooks_on_top():
+        return  # checkpoint recomputes these tensors: nothing is stored
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is not None and not getattr(top[0], "actcomp_observer", False):
+        _warn_foreign_hooks(model_class, top[0])
+        return
+    session = _Session(policy, excluded)
+    close = contextlib.ExitStack()
+    # Autograd keeps the pack hook (this session) with every saved variable until backward
+    # releases the last one. Holding the compressed tensors in the cache past the forward
+    # would keep every one of them alive to the end of backward instead of freeing each as
+    # its node runs: on ViT-S at batch 32 that was the whole kept size on top of the peak.
+    close.callback(session.close)
+    close.enter_context(tracking_scopes())
+    close.enter_context(torch.autograd.graph.saved_tensors_hooks(session.pack, _unpack))
+    _RUNNING.close = close
+
+
+def _finish() -> None:
+    close = _RUNNING.close
+    _RUNNING.owner, _RUNNING.close = None, None
+    if close is not None:
+        close.close()
+
+
+def _warn_foreign_hooks(model_class: type, pack) -> None:
+    if model_class not in _WARNED_FOREIGN:
+        _WARNED_FOREIGN.add(model_class)
         warnings.warn(
             f"whole-model compression is off for this forward: other saved-tensor hooks ({getattr(pack, '__qualname__', pack)}) "
             "are active and would be overridden; Linear/Conv layers are still compressed",
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
