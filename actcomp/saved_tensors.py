@@ -125,6 +125,15 @@ class _FunctionScopes(TorchFunctionMode):
             del scopes[depth:]
 
 
+def enter_running_module(module: nn.Module, args: tuple) -> None:
+    """Open the scope of ``module``, whose forward pre-hooks are running, when tracking began in
+    one of them (after the global pre-hook that opens scopes had passed the module by); the global
+    forward hook closes it as for any module. Where tracking was on already, that pre-hook opened it."""
+    scopes = _STATE.scopes
+    if not scopes or scopes[-1].module is not module:
+        _enter_module(module, args)
+
+
 @contextlib.contextmanager
 def tracking_scopes() -> Iterator[None]:
     """Keep :func:`current_scopes` up to date in this thread while the block runs (nests)."""
