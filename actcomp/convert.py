@@ -63,11 +63,12 @@ def to_compressed(
 
     ``rest`` switches on whole-model mode (:mod:`actcomp.whole_model`): every other tensor autograd
     keeps is compressed too, by the kind of op saving it. The presets: ``rest="8bit"`` keeps
-    ReLU-family outputs, dropout masks and MaxPool argmaxes exactly in 1-4 bits, GELU/SiLU inputs
-    as 3-bit derivative codes, and norm, other activation and attention tensors in int8;
-    ``"4bit"`` the same with int4; ``"exact"`` only the exact codecs (bit-identical gradients). A
-    spec string applies that spec to norms, activations and attention; a mapping overrides kinds of
-    the ``"8bit"`` preset one by one, e.g. ``rest={"normalization": "int4", "fewbit": None}``.
+    ReLU-family outputs, dropout masks and MaxPool argmaxes exactly in 1-4 bits and norm, other
+    activation (GELU/SiLU too) and attention tensors in int8 (norm inputs in groups inside each
+    normalized unit); ``"4bit"`` the same with int4 in groups of 64 and GELU/SiLU inputs as 4-bit
+    derivative codes; ``"exact"`` only the exact codecs (bit-identical gradients). A spec string
+    applies that spec to norms, activations and attention; a mapping overrides kinds of the
+    ``"8bit"`` preset one by one, e.g. ``rest={"normalization": "int4", "fewbit": 3}``.
     ``None`` (default) leaves the rest as it is (Linear/Conv mode), or as a previous conversion
     set it.
 
