@@ -49,7 +49,12 @@ def tensors_in(value):
 # break at the model's entry), the rest of the forward still compiles.
 @torch.compiler.disable
 def _record_model_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    for tensor in tensors_in((args, kwargs)):
+    record_model_inputs(tensors_in((args, kwargs)))
+
+
+def record_model_inputs(tensors) -> None:
+    """Count ``tensors`` as data passed to a watched model (while they live)."""
+    for tensor in tensors:
         key = storage_key(tensor)
         if key is not None:
             _INPUTS[key] = tensor

@@ -81,7 +81,7 @@ from actcomp.exact_codecs import (
     relu_mask,
     shape_only,
 )
-from actcomp.model_inputs import tensors_in
+from actcomp.model_inputs import record_model_inputs, tensors_in
 from actcomp.normalized_units import Unit, normalized_unit, row_group
 from actcomp.pipeline import Packed, Pipeline, parse
 from actcomp.saved_tensors import (
@@ -631,6 +631,9 @@ def _enter_submodule(policy: RestPolicy, model_class: type, module: nn.Module, a
     # free it, as inside the root's forward; excluded, every entry would keep one more tensor
     # whole (on ViT-tiny via forward_features, the first block's and the final norm's inputs).
     data = [tensor for tensor in tensors_in((args, kwargs)) if tensor.grad_fn is None]
+    # They are the model's inputs for first_layer="auto" too: the layer reading the image runs
+    # plain, as when the root's forward is called, instead of dropping elements of raw data.
+    record_model_inputs(data)
     try:
         _start(module, policy, [*module.buffers(), *data], model_class, args)
     except BaseException:
