@@ -444,7 +444,7 @@ def _lossy(tensor: torch.Tensor, pipeline: Pipeline, unit: Unit | None) -> Kept 
     (rows of a few elements, each with a range of its own)."""
     # The rebuild closure must not capture ``tensor``: that would keep the full tensor alive.
     # The pipeline works a chunk at a time, so its temporaries stay small (actcomp.temporaries).
-    stride, shape, permutation = dense_strides(tensor), tensor.shape, None
+    stride, permutation = dense_strides(tensor), None
     values = tensor.detach()
     if unit is not None:
         grouped = _grouped_by_rows(pipeline, unit.row)
