@@ -122,7 +122,7 @@ HF_ZOO = [
 
 ZOO = TIMM_ZOO + HF_ZOO
 
-# The models the default test tier runs every zoo check on (tests/conftest.py): a CNN with
+# The models the default test tier runs every zoo sweep on (tests/conftest.py): a CNN with
 # BatchNorm, ReLU and MaxPool, a ViT, and a causal LM whose projections are transformers'
 # Conv1D. The full tier runs the whole zoo.
 FAST_ZOO_IDS = {"resnet18", "vit_tiny_patch16_224", "gpt2"}
