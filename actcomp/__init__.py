@@ -16,6 +16,7 @@ from actcomp.packed import Packed
 from actcomp.pipeline import Pipeline, parse
 from actcomp.registry import list_compressors, register_compressor, unregister_compressor
 
+# The one place the version is written: pyproject.toml reads it, CHANGELOG.md says what changed.
 __version__ = "0.1.0"
 
 __all__ = [

@@ -1,7 +1,89 @@
-import pytest
-import torch
+"""Fixtures, and the two test tiers.
 
-import actcomp
+``python -m pytest`` runs the default tier; ``python -m pytest -m ""`` runs both (CI does), and
+``python -m pytest -m full`` only the full tier: the tests that cost seconds each because they
+start processes (the examples, torchrun, DDP and FSDP2, fresh-process memory probes), train to
+an accuracy or compile, and the zoo's models beyond the three the default tier sweeps.
+"""
+
+import os
+import sys
+
+# Idle OpenMP threads sleep rather than spin, unless the caller chose: with another process on
+# the cores, a spinning thread waits for one that is not running, and a two-thread training step
+# of a small model took 50x longer (2.5 s against 0.05 s). Read once, when torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import actcomp  # noqa: E402
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Under pytest-xdist each worker is one process of several: more than one thread apiece
+    # oversubscribes the cores. Tests that need more threads ask for them.
+    torch.set_num_threads(1)
+
+# The full tier, by file or file::test (every parametrization), with why each is there.
+FULL_TIER = {
+    "test_examples.py::test_hf_trainer": "an example script end to end",
+    "test_examples.py::test_amp_loop": "an example script end to end",
+    "test_examples.py::test_distributed": "an example script end to end, under torchrun",
+    "test_temporaries.py": "fresh-process peak-memory probes of every pipeline",
+    "test_training.py::test_ddp_two_processes_match_single_process": "two processes",
+    "test_training.py::test_fsdp2_two_processes_match_single_process": "two processes",
+    "test_memory.py::test_report_of_fsdp2_sharded_model_equals_unsharded_report": "two processes",
+    "test_memory.py::test_peak_rss_of_a_whole_model_step_in_a_fresh_process": "fresh-process probe",
+    "test_memory.py::test_peak_rss_passes_rest_and_first_layer_to_to_compressed": "fresh-process probe",
+    "test_max_batch.py::test_probe_stops_early_above_a_limit_and_checkpoint_runs": "fresh-process probes",
+    "test_max_batch.py::test_a_small_warmup_step_then_one_step_peaks_like_two_full_steps": "fresh-process probes",
+    "test_cli.py::test_report_measures_peak_rss_in_fresh_processes": "fresh-process probes",
+    # The same error in process: test_unknown_model_is_a_clear_error.
+    "test_cli.py::test_module_entry_point_runs": "a fresh interpreter (python -m actcomp)",
+    "test_packed.py::test_stages_used_alone_never_import_the_pipeline": "a fresh interpreter",
+    "test_cli.py::test_demo_runs_end_to_end": "trains to an accuracy",
+    "test_training.py::test_digits_mink08_trains_as_well_as_baseline": "trains to an accuracy",
+    "test_training.py::test_torch_compile_converted_model_trains": "torch.compile",
+    "test_whole_model.py::test_torch_compile_of_a_training_step_is_bit_identical": "torch.compile",
+}
+
+# Sweeps over the zoo: the default tier runs them on the models in zoo.FAST_ZOO_IDS only. Tests
+# parametrized over a zoo ``entry`` are sweeps; these name their model by the parameter given.
+ZOO_SWEEPS = {
+    "test_whole_model.py::test_lossy_rest_keeps_the_forward_and_gradients_close": "model_id",
+    "test_first_layer.py::test_auto_runs_plain_exactly_the_layers_that_read_the_model_input": "model_id",
+}
+
+
+def _full_tier_reason(item: pytest.Item) -> str | None:
+    file = item.path.name
+    test = f"{file}::{item.originalname}" if isinstance(item, pytest.Function) else None
+    reason = FULL_TIER.get(file) or FULL_TIER.get(test)
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    # The zoo (and timm, which it needs) is there only if a collected test module imported it.
+    zoo = sys.modules.get("zoo")
+    if reason is None and zoo is not None:
+        entry = params.get("entry")
+        model_id = entry.id if isinstance(entry, zoo.ZooModel) else params.get(ZOO_SWEEPS.get(test))
+        if model_id is not None and model_id not in zoo.FAST_ZOO_IDS:
+            reason = "zoo sweep beyond the default tier's models"
+    return reason
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    modules = {}
+    for item in items:
+        if isinstance(item, pytest.Function):
+            modules[item.path.name] = item.module
+        reason = _full_tier_reason(item)
+        if reason is not None:
+            item.add_marker(pytest.mark.full(reason=reason))
+    # A renamed test must leave the tables too, or it silently changes tier.
+    stale = [key for key in [*FULL_TIER, *ZOO_SWEEPS] if "::" in key and key.split("::")[0] in modules
+             and not hasattr(modules[key.split("::")[0]], key.split("::")[1])]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py names tests that do not exist: {stale}")
 
 
 @pytest.fixture

@@ -143,8 +143,11 @@ def test_demo_runs_end_to_end(capsys):
     found = re.fullmatch(r"verdict for mink0\.9 rest=8bit: cnn keeps ([\d.]+)x less for backward, "
                          r"accuracy ([+-][\d.]+) pp, ([\d.]+)x step time", verdict)
     assert found, verdict
+    # The table rounds ratios to 0.01, the verdict the same ratios to 0.1: 0.055 apart at most
+    # (rounding the table's 2.65 again gives 2.6 where the verdict's 2.6549 gave 2.7).
+    step_time = float(rows[2][-1].rstrip("x"))
+    assert abs(float(found[1]) - x_less[2]) <= 0.055 and abs(float(found[3]) - step_time) <= 0.055
     # The table rounds each accuracy, the verdict their difference: within 0.1 pp of each other.
-    assert float(found[1]) == round(x_less[2], 1) and float(found[3]) == round(float(rows[2][-1].rstrip("x")), 1)
     assert abs(float(found[2]) - (accuracy[2] - accuracy[0])) <= 0.11
     assert re.fullmatch(r"total wall time \d+ s on 1 torch thread", out.splitlines()[-1])
     # The note names what this CNN has (a ReLU), not what only the ViT has (attention).
@@ -153,7 +156,7 @@ def test_demo_runs_end_to_end(capsys):
 
 
 def test_demo_whole_model_option(capsys):
-    assert main(["demo", "--epochs", "2", "--models", "cnn", "--pipelines", "mink0.9", "--rest", "exact"]) == 0
+    assert main(["demo", "--epochs", "1", "--models", "cnn", "--pipelines", "mink0.9", "--rest", "exact"]) == 0
 
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("cnn ") and "%" in line]
     assert rows[0][1] == "plain" and rows[2][1:3] == ["mink0.9", "rest=exact"]

@@ -122,6 +122,11 @@ HF_ZOO = [
 
 ZOO = TIMM_ZOO + HF_ZOO
 
+# The models the default test tier runs every zoo sweep on (tests/conftest.py): a CNN with
+# BatchNorm, ReLU and MaxPool, a ViT, and a causal LM whose projections are transformers'
+# Conv1D. The full tier runs the whole zoo.
+FAST_ZOO_IDS = {"resnet18", "vit_tiny_patch16_224", "gpt2"}
+
 
 def train_step(model: nn.Module, batch: dict, autocast: bool = False, seed: int = 1):
     """One training forward/backward; returns (logits, {name: grad}).
