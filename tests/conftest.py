@@ -45,6 +45,8 @@ FULL_TIER = {
     "test_training.py::test_digits_mink08_trains_as_well_as_baseline": "trains to an accuracy",
     "test_training.py::test_torch_compile_converted_model_trains": "torch.compile",
     "test_whole_model.py::test_torch_compile_of_a_training_step_is_bit_identical": "torch.compile",
+    "test_entry_points.py::test_torch_compile_traces_the_hooks_away_and_warns_once_for_a_compiled_training_entry":
+        "torch.compile",
 }
 
 # Sweeps over the zoo: the default tier runs them on the models in zoo.FAST_ZOO_IDS only. Tests
