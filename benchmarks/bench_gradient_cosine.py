@@ -15,7 +15,6 @@ Writes ``benchmarks/results/gradient_cosine_<torch>_cpu_t<threads>.{md,csv}``.
 
 from __future__ import annotations
 
-import copy
 import sys
 import time
 import warnings
@@ -24,10 +23,8 @@ from pathlib import Path
 import torch
 from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, write_results
 
-import actcomp
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from zoo import ZOO, train_step  # noqa: E402  (the harness's models, not a package)
+from zoo import ZOO, gradient_cosine, preset_gradients  # noqa: E402  (the harness's models, not a package)
 
 POLICIES = {
     "8bit": "8bit",
@@ -37,24 +34,11 @@ POLICIES = {
 }
 
 
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    # Normalised first: cosine_similarity's eps clamps the norms of tiny gradients.
-    a, b = a.double().reshape(-1), b.double().reshape(-1)
-    return float((a / a.norm() * (b / b.norm())).sum())
-
-
 def measure(entry, policy) -> dict:
-    torch.manual_seed(0)
-    plain = entry.build()
-    model = actcomp.to_compressed(copy.deepcopy(plain), "mink0", first_layer=None, rest=policy)
-    torch.manual_seed(2)
-    batch = (entry.roomy_batch or entry.batch)()
-    _, ref = train_step(plain, batch)
-    _, grads = train_step(model, batch)
+    grads, ref = preset_gradients(entry, policy)
     names = [name for name, grad in ref.items() if grad is not None and grad.norm() > 0]
-    whole = cosine(torch.cat([grads[n].reshape(-1) for n in names]), torch.cat([ref[n].reshape(-1) for n in names]))
-    worst = min((cosine(grads[n], ref[n]), n) for n in names)
-    return {"cosine": whole, "worst_parameter_cosine": worst[0], "worst_parameter": worst[1]}
+    worst = min((gradient_cosine({n: grads[n]}, {n: ref[n]}), n) for n in names)
+    return {"cosine": gradient_cosine(grads, ref), "worst_parameter_cosine": worst[0], "worst_parameter": worst[1]}
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from zoo import gradient_cosine
 
 import actcomp
 from actcomp.normalized_units import normalized_unit, row_group
@@ -135,12 +136,6 @@ def _class_token_vit():
     return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3, img_size=32, no_embed_class=True)
 
 
-def _cosine(grads: dict, expected: dict) -> float:
-    flat = [torch.cat([g.reshape(-1).double() for g in gs.values() if g is not None]) for gs in (grads, expected)]
-    a, b = (f / f.norm() for f in flat)
-    return float((a * b).sum())
-
-
 @pytest.mark.parametrize("rest, floor", [("8bit", 0.99), ("int4", 0.97), ("4bit", 0.97)])
 def test_a_tiny_class_token_row_keeps_its_gradient(rest, floor):
     # Measured: 8bit 0.898 and int4 0.126 with 256-element groups across rows; 0.99998 and
@@ -157,7 +152,7 @@ def test_a_tiny_class_token_row_keeps_its_gradient(rest, floor):
         F.cross_entropy(net(inputs), torch.arange(4) % 3).backward()
         return {name: p.grad for name, p in net.named_parameters()}
 
-    assert _cosine(grads(model), grads(plain)) >= floor
+    assert gradient_cosine(grads(model), grads(plain)) >= floor
 
 
 @pytest.mark.parametrize("op, shape, setting, permutation, row", [

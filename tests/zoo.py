@@ -146,3 +146,32 @@ def train_step(model: nn.Module, batch: dict, autocast: bool = False, seed: int 
             logits, loss = output.logits, output.loss
     loss.backward()
     return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def gradient_cosine(grads: dict, ref_grads: dict) -> float:
+    """Cosine between two sets of gradients ({name: grad}), flattened in the same order.
+
+    Normalised first: ``cosine_similarity``'s eps would clamp the norms of tiny gradients (a
+    layer-scaled ConvNeXt block's are 1e-9) and report nonsense.
+    """
+    names = [name for name, grad in ref_grads.items() if grad is not None]
+    flat = [torch.cat([gs[name].reshape(-1).double() for name in names]) for gs in (grads, ref_grads)]
+    a, b = (f / f.norm() for f in flat)
+    return float((a * b).sum())
+
+
+def preset_gradients(entry: ZooModel, rest) -> tuple[dict, dict]:
+    """(converted, plain) parameter gradients of one fp32 step of ``entry`` on its roomy batch,
+    converted with a lossless layer spec (``mink0``) and whole-model policy ``rest``."""
+    import copy
+
+    import actcomp
+
+    torch.manual_seed(0)
+    plain = entry.build()
+    model = actcomp.to_compressed(copy.deepcopy(plain), "mink0", first_layer=None, rest=rest)
+    torch.manual_seed(2)
+    batch = (entry.roomy_batch or entry.batch)()
+    _, ref_grads = train_step(plain, batch)
+    _, grads = train_step(model, batch)
+    return grads, ref_grads
