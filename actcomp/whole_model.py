@@ -96,7 +96,7 @@ from actcomp.saved_tensors import (
     listened,
     tracking_scopes,
 )
-from actcomp.storage import dense_strides, local_part, restride, storage_key
+from actcomp.storage import dense_strides_like, local_part, restride, storage_key
 
 LOSSY_KINDS = ("activation", "normalization", "attention", "other")
 EXACT_KINDS = ("pooling", "dropout")
@@ -444,7 +444,9 @@ def _lossy(tensor: torch.Tensor, pipeline: Pipeline, unit: Unit | None) -> Kept 
     (rows of a few elements, each with a range of its own)."""
     # The rebuild closure must not capture ``tensor``: that would keep the full tensor alive.
     # The pipeline works a chunk at a time, so its temporaries stay small (actcomp.temporaries).
-    stride, permutation = dense_strides(tensor), None
+    # Rebuilt dense in the tensor's own axis order (a slice's gaps closed), as Linear/Conv
+    # inputs are: backward kernels choose by strides.
+    stride, permutation = dense_strides_like(tensor), None
     values = tensor.detach()
     if unit is not None:
         grouped = _grouped_by_rows(pipeline, unit.row)
@@ -461,9 +463,7 @@ def _lossy(tensor: torch.Tensor, pipeline: Pipeline, unit: Unit | None) -> Kept 
     def rebuild(tensors: tuple) -> torch.Tensor:
         out = pipeline.decompress(Packed(tensors, layout)).view(laid_out)
         if inverse is not None:
-            # Back to the tensor's dimension order; a tensor that was not dense comes back
-            # contiguous, as it does without rows.
-            out = out.permute(inverse) if stride is not None else out.permute(inverse).contiguous()
+            out = out.permute(inverse)  # back to the tensor's dimension order
         return restride(out, stride)
 
     return Kept(pipeline.spec, packed.tensors, rebuild)

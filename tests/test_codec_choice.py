@@ -247,3 +247,16 @@ def test_sdpa_without_dropout_keeps_no_mask():
     with listening(events.append):
         step(model, torch.randn(4, 12, 16))
     assert "dropout-mask" not in {event.codec for event in events}
+
+
+def test_a_sliced_norm_input_comes_back_dense_in_its_own_axis_order():
+    # A slice of a channels_last tensor (gaps between rows) comes back channels_last without
+    # the gaps, as Linear/Conv inputs do: a contiguous stand-in would steer the backward to other
+    # kernels.
+    from actcomp.pipeline import parse
+    from actcomp.whole_model import _lossy
+
+    x = torch.randn(4, 6, 9, 8).contiguous(memory_format=torch.channels_last)[:, :, 1:]
+    rebuilt = _lossy(x, parse("int8"), normalized_unit("batch_norm", x.shape)).unpack()
+    assert rebuilt.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    assert (rebuilt - x).abs().max() <= (x.max() - x.min()) / 255
