@@ -122,6 +122,15 @@ HF_ZOO = [
 
 ZOO = TIMM_ZOO + HF_ZOO
 
+# Not in ZOO: a ViT whose class token gets no position embedding, so its LayerNorm row is the
+# token itself (initialised with std 1e-6) among patch rows of std ~1. Quantization groups
+# spanning rows rounded that row away (issue 15); the gradient-cosine checks use it.
+CLASS_TOKEN_VIT = ZooModel(
+    "vit_tiny_class_token",
+    lambda: timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3, img_size=32, no_embed_class=True),
+    _images(32, 4),
+)
+
 # The models the default test tier runs every zoo sweep on (tests/conftest.py): a CNN with
 # BatchNorm, ReLU and MaxPool, a ViT, and a causal LM whose projections are transformers'
 # Conv1D. The full tier runs the whole zoo.
