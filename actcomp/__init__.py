@@ -8,16 +8,19 @@
 0.04
 """
 
-from actcomp import compressors
+# Importing the compressors registers the built-in stages, before anything can list them.
+from actcomp import compressors, legacy_paths
 from actcomp.convert import compressed_layers, from_compressed, to_compressed
+from actcomp.core.packed import Packed
+from actcomp.core.pipeline import Pipeline, parse
+from actcomp.core.registry import list_compressors, register_compressor, unregister_compressor
 from actcomp.errors import ActcompError
-from actcomp.memory import MemoryReport, memory_report
-from actcomp.packed import Packed
-from actcomp.pipeline import Pipeline, parse
-from actcomp.registry import list_compressors, register_compressor, unregister_compressor
+from actcomp.tools.memory import MemoryReport, memory_report
 
 # The one place the version is written: pyproject.toml reads it, CHANGELOG.md says what changed.
 __version__ = "0.1.0"
+
+legacy_paths.install()
 
 __all__ = [
     "ActcompError", "MemoryReport", "Packed", "Pipeline", "compressed_layers", "compressors", "from_compressed",

@@ -1,7 +1,7 @@
-"""``python -m actcomp``: see :mod:`actcomp.cli`."""
+"""``python -m actcomp``: see :mod:`actcomp.tools.cli`."""
 
 import sys
 
-from actcomp.cli import main
+from actcomp.tools.cli import main
 
 sys.exit(main())

@@ -21,11 +21,11 @@ from collections.abc import Callable, Mapping
 
 from torch import nn
 
+from actcomp.core.pipeline import Pipeline, parse
 from actcomp.errors import ActcompError
-from actcomp.layers import compress_layer, is_supported, uncompress_layer
-from actcomp.model_inputs import unwatch_model_inputs, watch_model_inputs
-from actcomp.pipeline import Pipeline, parse
-from actcomp.whole_model import RestPolicy, check_whole_model_root, compress_whole_model, uncompress_whole_model
+from actcomp.graph.model_inputs import unwatch_model_inputs, watch_model_inputs
+from actcomp.layers.compressed_layer import compress_layer, is_supported, uncompress_layer
+from actcomp.whole_model.model import RestPolicy, check_whole_model_root, compress_whole_model, uncompress_whole_model
 
 PipelineLike = str | Pipeline
 PipelineChoice = PipelineLike | Mapping[str, PipelineLike | None]
@@ -57,11 +57,11 @@ def to_compressed(
       every other call is compressed. A ResNet's ``conv1`` and a ViT's ``patch_embed.proj`` read
       the image and stay plain; BERT's or Llama's first projections read a LayerNorm output and
       are compressed. (A forward pre-hook on ``model`` records its inputs; see
-      :mod:`actcomp.model_inputs`.)
+      :mod:`actcomp.graph.model_inputs`.)
     - a module name: that layer is not converted at all;
     - ``None``: every layer is compressed.
 
-    ``rest`` switches on whole-model mode (:mod:`actcomp.whole_model`): every other tensor autograd
+    ``rest`` switches on whole-model mode (:mod:`actcomp.whole_model.model`): every other tensor autograd
     keeps is compressed too, by the kind of op saving it. The presets: ``rest="8bit"`` keeps
     ReLU-family outputs, dropout masks and MaxPool argmaxes exactly in 1-4 bits and norm, other
     activation (GELU/SiLU too) and attention tensors in int8 (norm inputs in groups inside each
@@ -135,7 +135,7 @@ def from_compressed(model: nn.Module) -> nn.Module:
 
 def compressed_layers(model: nn.Module) -> dict[str, Pipeline]:
     """Names of the converted layers and their pipelines."""
-    from actcomp.layers import CompressedLayer
+    from actcomp.layers.compressed_layer import CompressedLayer
 
     return {name: m.actcomp_pipeline for name, m in model.named_modules() if isinstance(m, CompressedLayer)}
 

@@ -43,9 +43,9 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 
 import actcomp
-from actcomp.cli import _pyplot_for
-from actcomp.derivative_codes import derivative_error
-from actcomp.whole_model import RestPolicy
+from actcomp.tools.plotting import pyplot_for
+from actcomp.whole_model.derivative_codes import derivative_error
+from actcomp.whole_model.model import RestPolicy
 
 BASELINE = "baseline"
 # smink reads tensors of at most `sample` elements whole (exact min-k); digits' activations have
@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
     specs = [] if rest_names and args.specs is DEFAULT_SPECS else args.specs
     check_specs(parser, specs)
     try:
-        plt = _pyplot_for(str(args.plot)) if args.plot else None
+        plt = pyplot_for(str(args.plot)) if args.plot else None
     except actcomp.ActcompError as error:
         parser.error(str(error))
     configs = {BASELINE: Config(BASELINE, None)} | {spec: Config(spec, spec) for spec in specs} \

@@ -3,7 +3,7 @@
     python benchmarks/bench_max_batch.py --models resnet50   # 4 GiB, 1 thread: 26 minutes (ViT-S: 49) beside another process
     python benchmarks/bench_max_batch.py --models resnet18 --img-size 64 --budget 1GiB   # check: ~3 minutes
 
-For each timm model (224 px, fp32, 10 classes, SGD), :func:`actcomp.max_batch.largest_batch` finds
+For each timm model (224 px, fp32, 10 classes, SGD), :func:`actcomp.tools.max_batch.largest_batch` finds
 the largest batch whose training step peaks at most ``--budget`` (VmHWM of a fresh process per
 probe, freed memory returned to the OS; a step at batch 2 first, so the measured step starts with
 its gradients allocated, as every step after the first does): an affine first guess from
@@ -27,8 +27,8 @@ import torch
 from bench_frontier import METHODS
 from common import RESULTS_DIR, benchmark_parser, check_specs, header_lines, load_average, write_results
 
-from actcomp.max_batch import largest_batch
-from actcomp.memory import format_bytes, parse_bytes
+from actcomp.tools.max_batch import largest_batch
+from actcomp.tools.memory import format_bytes, parse_bytes
 
 
 def main() -> None:

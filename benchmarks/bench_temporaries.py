@@ -3,7 +3,7 @@
     python benchmarks/bench_temporaries.py                          # 2**27 elements: 3-4 minutes
     python benchmarks/bench_temporaries.py --count 16777216 --dtypes float32
 
-Each dtype runs in a fresh process (:func:`actcomp.temporaries.extra_peak`) that resets its peak
+Each dtype runs in a fresh process (:func:`actcomp.tools.temporaries.extra_peak`) that resets its peak
 resident memory before every call and reads it after: the extra peak is that peak minus the
 memory before the call and the bytes of what the call returns, as a fraction of the input's
 bytes. Target (issue 9): at most 0.5 for every built-in pipeline. The tensor is conv-shaped,
@@ -19,8 +19,8 @@ import torch
 from common import RESULTS_DIR, add_specs_argument, benchmark_parser, check_specs, header_lines, load_average, write_results
 
 import actcomp
-from actcomp.registry import compressor_class
-from actcomp.temporaries import extra_peak
+from actcomp.core.registry import compressor_class
+from actcomp.tools.temporaries import extra_peak
 
 DEFAULT_SPECS = [f"{name}0.9" if compressor_class(name).takes_rate else name for name in actcomp.list_compressors()] + [
     "smink0.9+int8", "pmink0.9+int8", "mink0.9+int8", "random0.9+int4", "channel0.9+int8", "mink0.9+fp8",

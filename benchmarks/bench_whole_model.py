@@ -28,7 +28,7 @@ model (:mod:`gpt2_shaped`; token ids go to an embedding) is converted with ``fir
    configuration bytes. Per op kind (``report.kinds``) for ``8bit``, and the largest storage
    each configuration still keeps as is.
 2. **Peak RSS** of training steps at batch 32, fp32, plain vs ``linear`` vs ``8bit``, each in
-   a fresh process (:mod:`actcomp.peak_rss`, glibc's freed memory returned to the OS; the
+   a fresh process (:mod:`actcomp.tools.peak_rss`, glibc's freed memory returned to the OS; the
    probe uses torch's default thread count). ~2-4 GiB and 30-90 s per process.
    ``--skip-rss`` skips it.
 3. **Step time** (forward + cross-entropy + backward + SGD step), plain vs ``linear``,
@@ -67,8 +67,8 @@ from gpt2_shaped import GPT2, GPT2Config, GPT2Model, gpt2_tokens
 from torch import nn
 
 import actcomp
-from actcomp.memory import format_bytes
-from actcomp.peak_rss import peak_rss
+from actcomp.tools.memory import format_bytes
+from actcomp.tools.peak_rss import peak_rss
 
 MAIN_SPEC = "mink0.9+int8"
 PLAIN = "plain"
@@ -111,7 +111,7 @@ def configured(plain: nn.Module, config: str, first_layer: str | None) -> nn.Mod
     return actcomp.to_compressed(copy.deepcopy(plain), MAIN_SPEC, first_layer=first_layer, rest=CONFIGS[config])
 
 
-def describe(storage: actcomp.memory.SavedStorage) -> str:
+def describe(storage: actcomp.tools.memory.SavedStorage) -> str:
     """``"float32 8x384x56x56 by layer1.0.bn1 (normalization)"``."""
     dtype = str(storage.dtype).removeprefix("torch.")
     return f"{dtype} {'x'.join(map(str, storage.shape))} by {storage.savers[0]} ({storage.op_kind})"
@@ -291,7 +291,7 @@ def markdown_body(rows: list[dict], args: argparse.Namespace) -> list[str]:
     if part["rss"]:
         body += ["", "## Peak process memory (RSS) of training steps", "",
                  f"VmHWM of a fresh process running {args.rss_steps} SGD step(s) at batch {args.rss_batch}, "
-                 f"{args.img_size} px, fp32 (`actcomp.peak_rss`: `MALLOC_MMAP_THRESHOLD_=65536`, so freed blocks go "
+                 f"{args.img_size} px, fp32 (`actcomp.tools.peak_rss`: `MALLOC_MMAP_THRESHOLD_=65536`, so freed blocks go "
                  "back to the OS; parameters, libraries and the backward's temporaries included).", "",
                  "| model | config | peak MiB | plain / config | target |", "|---|---|---:|---:|---|"]
         for row in part["rss"]:

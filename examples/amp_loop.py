@@ -23,7 +23,7 @@ from compare import Measured, Run, print_comparison
 from torch import nn
 
 import actcomp
-from actcomp.demo import load_digits_tensors
+from actcomp.tools.demo import load_digits_tensors
 
 
 def parse_args() -> argparse.Namespace:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actcomp.memory import format_bytes
+from actcomp.tools.memory import format_bytes
 
 
 class Measured:

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import actcomp
-from actcomp.demo import load_digits_tensors
+from actcomp.tools.demo import load_digits_tensors
 
 
 def parse_args() -> argparse.Namespace:

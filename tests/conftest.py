@@ -124,13 +124,13 @@ def compressing_layers(monkeypatch):
     the test ran (each converted layer has its own pipeline instance; a layer that reuses the
     copy another layer made of the same input counts too)."""
     compressed_by: set[int] = set()
-    original = actcomp.autograd._compress_once
+    original = actcomp.layers.function._compress_once
 
     def recording(pipeline, *args, **kwargs):
         compressed_by.add(id(pipeline))
         return original(pipeline, *args, **kwargs)
 
-    monkeypatch.setattr(actcomp.autograd, "_compress_once", recording)
+    monkeypatch.setattr(actcomp.layers.function, "_compress_once", recording)
 
     def names(model) -> set[str]:
         return {name for name, pipeline in actcomp.compressed_layers(model).items() if id(pipeline) in compressed_by}

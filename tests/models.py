@@ -201,7 +201,7 @@ def ddp_worker(rank: int, world_size: int, port: int, spec: str, inputs, targets
 @contextlib.contextmanager
 def saved_codecs():
     """The codecs whole-model mode's hooks kept saved tensors with while the block ran."""
-    from actcomp.saved_tensors import listening
+    from actcomp.graph.saved_tensors import listening
 
     codecs: set[str] = set()
     with listening(lambda event: codecs.add(event.codec) if event.codec else None):
@@ -213,7 +213,7 @@ def fully_shard_blocks(model: nn.Module, mesh) -> nn.Module:
     then TinyGPT2's blocks (holding the LayerNorms), then the root (embeddings)."""
     from torch.distributed.fsdp import fully_shard
 
-    layers = [m for m in model.modules() if actcomp.layers.is_supported(m)]
+    layers = [m for m in model.modules() if actcomp.layers.compressed_layer.is_supported(m)]
     for block in [*layers, *getattr(model, "h", [])]:
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)

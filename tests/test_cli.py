@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from actcomp.cli import main
+from actcomp.tools.cli import main
 
 TINY = ["--batch", "2", "--img-size", "32"]
 
@@ -77,13 +77,13 @@ def no_work(monkeypatch):
     """Fail the test if the command builds a timm model or loads the demo's data."""
     import timm
 
-    import actcomp.demo
+    import actcomp.tools.demo
 
     def too_late(*args, **kwargs):
         raise AssertionError("started the real work before checking the arguments")
 
     monkeypatch.setattr(timm, "create_model", too_late)
-    monkeypatch.setattr(actcomp.demo, "load_digits_tensors", too_late)
+    monkeypatch.setattr(actcomp.tools.demo, "load_digits_tensors", too_late)
 
 
 @pytest.mark.parametrize("command", [["report", "--model", "resnet18", "--pipeline", "int8", *TINY], ["demo"]])
@@ -196,7 +196,7 @@ def test_report_measures_peak_rss_in_fresh_processes(capsys):
 
 
 def test_report_says_which_peak_rss_probe_is_running(monkeypatch, capsys):
-    import actcomp.peak_rss
+    import actcomp.tools.peak_rss
 
     seen_before_each_probe = []
 
@@ -205,7 +205,7 @@ def test_report_says_which_peak_rss_probe_is_running(monkeypatch, capsys):
         seen_before_each_probe.append(capsys.readouterr().err)
         return 100 * 2**20 if spec is None else 80 * 2**20
 
-    monkeypatch.setattr(actcomp.peak_rss, "peak_rss", fake_peak_rss)
+    monkeypatch.setattr(actcomp.tools.peak_rss, "peak_rss", fake_peak_rss)
 
     assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--rss"]) == 0
 
@@ -216,16 +216,20 @@ def test_report_says_which_peak_rss_probe_is_running(monkeypatch, capsys):
 
 
 def test_report_rss_probe_uses_the_rest_policy(monkeypatch, capsys):
-    import actcomp.peak_rss
+    import actcomp.tools.peak_rss
 
     asked = []
-    monkeypatch.setattr(actcomp.peak_rss, "peak_rss", lambda model, spec, **kwargs: asked.append((spec, kwargs["rest"])) or 2**20)
+    def probe(model, spec, **kwargs):
+        asked.append((spec, kwargs["rest"]))
+        return 2**20
+
+    monkeypatch.setattr(actcomp.tools.peak_rss, "peak_rss", probe)
     assert main(["report", "--model", "resnet18", "--pipeline", "int8", *TINY, "--rest", "8bit", "--rss"]) == 0
     assert asked == [(None, None), ("int8", "8bit")]
 
 
 def test_report_max_batch_searches_plain_checkpoint_and_compressed(monkeypatch, capsys):
-    from actcomp import max_batch
+    from actcomp.tools import max_batch
 
     per_sample = {(None, False): 40, (None, True): 12, ("mink0.9+int8", False): 10}
 
@@ -258,7 +262,7 @@ def test_report_rejects_a_bad_budget_before_any_work(budget, message, no_work, c
 
 
 def test_report_reads_an_unquoted_budget_with_a_space(monkeypatch, capsys):
-    from actcomp import max_batch
+    from actcomp.tools import max_batch
 
     budgets = []
     monkeypatch.setattr(max_batch, "peak_rss", lambda model, spec, *, batch, abort_above, **kwargs:
@@ -269,7 +273,7 @@ def test_report_reads_an_unquoted_budget_with_a_space(monkeypatch, capsys):
 
 
 def test_demo_rows_give_memory_as_plain_over_compressed(capsys):
-    from actcomp.demo import run_demo
+    from actcomp.tools.demo import run_demo
 
     plain, compressed = run_demo(epochs=1, specs=["mink0.9"], models=["cnn"], rest=None)
 
@@ -292,7 +296,7 @@ def _all_actions(parser, where="python -m actcomp"):
 
 
 def test_every_cli_argument_has_help():
-    from actcomp.cli import _parser
+    from actcomp.tools.cli import _parser
 
     actions = list(_all_actions(_parser()))
     assert len(actions) > 20  # both subcommands were walked
@@ -305,7 +309,7 @@ def test_demo_note_names_what_keeps_the_inputs_in_that_model(model, kept_by):
     import torch
 
     import actcomp
-    from actcomp.demo import _MODELS, inputs_also_kept_by
+    from actcomp.tools.demo import _MODELS, inputs_also_kept_by
 
     sample = torch.randn(4, 1, 8, 8)
     net = actcomp.to_compressed(_MODELS[model][0](), "mink0.9")

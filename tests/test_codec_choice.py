@@ -17,8 +17,8 @@ from torch import nn
 from zoo import CLASS_TOKEN_VIT, gradient_cosine, preset_gradients
 
 import actcomp
-from actcomp.normalized_units import normalized_unit, row_group
-from actcomp.saved_tensors import listening
+from actcomp.graph.saved_tensors import listening
+from actcomp.whole_model.normalized_units import normalized_unit, row_group
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -180,8 +180,8 @@ def test_row_group_divides_the_row(row, group, expected):
 def test_layouts_come_back_with_their_strides():
     # A channels_last BatchNorm input laid out channel-major and back: same values up to int8
     # rounding, same strides (the backward picks its kernel by them).
-    from actcomp.pipeline import parse
-    from actcomp.whole_model import _lossy
+    from actcomp.core.pipeline import parse
+    from actcomp.whole_model.model import _lossy
 
     x = torch.randn(4, 6, 2, 2).contiguous(memory_format=torch.channels_last) * torch.arange(1, 7).view(1, 6, 1, 1)
     kept = _lossy(x, parse("int8"), normalized_unit("batch_norm", x.shape))
@@ -233,8 +233,8 @@ def test_a_sliced_norm_input_comes_back_dense_in_its_own_axis_order():
     # A slice of a channels_last tensor (gaps between rows) comes back channels_last without
     # the gaps, as Linear/Conv inputs do: a contiguous stand-in would steer the backward to other
     # kernels.
-    from actcomp.pipeline import parse
-    from actcomp.whole_model import _lossy
+    from actcomp.core.pipeline import parse
+    from actcomp.whole_model.model import _lossy
 
     x = torch.randn(4, 6, 9, 8).contiguous(memory_format=torch.channels_last)[:, :, 1:]
     rebuilt = _lossy(x, parse("int8"), normalized_unit("batch_norm", x.shape)).unpack()

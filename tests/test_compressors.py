@@ -16,11 +16,11 @@ import torch
 import actcomp
 from actcomp import ActcompError, Packed, Pipeline, parse
 from actcomp.compressors import Bf16, Fp16, Mesa8, drop_count
-from actcomp.compressors.affine import dequantize_affine, grouped_shape, quantize_affine
-from actcomp.compressors.bitpack import pack_bits, pack_codes, packed_size, unpack_bits, unpack_codes
 from actcomp.compressors.casts import saturating_cast
-from actcomp.compressors.positions import encode_positions, scatter_kept
-from actcomp.registry import compressor_class
+from actcomp.core.registry import compressor_class
+from actcomp.kernels.bitpack import pack_bits, pack_codes, packed_size, unpack_bits, unpack_codes
+from actcomp.kernels.positions import encode_positions, scatter_kept
+from actcomp.kernels.quantize import dequantize_affine, grouped_shape, quantize_affine
 
 ALL = actcomp.list_compressors()
 SPARSIFIERS = [name for name in ALL if compressor_class(name).kind == "sparsifier"]

@@ -13,7 +13,7 @@ from models import Conv1D, TinyGPT2, loss_and_grads
 from torch import nn
 
 import actcomp
-from actcomp.layers import CompressedLayer
+from actcomp.layers.compressed_layer import CompressedLayer
 
 pytestmark = pytest.mark.usefixtures("seeded", "single_thread")
 

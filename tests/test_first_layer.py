@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from zoo import ZOO, train_step
 
 import actcomp
-from actcomp.layers import is_supported
+from actcomp.layers.compressed_layer import is_supported
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),

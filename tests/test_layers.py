@@ -18,7 +18,7 @@ from models import Conv1D
 from torch import nn
 
 import actcomp
-import actcomp.ops
+import actcomp.layers.ops
 
 pytestmark = [
     pytest.mark.usefixtures("seeded", "single_thread"),
@@ -79,7 +79,7 @@ def make_pair(build, spec: str):
     """A plain layer and a converted deep copy of it (same parameter values)."""
     plain = build()
     converted = actcomp.to_compressed(copy.deepcopy(plain), spec, first_layer=None)
-    assert isinstance(converted, actcomp.layers.CompressedLayer)
+    assert isinstance(converted, actcomp.layers.compressed_layer.CompressedLayer)
     return plain, converted
 
 
@@ -160,7 +160,7 @@ def test_lossless_layer_is_bit_identical(case_id, build, shape):
 def needs_spy(monkeypatch):
     """Records the ``needs`` mask every op backward is called with."""
     calls: list[tuple[bool, bool, bool]] = []
-    for op_class in (actcomp.ops.LinearOp, actcomp.ops.GPT2Conv1DOp, actcomp.ops.ConvOp):
+    for op_class in (actcomp.layers.ops.LinearOp, actcomp.layers.ops.GPT2Conv1DOp, actcomp.layers.ops.ConvOp):
         original = op_class.backward
 
         def spy(self, grad, x, weight, x_shape, x_dtype, needs, original=original):

@@ -201,7 +201,7 @@ def _check(build, shape, input_layout, grad_layout, dtype, train_weight=True, in
     plain = build().to(param_dtype)
     plain.weight.requires_grad_(train_weight)
     converted = actcomp.to_compressed(copy.deepcopy(plain), "mink0", first_layer=None)
-    assert isinstance(converted, actcomp.layers.CompressedLayer)
+    assert isinstance(converted, actcomp.layers.compressed_layer.CompressedLayer)
 
     def make_input() -> torch.Tensor:
         # A view as the layout makes it (a clone would drop its gaps and broadcast strides).

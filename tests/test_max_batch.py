@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 import actcomp
-from actcomp import max_batch
-from actcomp.max_batch import largest_batch
-from actcomp.memory import parse_bytes
-from actcomp.peak_rss import peak_rss
+from actcomp.tools import max_batch
+from actcomp.tools.max_batch import largest_batch
+from actcomp.tools.memory import parse_bytes
+from actcomp.tools.peak_rss import peak_rss
 
 MiB = 2**20
 

@@ -6,7 +6,7 @@ from models import SMALL_MODELS, free_port, fsdp_memory_worker
 from torch import nn
 
 import actcomp
-from actcomp.layers import compress_layer
+from actcomp.layers.compressed_layer import compress_layer
 
 BATCH, WIDTH = 16, 32
 FP32 = 4
@@ -235,11 +235,11 @@ def test_whole_resnet18_keeps_over_5x_less_and_plain_keeps_what_it_keeps():
 
 @pytest.mark.parametrize("count, text", [(0, "0 B"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB")])
 def test_format_bytes(count, text):
-    assert actcomp.memory.format_bytes(count) == text
+    assert actcomp.tools.memory.format_bytes(count) == text
 
 
 def test_peak_rss_of_a_whole_model_step_in_a_fresh_process():
-    from actcomp.peak_rss import peak_rss
+    from actcomp.tools.peak_rss import peak_rss
 
     peak = peak_rss("resnet18", "int8", rest="8bit", first_layer=None, batch=2, img_size=32, steps=1)
 
@@ -252,7 +252,7 @@ def test_peak_rss_of_a_whole_model_step_in_a_fresh_process():
     ({"first_layer": "nope"}, "first_layer='nope' is not a supported layer"),
 ])
 def test_peak_rss_passes_rest_and_first_layer_to_to_compressed(choice, message):
-    from actcomp.peak_rss import peak_rss
+    from actcomp.tools.peak_rss import peak_rss
 
     # The probe's own to_compressed rejects them: proof that they reached it.
     with pytest.raises(RuntimeError, match=message):
@@ -260,7 +260,7 @@ def test_peak_rss_passes_rest_and_first_layer_to_to_compressed(choice, message):
 
 
 def test_peak_rss_rest_without_a_spec_is_an_error():
-    from actcomp.peak_rss import peak_rss
+    from actcomp.tools.peak_rss import peak_rss
 
     with pytest.raises(actcomp.ActcompError, match="rest='8bit' needs a spec"):
         peak_rss("resnet18", None, rest="8bit", batch=1, img_size=32)

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import actcomp
-from actcomp.compressors.affine import grouped_shape, quantize_affine
-from actcomp.compressors.chunks import CPU_CHUNK
-from actcomp.compressors.noise import FINGERPRINT_SAMPLE, RoundingNoise
+from actcomp.kernels.chunks import CPU_CHUNK
+from actcomp.kernels.noise import FINGERPRINT_SAMPLE, RoundingNoise
+from actcomp.kernels.quantize import grouped_shape, quantize_affine
 
 INT_STAGES = ["int8", "int4", "int2"]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -5,8 +5,8 @@ import sys
 from pathlib import Path
 
 import actcomp
-import actcomp.packed
-import actcomp.pipeline
+import actcomp.core.packed
+import actcomp.core.pipeline
 
 
 def test_stages_used_alone_never_import_the_pipeline():
@@ -26,9 +26,9 @@ def test_stages_used_alone_never_import_the_pipeline():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
 
     imported = result.stdout.split()
-    assert "actcomp.packed" in imported
-    assert "actcomp.pipeline" not in imported
+    assert "actcomp.core.packed" in imported
+    assert "actcomp.core.pipeline" not in imported
 
 
 def test_packed_is_importable_from_where_it_used_to_live():
-    assert actcomp.Packed is actcomp.pipeline.Packed is actcomp.packed.Packed
+    assert actcomp.Packed is actcomp.core.pipeline.Packed is actcomp.core.packed.Packed

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import actcomp
-from actcomp.compressors import thresholds
-from actcomp.compressors.chunks import CPU_CHUNK
-from actcomp.compressors.thresholds import SAMPLE, exact_threshold
+from actcomp.kernels import thresholds
+from actcomp.kernels.chunks import CPU_CHUNK
+from actcomp.kernels.thresholds import SAMPLE, exact_threshold
 
 # smink's documented tolerance on the kept fraction.
 TOLERANCE = 0.01

@@ -1,6 +1,6 @@
 """The spec grammar: valid strings, canonical round trips, and one error test per malformed spec.
 
-``actcomp.spec`` is torch-free string work; ``actcomp.parse`` adds the registry (names, options,
+``actcomp.core.grammar`` is torch-free string work; ``actcomp.parse`` adds the registry (names, options,
 rates) and the pipeline order rules on top of it.
 """
 
@@ -28,8 +28,8 @@ from actcomp.compressors import (
     RandomChannels,
     RandomDrop,
 )
-from actcomp.registry import compressor_class
-from actcomp.spec import StageSpec, format_spec, parse_spec
+from actcomp.core.grammar import StageSpec, format_spec, parse_spec
+from actcomp.core.registry import compressor_class
 
 NAMES = ["mink", "pmink", "int8", "int4"]
 
@@ -76,13 +76,13 @@ def test_format_spec_inverts_parse_spec():
 
 
 def test_spec_module_imports_no_torch():
-    # Load actcomp.spec without running actcomp/__init__.py (which imports torch).
+    # Load actcomp.core.grammar without running actcomp/__init__.py (which imports torch).
     package = Path(actcomp.__file__).parent
     code = (
         "import sys, types\n"
         f"package = types.ModuleType('actcomp'); package.__path__ = [{str(package)!r}]\n"
         "sys.modules['actcomp'] = package\n"
-        "from actcomp.spec import parse_spec\n"
+        "from actcomp.core.grammar import parse_spec\n"
         "assert parse_spec('mink0.9+int8', ['mink', 'int8'])[0].rate == 0.9\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )

@@ -1,6 +1,6 @@
 """Compressing and decompressing allocate at most half the input's bytes beyond it and the result.
 
-Measured, not estimated (:mod:`actcomp.temporaries`): a fresh process per dtype resets its
+Measured, not estimated (:mod:`actcomp.tools.temporaries`): a fresh process per dtype resets its
 peak resident memory before each call. 2**23 elements (32 MiB in fp32) is large next to a
 chunk (2**18 elements), so a stage that worked on the whole tensor at once (an fp32 copy, a
 bool mask, int64 indices) would show up at 0.25x to 10x.
@@ -11,8 +11,8 @@ import sys
 import pytest
 
 import actcomp
-from actcomp.registry import compressor_class
-from actcomp.temporaries import extra_peak
+from actcomp.core.registry import compressor_class
+from actcomp.tools.temporaries import extra_peak
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
 

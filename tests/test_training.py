@@ -56,7 +56,7 @@ LOSSLESS_MODELS = [
 
 
 def supported_layer_names(model: nn.Module) -> set[str]:
-    return {name for name, m in model.named_modules() if actcomp.layers.is_supported(m)}
+    return {name for name, m in model.named_modules() if actcomp.layers.compressed_layer.is_supported(m)}
 
 
 def assert_lossless(build, batch, spec: str = "mink0"):

@@ -32,8 +32,9 @@ from torch.utils.checkpoint import checkpoint
 from zoo import HF_ZOO, ZOO, train_step
 
 import actcomp
-from actcomp.derivative_codes import derivative_code, derivative_error
-from actcomp.exact_codecs import (
+from actcomp.graph.saved_tensors import listening
+from actcomp.whole_model.derivative_codes import derivative_code, derivative_error
+from actcomp.whole_model.exact_codecs import (
     dropout_mask,
     hardtanh_mask,
     leaky_relu_mask,
@@ -41,8 +42,7 @@ from actcomp.exact_codecs import (
     relu_mask,
     shape_only,
 )
-from actcomp.saved_tensors import listening
-from actcomp.whole_model import CompressedModel, RestPolicy
+from actcomp.whole_model.model import CompressedModel, RestPolicy
 
 pytestmark = [
     pytest.mark.usefixtures("seeded", "single_thread"),
@@ -1069,7 +1069,7 @@ def test_foreign_saved_tensor_hooks_win_with_a_warning():
 def test_torch_compile_of_a_training_step_is_bit_identical(monkeypatch):
     from torch._dynamo.utils import counters
 
-    from actcomp.exact_codecs import Kept
+    from actcomp.whole_model.exact_codecs import Kept
 
     # Whether dynamo traced each unpack: the count of frames it looked at is no witness, it
     # depends on the state of Inductor's on-disk cache (8 warm, 103 cold on torch 2.14.1).
@@ -1122,14 +1122,14 @@ def test_torch_compile_of_a_training_step_is_bit_identical(monkeypatch):
 def test_large_tensors_are_quantized_in_chunks_with_the_same_groups(monkeypatch):
     # The pipeline works in chunks (whole periods of its noise, so whole groups): the codes are
     # those of one piece, and the tensor comes back in its layout.
-    import actcomp.derivative_codes as derivative_codes
-    import actcomp.whole_model as whole_model
+    import actcomp.whole_model.derivative_codes as derivative_codes
+    import actcomp.whole_model.model as whole_model
 
     monkeypatch.setattr(derivative_codes, "CHUNK", 1024)
     x = torch.randn(3 * 65536 + 100, 3).t()  # not contiguous; with 2**16-element chunks, 4 of them
-    monkeypatch.setattr("actcomp.compressors.chunks.CPU_CHUNK", 2**16)
+    monkeypatch.setattr("actcomp.kernels.chunks.CPU_CHUNK", 2**16)
     kept = whole_model._lossy(x, actcomp.parse("int8"), None)
-    monkeypatch.setattr("actcomp.compressors.chunks.CPU_CHUNK", 2**24)
+    monkeypatch.setattr("actcomp.kernels.chunks.CPU_CHUNK", 2**24)
     whole = actcomp.parse("int8").compress(x.reshape(-1))
     assert all(map(torch.equal, kept.tensors, whole.tensors))
     rebuilt = kept.unpack()

@@ -18,9 +18,9 @@ import torch
 from zoo import ROOMY, TIMM_ZOO, ZOO, gradient_cosine, preset_gradients, train_step
 
 import actcomp
-from actcomp.layers import is_supported
-from actcomp.saved_tensors import listening
-from actcomp.whole_model import CompressedModel
+from actcomp.graph.saved_tensors import listening
+from actcomp.layers.compressed_layer import is_supported
+from actcomp.whole_model.model import CompressedModel
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),

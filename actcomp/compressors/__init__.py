@@ -21,12 +21,13 @@ with the rounding noise passed in. Every stage works a chunk at a time (:mod:`.c
 temporaries stay small whatever the tensor's size.
 """
 
-from actcomp.compressors.affine import GroupQuant, Int2, Int4, Int8, dequantize_affine, quantize_affine
-from actcomp.compressors.base import Compressor, Encoded, Hints, drop_count, setting
+from actcomp.compressors.affine import GroupQuant, Int2, Int4, Int8
 from actcomp.compressors.casts import Bf16, Fp8, Fp16
 from actcomp.compressors.channels import ChannelMinK, RandomChannels
 from actcomp.compressors.elements import DropITReference, MinK, ParallelMinK, RandomDrop, SampledMinK
 from actcomp.compressors.mesa import Mesa8
+from actcomp.core.codec import Compressor, Encoded, Hints, drop_count, setting
+from actcomp.kernels.quantize import dequantize_affine, quantize_affine
 
 __all__ = [
     "Bf16", "ChannelMinK", "Compressor", "DropITReference", "Encoded", "Fp16", "Fp8", "GroupQuant",

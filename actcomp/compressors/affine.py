@@ -10,8 +10,9 @@ Codes ``floor((x - offset) / scale + u)``, ``u ~ U[0, 1)``, are unbiased
 Inputs are finite: the pipeline sets NaN and +-inf aside and puts them back at their
 positions, so a non-finite value costs its group nothing.
 
-:func:`quantize_affine` and :func:`dequantize_affine` are the pure pair underneath, with the
-rounding noise passed in; the stages draw it from :mod:`~actcomp.compressors.noise`, never
+:func:`~actcomp.kernels.quantize.quantize_affine` and
+:func:`~actcomp.kernels.quantize.dequantize_affine` are the pure pair underneath, with the
+rounding noise passed in; the stages draw it from :mod:`~actcomp.kernels.noise`, never
 from torch's global generator, and run it a chunk at a time.
 
 >>> import torch
@@ -30,95 +31,18 @@ from typing import ClassVar
 
 import torch
 
-from actcomp.compressors.base import Compressor, Encoded, Hints, setting
-from actcomp.compressors.bitpack import pack_codes, packed_size, unpack_codes
-from actcomp.compressors.chunks import aligned_length, spans
-from actcomp.compressors.noise import RoundingNoise
-from actcomp.errors import ActcompError
-from actcomp.registry import register_compressor
-
-_MAX_FINITE_BF16_BITS = 0x7F7F
-
-
-def round_up_to_bf16(values: torch.Tensor) -> torch.Tensor:
-    """Non-negative fp32 values rounded up to the next bf16 (saturating at bf16's max)."""
-    bits = values.contiguous().view(torch.int32)
-    upper = ((bits + 0xFFFF) >> 16).clamp_(max=_MAX_FINITE_BF16_BITS)
-    return upper.to(torch.int16).view(torch.bfloat16)
-
-
-def grouped_shape(count: int, group: int) -> tuple[int, int]:
-    """``(groups, group)``: the rows :func:`quantize_affine` splits ``count`` values into, the
-    last one padded when partial; its ``noise`` has this shape.
-
-    >>> grouped_shape(1000, 256)
-    (4, 256)
-    """
-    return -(-count // group), group
-
-
-def quantize_affine(x: torch.Tensor, bits: int, group: int,
-                    noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(codes, offset, scale)`` of ``x``: ``bits``-bit codes (1, 2, 4 or 8) bit-packed into
-    uint8, and per group of ``group`` values its offset (in ``x``'s dtype) and scale (bf16).
-
-    ``noise`` holds one float32 value in [0, 1) per code, shaped :func:`grouped_shape`:
-    ``U[0, 1)`` draws make the rounding stochastic and unbiased; None rounds to nearest, as
-    noise 0.5 would. ``x`` must be finite.
-
-    >>> x = torch.tensor([0.0, 1.0, 2.0, 3.0])
-    >>> codes, offset, scale = quantize_affine(x, bits=2, group=4)
-    >>> codes, offset, scale  # codes 0, 1, 2, 3 in two bits each, low bits first
-    (tensor([228], dtype=torch.uint8), tensor([0.]), tensor([1.], dtype=torch.bfloat16))
-    >>> dequantize_affine(codes, offset, scale, bits=2, group=4, shape=x.shape, dtype=x.dtype)
-    tensor([0., 1., 2., 3.])
-    """
-    flat = x.reshape(-1)
-    count = flat.numel()
-    shape = grouped_shape(count, group)
-    groups = shape[0]
-    if noise is None:
-        noise = torch.full(shape, 0.5, device=x.device, dtype=torch.float32)
-    elif noise.shape != shape:
-        raise ActcompError(f"noise for {count} values in groups of {group} must have shape {shape}, got {tuple(noise.shape)}")
-    if count % group:
-        # Pad with a value of the last group so its min and max do not change.
-        flat = torch.cat([flat, flat[-1:].expand(groups * group - count)])
-    values = flat.view(shape).float()
-    # Two reductions: aminmax over short rows is ten times slower than amin and amax.
-    low, high = values.amin(dim=1), values.amax(dim=1)
-    levels = 2**bits - 1
-    # max/levels - min/levels cannot overflow where (max - min) could.
-    scale = round_up_to_bf16(high / levels - low / levels)
-    # Offsets in the input dtype are exact: every value, the minimum too, came from it.
-    offset = low.to(x.dtype)
-    step = scale.float().unsqueeze(1)
-    inverse_step = 1 / torch.where(step > 0, step, 1.0)
-    # codes = floor((x - min) / step + u): one fused multiply-add onto the noise, and the
-    # uint8 cast truncates, which is floor for the clamped, non-negative values.
-    codes = torch.addcmul(noise, values - low.unsqueeze(1), inverse_step).clamp_(0, levels)
-    # Through int16: float -> uint8 is not vectorized on CPU, float -> int16 -> uint8 is (4x).
-    return pack_codes(codes.view(-1)[:count].to(torch.int16).to(torch.uint8), bits), offset, scale
-
-
-def dequantize_affine(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, bits: int, group: int,
-                      shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """The values :func:`quantize_affine` encoded, of ``shape`` and ``dtype``: ``offset + code * scale``."""
-    count = shape.numel()
-    groups = offset.numel()
-    unpacked = unpack_codes(codes, bits, count).float()
-    if count % group:
-        unpacked = torch.cat([unpacked, unpacked.new_zeros(groups * group - count)])
-    values = torch.addcmul(offset.float().unsqueeze(1), unpacked.view(groups, group), scale.float().unsqueeze(1))
-    # The rounded-up scale can step past the dtype's largest value; saturate.
-    limit = torch.finfo(dtype).max
-    return values.view(-1)[:count].clamp(-limit, limit).to(dtype).view(shape)
+from actcomp.core.codec import Compressor, Encoded, Hints, setting
+from actcomp.core.registry import register_compressor
+from actcomp.kernels.bitpack import packed_size
+from actcomp.kernels.chunks import aligned_length, spans
+from actcomp.kernels.noise import RoundingNoise
+from actcomp.kernels.quantize import dequantize_affine, grouped_shape, quantize_affine
 
 
 class GroupQuant(Compressor):
     """Shared implementation; the registered stages are :class:`Int8`, :class:`Int4`, :class:`Int2`.
 
-    Encodes and decodes a chunk at a time (:mod:`~actcomp.compressors.chunks`), in whole
+    Encodes and decodes a chunk at a time (:mod:`~actcomp.kernels.chunks`), in whole
     groups and bytes: the groups, codes and noise are those of one whole-tensor call.
     """
 

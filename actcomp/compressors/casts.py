@@ -18,9 +18,9 @@ from typing import ClassVar
 
 import torch
 
-from actcomp.compressors.base import Compressor, Encoded, Hints
-from actcomp.compressors.chunks import map_chunks
-from actcomp.registry import register_compressor
+from actcomp.core.codec import Compressor, Encoded, Hints
+from actcomp.core.registry import register_compressor
+from actcomp.kernels.chunks import map_chunks
 
 _FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 

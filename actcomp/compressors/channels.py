@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from actcomp.compressors.base import Compressor, Encoded, Hints, drop_count
-from actcomp.compressors.chunks import aligned_length, spans
+from actcomp.core.codec import Compressor, Encoded, Hints, drop_count
+from actcomp.core.registry import register_compressor
 from actcomp.errors import ActcompError
-from actcomp.registry import register_compressor
+from actcomp.kernels.chunks import aligned_length, spans
 
 
 class _ChannelSparsifier(Compressor):

@@ -1,15 +1,15 @@
 """Element sparsifiers (DropIT §3.3): keep some elements exactly, drop the rest to zero.
 
 Every stage here keeps ``k = n - floor(drop_rate * n)`` elements (see
-:func:`~actcomp.compressors.base.drop_count`; ``random`` keeps that many on average and
+:func:`~actcomp.core.codec.drop_count`; ``random`` keeps that many on average and
 ``smink`` within sampling error of it), hands the kept values on as a flat payload in
 ascending position order, and stores the positions with
-:mod:`actcomp.compressors.positions`.
+:mod:`actcomp.kernels.positions`.
 
-All of them select a chunk at a time (:mod:`~actcomp.compressors.chunks`): a bool mask per
+All of them select a chunk at a time (:mod:`~actcomp.kernels.chunks`): a bool mask per
 slice of the tensor, the kept values and positions packed from it while the slice is in
 cache. The exact stages first find their threshold without sorting
-(:mod:`~actcomp.compressors.thresholds`).
+(:mod:`~actcomp.kernels.thresholds`).
 
 >>> import torch
 >>> x = torch.tensor([[0.1, -3.0], [2.0, 0.2]])
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from actcomp.compressors.base import Compressor, Encoded, Hints, drop_count, setting
-from actcomp.compressors.chunks import aligned_length, spans
-from actcomp.compressors.positions import PositionWriter, scatter_kept
-from actcomp.compressors.thresholds import SAMPLE, Threshold, exact_threshold, sampled_threshold
-from actcomp.registry import register_compressor
+from actcomp.core.codec import Compressor, Encoded, Hints, drop_count, setting
+from actcomp.core.registry import register_compressor
+from actcomp.kernels.chunks import aligned_length, spans
+from actcomp.kernels.positions import PositionWriter, scatter_kept
+from actcomp.kernels.thresholds import SAMPLE, Threshold, exact_threshold, sampled_threshold
 
 # Chooses the elements to keep in one slice: (slice, its start) -> a bool mask, or the kept
 # positions in the slice in ascending order (int64).

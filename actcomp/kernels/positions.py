@@ -38,8 +38,8 @@ import math
 
 import torch
 
-from actcomp.compressors.bitpack import pack_bits, packed_size, unpack_bits
-from actcomp.compressors.chunks import aligned_length, spans
+from actcomp.kernels.bitpack import pack_bits, packed_size, unpack_bits
+from actcomp.kernels.chunks import aligned_length, spans
 
 
 def expected_rice_bits(count: int, kept: int, low_bits: int) -> float:

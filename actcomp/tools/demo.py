@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import actcomp
-from actcomp.cli import _X_LESS_NOTE, _pyplot_for
+from actcomp.convert import compressed_layers, to_compressed
+from actcomp.core.pipeline import parse
 from actcomp.errors import ActcompError
-from actcomp.memory import format_bytes
-from actcomp.op_kinds import module_kind
+from actcomp.graph.op_kinds import module_kind
+from actcomp.tools.memory import format_bytes, memory_report
+from actcomp.tools.plotting import X_LESS_NOTE, pyplot_for
 
 
 def load_digits_tensors(seed: int = 0):
@@ -96,13 +97,13 @@ def run_demo(epochs: int = 8, specs=("mink0.9+int8",), models=("cnn", "vit"), se
     One thread by default: these models are tiny, and more threads only add contention.
     """
     demo_started = time.perf_counter()
-    pipelines = [actcomp.parse(spec) for spec in specs]
-    from actcomp.whole_model import RestPolicy
+    pipelines = [parse(spec) for spec in specs]
+    from actcomp.whole_model.model import RestPolicy
 
     rest = None if rest is None else RestPolicy.parse(rest)
     tqdm = _tqdm()
     torch.set_num_threads(threads)
-    plt = _pyplot_for(plot) if plot else None
+    plt = pyplot_for(plot) if plot else None
     train_x, train_y, test_x, test_y = load_digits_tensors(seed)
     configurations = [("plain", None, None)] + [(p.spec, p, None) for p in pipelines]
     if rest is not None:
@@ -113,7 +114,7 @@ def run_demo(epochs: int = 8, specs=("mink0.9+int8",), models=("cnn", "vit"), se
         factory, lr = _MODELS[model_name]
         torch.manual_seed(seed)
         base = factory()
-        nets = [copy.deepcopy(base) if pipeline is None else actcomp.to_compressed(copy.deepcopy(base), pipeline, rest=mode)
+        nets = [copy.deepcopy(base) if pipeline is None else to_compressed(copy.deepcopy(base), pipeline, rest=mode)
                 for _, pipeline, mode in configurations]
         optimizers = [torch.optim.AdamW(net.parameters(), lr=lr) for net in nets]
         losses = [[] for _ in nets]
@@ -139,18 +140,18 @@ def run_demo(epochs: int = 8, specs=("mink0.9+int8",), models=("cnn", "vit"), se
                 bar.set_postfix_str(f"loss {statistics.fmean(losses[0][-steps_per_epoch:]):.3f} plain, "
                                     f"{statistics.fmean(losses[-1][-steps_per_epoch:]):.3f} {labels[-1]}")
         sample = train_x[:batch]
-        plain_bytes = actcomp.memory_report(nets[0], sample).total_bytes
+        plain_bytes = memory_report(nets[0], sample).total_bytes
         for label, net, step_times in zip(labels, nets, times):
             net.eval()
             with torch.no_grad():
                 accuracy = (net(test_x).argmax(1) == test_y).float().mean().item()
-            report = actcomp.memory_report(net, sample)
+            report = memory_report(net, sample)
             ratios = [t / base_t for t, base_t in zip(step_times, times[0])]
             rows.append({"model": model_name, "pipeline": label, "accuracy": accuracy,
                          "saved_bytes": report.total_bytes, "memory_reduction": plain_bytes / report.total_bytes,
                          "step_time_vs_plain": statistics.median(ratios), "layers_freeing_nothing": len(report.not_freed),
                          "inputs_also_kept_by": inputs_also_kept_by(net, report),
-                         "layers_compressed": len(actcomp.compressed_layers(net))})
+                         "layers_compressed": len(compressed_layers(net))})
         curves[model_name] = dict(zip(labels, losses))
     _print_table(rows, batch)
     print(verdict(rows))
@@ -188,7 +189,7 @@ def verdict(rows: list[dict]) -> str:
 
 
 def _print_table(rows: list[dict], batch: int) -> None:
-    print(f"\nmemory: {_X_LESS_NOTE}; step time = compressed / plain, lower is better")
+    print(f"\nmemory: {X_LESS_NOTE}; step time = compressed / plain, lower is better")
     width = max(16, *(len(row["pipeline"]) for row in rows))
     print(f"{'model':<6} {'pipeline':<{width}} {'test acc':>8} {f'saved (batch {batch})':>18} {'x less':>9} {'step time':>10}")
     for row in rows:
@@ -209,8 +210,8 @@ def inputs_also_kept_by(net: nn.Module, report) -> str:
     """What else keeps the inputs of the converted layers that free nothing, by module class
     (and, for a block of no kind of its own, the kind of op in it); '' when there are none.
 
-    >>> net = actcomp.to_compressed(SmallCNN(), "mink0.9")
-    >>> inputs_also_kept_by(net, actcomp.memory_report(net, torch.randn(2, 1, 8, 8)))
+    >>> net = to_compressed(SmallCNN(), "mink0.9")
+    >>> inputs_also_kept_by(net, memory_report(net, torch.randn(2, 1, 8, 8)))
     'ReLU'
     """
     modules = {name or "(model)": module for name, module in net.named_modules()}

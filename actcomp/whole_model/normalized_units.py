@@ -44,7 +44,7 @@ class Unit(NamedTuple):
 
 
 def normalized_unit(op: str | None, shape: Sequence[int], setting=None) -> Unit | None:
-    """The unit of ``op`` (a norm's name in :mod:`actcomp.op_kinds`, None for a norm module's
+    """The unit of ``op`` (a norm's name in :mod:`actcomp.graph.op_kinds`, None for a norm module's
     own elementwise ops) for a saved tensor of ``shape``; ``setting`` is layer_norm's and
     rms_norm's ``normalized_shape`` or group_norm's ``num_groups``. None when the tensor's
     shape does not fit the op: then no layout is imposed."""

@@ -21,12 +21,12 @@ import warnings
 import torch
 from torch import nn
 
-from actcomp.autograd import compressed_apply
+from actcomp.core.pipeline import Pipeline
 from actcomp.errors import ActcompError
-from actcomp.model_inputs import is_model_input
-from actcomp.ops import ConvOp, GPT2Conv1DOp, LinearOp, conv_op
-from actcomp.own_forward import OwnForwardMode
-from actcomp.pipeline import Pipeline
+from actcomp.graph.model_inputs import is_model_input
+from actcomp.layers.function import compressed_apply
+from actcomp.layers.ops import ConvOp, GPT2Conv1DOp, LinearOp, conv_op
+from actcomp.layers.own_forward import OwnForwardMode
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 

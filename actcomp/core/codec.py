@@ -5,7 +5,7 @@ and small metadata it needs to undo itself. Because everything a stage keeps is 
 plain Python, a caller can route the tensors through ``ctx.save_for_backward`` (and so
 through saved-tensor hooks) and keep only the metadata on the side. What a stage is given
 (:class:`Hints`) and gives back (:class:`Encoded`) are defined with the loop that runs the
-stages, in :mod:`actcomp.packed`, which sits below this module.
+stages, in :mod:`actcomp.core.packed`, which sits below this module.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from actcomp.core.chain import pack, unpack
+from actcomp.core.grammar import StageSpec, format_rate
+from actcomp.core.packed import Encoded, Hints, Packed
 from actcomp.errors import ActcompError
-from actcomp.packed import Encoded, Hints, Packed, pack, unpack
-from actcomp.spec import StageSpec, format_rate
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class Compressor:
 
         A stage that returns state is called as ``encode(x, hints, state)`` and updates the
         state in place. Each pipeline holds its own, fresh from :meth:`Pipeline.fresh
-        <actcomp.pipeline.Pipeline.fresh>` and :func:`actcomp.parse`, so every converted layer
+        <actcomp.core.pipeline.Pipeline.fresh>` and :func:`actcomp.parse`, so every converted layer
         has its own; a stage used alone starts from this state on every call.
         """
         return None

@@ -1,7 +1,7 @@
-"""Packed data: what a chain of stages keeps of a tensor, and the loop that runs the stages.
+"""The loop that runs a chain of stages: :func:`pack` makes a :class:`~actcomp.core.packed.Packed`, :func:`unpack` undoes it.
 
 :func:`pack` runs the stages left to right, each one's payload feeding the next, and keeps
-what each stage saves; :func:`unpack` runs them backwards. A :class:`~actcomp.pipeline.Pipeline`
+what each stage saves; :func:`unpack` runs them backwards. A :class:`~actcomp.core.pipeline.Pipeline`
 and a stage used alone both pack through here. :class:`Hints` and :class:`Encoded` are what
 passes between this loop and a stage.
 
@@ -28,96 +28,29 @@ True
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, Protocol
 
 import torch
 
+from actcomp.core.packed import Encoded, Hints, Packed, PackedLayout
 from actcomp.errors import ActcompError
 
-if TYPE_CHECKING:
-    from actcomp.compressors.base import Compressor
+
+class Stage(Protocol):
+    """What the loop needs of a stage (:class:`~actcomp.core.codec.Compressor` is one)."""
+
+    def encode(self, x: torch.Tensor, hints: Hints, *state: Any) -> Encoded: ...
+
+    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor: ...
+
+    def initial_state(self) -> Any: ...
 
 
-@dataclass(frozen=True)
-class Hints:
-    """What a caller knows about the tensor that the tensor itself does not say.
-
-    ``channel_dim`` is the channel axis: 1 for (N, C, ...) conv inputs, -1 for (..., C)
-    linear inputs, None when the tensor has no channel structure.
-
-    >>> Hints(channel_dim=1)
-    Hints(channel_dim=1)
-    """
-
-    channel_dim: int | None = None
-
-
-class Encoded(NamedTuple):
-    """One stage's output: the payload for the next stage, what it keeps, and metadata."""
-
-    payload: torch.Tensor
-    saved: tuple[torch.Tensor, ...]
-    meta: Any
-
-
-@dataclass(frozen=True)
-class PackedLayout:
-    """The Python-side metadata of a :class:`Packed`: everything but the tensors."""
-
-    spec: str
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-    # Per stage: how many of the packed tensors are its own, and its metadata.
-    stages: tuple[tuple[int, Any], ...]
-    # How many of the packed tensors, the first ones, hold the input's non-finite values:
-    # 0, or 2 (their flat positions and their values).
-    non_finite: int = 0
-
-
-@dataclass(frozen=True, eq=False)
-class Packed:
-    """A compressed tensor: the tensors kept plus their layout.
-
-    ``tensors`` are exactly what is stored, so ``nbytes`` is exact. To route them through
-    autograd, pass them to ``ctx.save_for_backward``, keep ``layout`` on the side, and rebuild
-    with ``Packed(ctx.saved_tensors, layout)``. Its repr shows what is kept, not the values:
-
-    >>> from actcomp.compressors import Int8
-    >>> pack([Int8()], "int8", torch.zeros(4, 256))
-    Packed('int8', float32[4, 256] on cpu, 1,048 of 4,096 bytes (25.6%): float32[4], bfloat16[4], uint8[1024])
-    """
-
-    tensors: tuple[torch.Tensor, ...]
-    layout: PackedLayout
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the kept tensors (sum of numel * element size)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-    def __repr__(self) -> str:
-        layout = self.layout
-        dense = layout.shape.numel() * layout.dtype.itemsize
-        share = f" ({self.nbytes / dense:.1%})" if dense else ""
-        kept = ", ".join(_typed_shape(t.dtype, t.shape) for t in self.tensors)
-        return (
-            f"Packed({layout.spec!r}, {_typed_shape(layout.dtype, layout.shape)} on {layout.device}, "
-            f"{self.nbytes:,} of {dense:,} bytes{share}: {kept})"
-        )
-
-
-def _typed_shape(dtype: torch.dtype, shape: torch.Size) -> str:
-    """``float32[4, 256]``: a tensor's dtype and shape, without its values."""
-    return f"{str(dtype).removeprefix('torch.')}[{', '.join(map(str, shape))}]"
-
-
-def pack(stages: Sequence[Compressor], spec: str, x: torch.Tensor, *, channel_dim: int | None = None,
+def pack(stages: Sequence[Stage], spec: str, x: torch.Tensor, *, channel_dim: int | None = None,
          states: Sequence[Any] | None = None) -> Packed:
     """Run ``stages`` (whose spec string is ``spec``) on ``x``; ``channel_dim`` names its channel
     axis for channel-wise stages. ``states`` are the stages' runtime states, which the caller
-    keeps between calls (see :meth:`~actcomp.compressors.base.Compressor.initial_state`);
+    keeps between calls (see :meth:`~actcomp.core.codec.Compressor.initial_state`);
     without them every stage starts from its initial state.
 
     >>> from actcomp.compressors import MinK
@@ -150,7 +83,7 @@ def pack(stages: Sequence[Compressor], spec: str, x: torch.Tensor, *, channel_di
     return Packed(tuple(tensors), layout)
 
 
-def unpack(stages: Sequence[Compressor], spec: str, packed: Packed) -> torch.Tensor:
+def unpack(stages: Sequence[Stage], spec: str, packed: Packed) -> torch.Tensor:
     """The tensor :func:`pack` was given, up to the stages' loss; ``packed`` must come from
     stages with the same ``spec``."""
     layout = packed.layout

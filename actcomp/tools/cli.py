@@ -8,17 +8,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import os
 import sys
 import time
-from pathlib import Path
 
 from actcomp.errors import ActcompError
+from actcomp.tools.plotting import X_LESS_NOTE, pyplot_for
+
 
 # One convention for every memory ratio the CLI prints, so "2x" always means half the bytes.
-_X_LESS_NOTE = "x less = plain / compressed bytes, higher is better"
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m actcomp", description="Activation compression for training.")
     commands = parser.add_subparsers(dest="command", required=True, help="what to run; add -h after it for its options")
@@ -64,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "report":
             return _report(args)
-        from actcomp.demo import run_demo
+        from actcomp.tools.demo import run_demo
 
         rest = None if args.rest.lower() == "none" else args.rest
         run_demo(epochs=args.epochs, specs=args.pipelines, models=args.models, seed=args.seed, threads=args.threads,
@@ -83,48 +80,19 @@ def _timm():
     return timm
 
 
-def _pyplot_for(path: str):
-    """pyplot, once ``path`` is known to be a file matplotlib can write.
-
-    Called before any model is built or trained, so a bad ``--plot`` fails in a second, not
-    after the whole run.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError:
-        raise ActcompError("--plot needs matplotlib: pip install matplotlib (or pip install 'actcomp[plot]')") from None
-    target = Path(path)
-    formats = FigureCanvasBase.get_supported_filetypes()
-    # savefig reads the format from the suffix, lower-cased; without one it would write FILE.png instead.
-    suffix = target.suffix.lower()
-    if suffix.lstrip(".") not in formats:
-        found = f"suffix {suffix!r}" if suffix else "no suffix"
-        raise ActcompError(f"--plot {path!r} has {found}; matplotlib writes {', '.join('.' + f for f in formats)}")
-    if target.is_dir():
-        raise ActcompError(f"--plot {path!r} is a directory; give a file name such as {str(target / 'plot.png')!r}")
-    if not target.parent.is_dir():
-        raise ActcompError(f"--plot {path!r}: directory {str(target.parent)!r} does not exist")
-    if not os.access(target.parent, os.W_OK):
-        raise ActcompError(f"--plot {path!r}: directory {str(target.parent)!r} is not writable")
-    return plt
-
-
 def _report(args: argparse.Namespace) -> int:
     import torch
 
-    import actcomp
-    from actcomp.max_batch import parse_budget
-    from actcomp.memory import format_bytes
-    from actcomp.whole_model import RestPolicy
+    from actcomp.convert import compressed_layers, to_compressed
+    from actcomp.core.pipeline import parse
+    from actcomp.tools.max_batch import parse_budget
+    from actcomp.tools.memory import format_bytes, memory_report
+    from actcomp.whole_model.model import RestPolicy
 
-    pipeline = actcomp.parse(args.pipeline)
+    pipeline = parse(args.pipeline)
     rest = None if args.rest is None else RestPolicy.parse(args.rest)
     budget = parse_budget(" ".join(args.max_batch), "--max-batch") if args.max_batch is not None else None
-    plt = _pyplot_for(args.plot) if args.plot else None
+    plt = pyplot_for(args.plot) if args.plot else None
     timm = _timm()
     if not timm.is_model(args.model):
         close = timm.list_models(f"*{args.model.split('_')[0]}*")[:8]
@@ -137,18 +105,18 @@ def _report(args: argparse.Namespace) -> int:
         plain = timm.create_model(args.model, pretrained=False, img_size=args.img_size)
     except TypeError:
         plain = timm.create_model(args.model, pretrained=False)
-    compressed = actcomp.to_compressed(copy.deepcopy(plain), pipeline, rest=rest)
+    compressed = to_compressed(copy.deepcopy(plain), pipeline, rest=rest)
     x = torch.randn(args.batch, 3, args.img_size, args.img_size)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.amp else contextlib.nullcontext()
     with autocast:
-        before = actcomp.memory_report(plain, x)
-        after = actcomp.memory_report(compressed, x)
+        before = memory_report(plain, x)
+        after = memory_report(compressed, x)
 
     plain_types, packed_types = before.by_type(), after.by_type()
     precision = "bf16 autocast" if args.amp else "fp32"
     mode = f", rest {str(rest)!r}" if rest is not None else ""
     print(f"{args.model}, batch {args.batch}, {args.img_size}x{args.img_size}, {precision}, pipeline {pipeline.spec!r}{mode}")
-    print(f"memory: {_X_LESS_NOTE}")
+    print(f"memory: {X_LESS_NOTE}")
     if rest is None:
         rows = [(name, plain_types.get(name, 0), packed_types.get(name, 0), "")
                 for name in sorted(set(plain_types) | set(packed_types), key=lambda t: -plain_types.get(t, 0))]
@@ -168,7 +136,7 @@ def _report(args: argparse.Namespace) -> int:
     if before.parameter_copy_bytes or after.parameter_copy_bytes:
         print(f"(not counted above: parameter copies kept for backward, e.g. autocast weights: "
               f"plain {format_bytes(before.parameter_copy_bytes)}, compressed {format_bytes(after.parameter_copy_bytes)})")
-    layers = actcomp.compressed_layers(compressed)
+    layers = compressed_layers(compressed)
     lost = sum(item.input_bytes for item in after.not_freed)
     reads, runs = ("reads", "it runs") if len(after.plain_on_input) == 1 else ("read", "they run")
     plain_note = f" ({', '.join(after.plain_on_input)} {reads} the model input, so {runs} plain)" if after.plain_on_input else ""
@@ -177,7 +145,7 @@ def _report(args: argparse.Namespace) -> int:
     if args.layers:
         print(after.table())
     if args.rss:
-        from actcomp.peak_rss import peak_rss
+        from actcomp.tools.peak_rss import peak_rss
 
         sizes = dict(batch=args.batch, img_size=args.img_size, amp=args.amp, threads=args.threads)
         rss = []
@@ -190,7 +158,7 @@ def _report(args: argparse.Namespace) -> int:
             print(f" done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         rss_plain, rss_packed = rss
         print(f"peak RSS of 3 training steps: plain {format_bytes(rss_plain)}, compressed {format_bytes(rss_packed)}"
-              " (fresh processes; freed memory returned to the OS, see actcomp.peak_rss)")
+              " (fresh processes; freed memory returned to the OS, see actcomp.tools.peak_rss)")
     if budget is not None:
         _print_largest_batches(args, pipeline.spec, budget)
     if plt is not None:
@@ -210,8 +178,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _print_largest_batches(args: argparse.Namespace, spec: str, budget: int) -> None:
-    from actcomp.max_batch import largest_batch
-    from actcomp.memory import format_bytes
+    from actcomp.tools.max_batch import largest_batch
+    from actcomp.tools.memory import format_bytes
 
     compressed = f"{spec}, rest {args.rest}" if args.rest else spec
     methods = [("plain", None, None, False), ("checkpoint per block", None, None, True), (compressed, spec, args.rest, False)]
@@ -235,7 +203,7 @@ def _print_largest_batches(args: argparse.Namespace, spec: str, budget: int) -> 
 
 
 def _print_rows(title: str, rows: list[tuple[str, int, int, str]], plain_total: int, packed_total: int) -> None:
-    from actcomp.memory import format_bytes
+    from actcomp.tools.memory import format_bytes
 
     kept_as = any(row[3] for row in rows)
     print(f"{title:<24} {'plain':>11} {'compressed':>11} {'x less':>7}" + ("  kept as" if kept_as else ""))

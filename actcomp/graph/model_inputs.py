@@ -28,7 +28,7 @@ import weakref
 import torch
 from torch import nn
 
-from actcomp.storage import storage_key
+from actcomp.kernels.layouts import storage_key
 
 _INPUTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 

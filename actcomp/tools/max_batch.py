@@ -1,6 +1,6 @@
 """The largest batch whose training step stays under a memory budget, found in fresh processes.
 
-Each candidate batch trains in a process of its own (:func:`actcomp.peak_rss.peak_rss`: a step at
+Each candidate batch trains in a process of its own (:func:`actcomp.tools.peak_rss.peak_rss`: a step at
 batch 2, then one at the candidate batch, which thus starts with gradients allocated),
 so the answer is the operating system's peak, allocator slack and backward temporaries included,
 never an estimate from bytes kept. Peak memory grows about linearly with the batch, so two small
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from actcomp.errors import ActcompError
-from actcomp.memory import format_bytes, parse_bytes
-from actcomp.peak_rss import peak_rss
+from actcomp.tools.memory import format_bytes, parse_bytes
+from actcomp.tools.peak_rss import peak_rss
 
 # A probe is a fresh Python process that has imported torch and timm: hundreds of MiB before
 # its first step. A budget below this is a typo (a missing or wrong unit), never a real limit.
@@ -28,7 +28,7 @@ SMALLEST_BUDGET = 64 * 2**20
 
 
 def parse_budget(text: str, where: str = "budget") -> int:
-    """A memory budget as people write it, in bytes; unlike :func:`actcomp.memory.parse_bytes`
+    """A memory budget as people write it, in bytes; unlike :func:`actcomp.tools.memory.parse_bytes`
     it needs a unit, and refuses budgets under 64 MiB, which no training process fits.
 
     >>> parse_budget("4GiB"), parse_budget("512M")
@@ -76,7 +76,7 @@ def largest_batch(model: str, spec: str | None, *, budget: int, rest: str | None
     """The largest batch of timm ``model`` whose training step peaks at most ``budget`` bytes.
 
     ``spec``, ``rest``, ``checkpoint``, ``threads`` and ``first_layer`` configure the step as in
-    :func:`actcomp.peak_rss.peak_rss` (``spec=None``: plain PyTorch); by default each probe runs
+    :func:`actcomp.tools.peak_rss.peak_rss` (``spec=None``: plain PyTorch); by default each probe runs
     one step at batch 2 (BatchNorm refuses batch 1 where its input is 1x1) and then ``steps=1``
     step at the candidate batch, which peaks as a steady-state training step does (gradients
     already allocated). The search stops when the

@@ -1,6 +1,6 @@
 """Pipelines: stages chained left to right, as a spec string names them.
 
-A pipeline packs through :mod:`actcomp.packed`, which also keeps every NaN and +-inf out of
+A pipeline packs through :mod:`actcomp.core.packed`, which also keeps every NaN and +-inf out of
 the stages and puts them back exactly.
 
 >>> import torch, actcomp
@@ -20,11 +20,12 @@ import functools
 
 import torch
 
-from actcomp.compressors.base import Compressor
+from actcomp.core.chain import pack, unpack
+from actcomp.core.codec import Compressor
+from actcomp.core.grammar import format_spec, parse_spec, spec_error
+from actcomp.core.packed import Packed
+from actcomp.core.registry import build_stage, list_compressors
 from actcomp.errors import ActcompError
-from actcomp.packed import Packed, pack, unpack
-from actcomp.registry import build_stage, list_compressors
-from actcomp.spec import format_spec, parse_spec, spec_error
 
 
 class Pipeline:

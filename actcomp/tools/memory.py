@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from actcomp.errors import ActcompError
-from actcomp.op_kinds import KINDS
-from actcomp.saved_tensors import (
+from actcomp.graph.op_kinds import KINDS
+from actcomp.graph.saved_tensors import (
     SavedEvent,
     in_compressed_layer,
     innermost_kind,
@@ -42,7 +42,7 @@ from actcomp.saved_tensors import (
     listening,
     tracking_scopes,
 )
-from actcomp.storage import local_part, storage_key
+from actcomp.kernels.layouts import local_part, storage_key
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class SavedStorage:
 
     ``kind`` is ``"activation"``, ``"input"`` (a model input) or ``"parameter_copy"``
     (a parameter after casts/views, e.g. autocast's bf16 weight). ``op_kind`` is the kind of the
-    op that saved it first (see :mod:`actcomp.op_kinds`) and ``codec`` what it is: the spec or
+    op that saved it first (see :mod:`actcomp.graph.op_kinds`) and ``codec`` what it is: the spec or
     exact codec it was compressed with, None for a tensor kept as is.
     """
 
@@ -208,7 +208,7 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
     is left sharded, as after a training step. Run it under ``torch.autocast`` to account mixed
     precision.
     """
-    from actcomp.layers import CompressedLayer, autocast_casts
+    from actcomp.layers.compressed_layer import CompressedLayer, autocast_casts
 
     names = {module: name or "(model)" for name, module in model.named_modules()}
     excluded = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}

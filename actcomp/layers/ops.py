@@ -10,7 +10,7 @@ folding a non-contiguous input into one ``mm`` only when the weight needs a grad
 ``mm``'s backward transposes its products when an operand is column-major. The weight gradient
 is the only one that reads the input. ``tests/test_layouts.py`` checks this on CPU for every
 layout it makes; where the input had gaps (a slice) it comes back dense in the same axis order
-(see :mod:`actcomp.autograd`), so a Linear's BLAS call sees a smaller leading dimension than
+(see :mod:`actcomp.layers.function`), so a Linear's BLAS call sees a smaller leading dimension than
 plain's, which changed no bit on the CPU BLAS tested.
 
 ``backward(grad, x, weight, x_like, x_dtype, needs)``: ``x`` is the (decompressed) input laid
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from actcomp.storage import empty_with_layout_of
+from actcomp.kernels.layouts import empty_with_layout_of
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 

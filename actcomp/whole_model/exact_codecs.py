@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from actcomp.compressors.bitpack import pack_bits, pack_codes, packed_size, unpack_bits, unpack_codes
-from actcomp.compressors.chunks import aligned_length, spans
-from actcomp.storage import dense_strides, restride
+from actcomp.kernels.bitpack import pack_bits, pack_codes, packed_size, unpack_bits, unpack_codes
+from actcomp.kernels.chunks import aligned_length, spans
+from actcomp.kernels.layouts import dense_strides, restride
 
 
 class Kept:

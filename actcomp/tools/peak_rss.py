@@ -1,6 +1,6 @@
 """Peak process memory (RSS) of a few training steps, measured in a fresh subprocess.
 
-Saved-tensor accounting (:mod:`actcomp.memory`) counts what autograd keeps; peak RSS is
+Saved-tensor accounting (:mod:`actcomp.tools.memory`) counts what autograd keeps; peak RSS is
 what the operating system saw, allocator slack and temporaries included. A fresh process
 per measurement keeps one run's high-water mark from leaking into the next.
 

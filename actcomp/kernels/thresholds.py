@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from actcomp.compressors.chunks import aligned_length, spans
+from actcomp.kernels.chunks import aligned_length, spans
 
 SAMPLE = 2**16
 # Half-width of the bracket in standard deviations of a sample quantile.

@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from actcomp.core.codec import Compressor
+from actcomp.core.grammar import StageSpec, spec_error
 from actcomp.errors import ActcompError
-from actcomp.spec import StageSpec, spec_error
 
 _REGISTRY: dict[str, type] = {}
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
@@ -19,7 +20,7 @@ _KINDS = ("sparsifier", "quantizer")
 
 
 def register_compressor(cls: type | None = None, *, replace: bool = False):
-    """Class decorator adding a :class:`~actcomp.compressors.base.Compressor` under ``cls.name``.
+    """Class decorator adding a :class:`~actcomp.core.codec.Compressor` under ``cls.name``.
 
     >>> import dataclasses, torch, actcomp
     >>> from actcomp.compressors import Compressor, Encoded
@@ -36,8 +37,6 @@ def register_compressor(cls: type | None = None, *, replace: bool = False):
     Pipeline('mink0.5+halve')
     >>> actcomp.unregister_compressor("halve")
     """
-    from actcomp.compressors.base import Compressor
-
     def add(klass: type) -> type:
         if not (isinstance(klass, type) and issubclass(klass, Compressor)):
             raise ActcompError(f"register_compressor expects a Compressor subclass, got {klass!r}")
@@ -60,7 +59,6 @@ def register_compressor(cls: type | None = None, *, replace: bool = False):
 
 def unregister_compressor(name: str) -> None:
     """Remove a user-registered compressor (built-ins may be removed too, at your risk)."""
-    _ensure_builtins()
     if name not in _REGISTRY:
         raise ActcompError(f"no compressor named {name!r}; known: {', '.join(list_compressors())}")
     del _REGISTRY[name]
@@ -68,12 +66,10 @@ def unregister_compressor(name: str) -> None:
 
 def list_compressors() -> list[str]:
     """Sorted names of every registered stage."""
-    _ensure_builtins()
     return sorted(_REGISTRY)
 
 
 def compressor_class(name: str) -> type:
-    _ensure_builtins()
     if name not in _REGISTRY:
         raise ActcompError(f"unknown compressor {name!r}; known: {', '.join(list_compressors())}")
     return _REGISTRY[name]
@@ -114,8 +110,3 @@ def build_stage(stage: StageSpec, spec: str):
     except ActcompError as error:
         bad_option = next((key for key, _ in stage.options if str(error).startswith(f"{key} of ")), None)
         raise fail(str(error), key=bad_option) from None
-
-
-def _ensure_builtins() -> None:
-    # Importing the package registers the built-in stages; done lazily to avoid a cycle.
-    import actcomp.compressors  # noqa: F401

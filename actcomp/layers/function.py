@@ -11,10 +11,10 @@ The decompressed input is laid out as ``x`` was: the same strides where ``x`` is
 broadcast (stride 0) where ``x`` is, and dense in ``x``'s axis order where ``x`` has gaps (a
 slice). Only the broadcast values are compressed, once each. Backward kernels choose their
 algorithm from the layout, so with a lossless pipeline every gradient is bit-identical to
-plain autograd's (see :mod:`actcomp.ops`).
+plain autograd's (see :mod:`actcomp.layers.ops`).
 
 >>> import torch, actcomp
->>> from actcomp.ops import LinearOp
+>>> from actcomp.layers.ops import LinearOp
 >>> x = torch.randn(8, 16, requires_grad=True)
 >>> w = torch.randn(4, 16, requires_grad=True)
 >>> y = compressed_apply(LinearOp(), actcomp.parse("mink0.9"), x, w, None)
@@ -32,10 +32,10 @@ import weakref
 import torch
 from torch.autograd.function import FunctionCtx
 
+from actcomp.core.pipeline import Packed, Pipeline
 from actcomp.errors import ActcompError
-from actcomp.pipeline import Packed, Pipeline
-from actcomp.saved_tensors import saving_compressed_layer
-from actcomp.storage import unbroadcast, with_layout_of
+from actcomp.graph.saved_tensors import saving_compressed_layer
+from actcomp.kernels.layouts import unbroadcast, with_layout_of
 
 # Layers that read one tensor with one pipeline (a ResNet block input read by conv1 and the
 # downsample conv; BERT's query, key and value projections) share one compressed copy. Keyed by

@@ -28,10 +28,10 @@ import functools
 
 import torch
 
-from actcomp.compressors.bitpack import pack_codes, packed_size, unpack_codes
-from actcomp.compressors.chunks import spans
-from actcomp.exact_codecs import Kept
-from actcomp.storage import dense_strides, restride
+from actcomp.kernels.bitpack import pack_codes, packed_size, unpack_codes
+from actcomp.kernels.chunks import spans
+from actcomp.kernels.layouts import dense_strides, restride
+from actcomp.whole_model.exact_codecs import Kept
 
 # f' on [-10, 10] decides the intervals; beyond it GELU's and SiLU's derivatives are within
 # 5e-4 of their limits (0 and 1), inside every interval's tolerance.

@@ -2,7 +2,7 @@
 
 ``to_compressed(model, "mink0.9+int8", rest="8bit")`` converts the Linear/Conv layers as always
 and makes the model's forward run under saved-tensor hooks that choose, per saved tensor, by the
-kind of op saving it (:mod:`actcomp.op_kinds`):
+kind of op saving it (:mod:`actcomp.graph.op_kinds`):
 
 ==============  ================================================  =========
 kind            kept as                                           exact?
@@ -26,7 +26,7 @@ norm's mean and rstd, attention's log-sum-exp) are always kept as they are. A te
 several ops gets one compressed form per saver, so no full-size copy survives; a tensor saved
 twice under the same :class:`Codec` (function and every setting it reads: a clamp's range,
 GELU's approximation, a norm's unit) is compressed once. Norm inputs are laid out in rows
-inside the unit the norm normalizes (:mod:`actcomp.normalized_units`) and quantized in groups
+inside the unit the norm normalizes (:mod:`actcomp.whole_model.normalized_units`) and quantized in groups
 that divide a row: a group spanning a tiny-spread row and a wide one would round the tiny one
 away, and the norm's backward multiplies that error by ``1/std``.
 
@@ -70,21 +70,10 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
-from actcomp.derivative_codes import derivative_code
+from actcomp.core.pipeline import Packed, Pipeline, parse
 from actcomp.errors import ActcompError
-from actcomp.exact_codecs import (
-    Kept,
-    dropout_mask,
-    hardtanh_mask,
-    leaky_relu_mask,
-    pool_offsets,
-    relu_mask,
-    shape_only,
-)
-from actcomp.model_inputs import record_model_inputs, tensors_in
-from actcomp.normalized_units import Unit, normalized_unit, row_group
-from actcomp.pipeline import Packed, Pipeline, parse
-from actcomp.saved_tensors import (
+from actcomp.graph.model_inputs import record_model_inputs, tensors_in
+from actcomp.graph.saved_tensors import (
     SavedEvent,
     announce,
     checkpoint_hooks_on_top,
@@ -96,7 +85,18 @@ from actcomp.saved_tensors import (
     listened,
     tracking_scopes,
 )
-from actcomp.storage import dense_strides_like, local_part, restride, storage_key
+from actcomp.kernels.layouts import dense_strides_like, local_part, restride, storage_key
+from actcomp.whole_model.derivative_codes import derivative_code
+from actcomp.whole_model.exact_codecs import (
+    Kept,
+    dropout_mask,
+    hardtanh_mask,
+    leaky_relu_mask,
+    pool_offsets,
+    relu_mask,
+    shape_only,
+)
+from actcomp.whole_model.normalized_units import Unit, normalized_unit, row_group
 
 LOSSY_KINDS = ("activation", "normalization", "attention", "other")
 EXACT_KINDS = ("pooling", "dropout")
@@ -125,7 +125,7 @@ class RestPolicy:
     pooling: str | None
     dropout: str | None
     other: Pipeline | str | None = None
-    # GELU and SiLU inputs as few-bit derivative codes (actcomp.derivative_codes) instead of
+    # GELU and SiLU inputs as few-bit derivative codes (actcomp.whole_model.derivative_codes) instead of
     # the activation pipeline; None: they follow ``activation``.
     fewbit: int | None = None
 
@@ -443,7 +443,7 @@ def _lossy(tensor: torch.Tensor, pipeline: Pipeline, unit: Unit | None) -> Kept 
     quantized in groups that never straddle two rows. None when that would not save memory
     (rows of a few elements, each with a range of its own)."""
     # The rebuild closure must not capture ``tensor``: that would keep the full tensor alive.
-    # The pipeline works a chunk at a time, so its temporaries stay small (actcomp.temporaries).
+    # The pipeline works a chunk at a time, so its temporaries stay small (actcomp.tools.temporaries).
     # Rebuilt dense in the tensor's own axis order (a slice's gaps closed), as Linear/Conv
     # inputs are: backward kernels choose by strides.
     stride, permutation = dense_strides_like(tensor), None
@@ -697,7 +697,7 @@ def _forward_like(base: type):
 
 def check_whole_model_root(model: nn.Module) -> None:
     """Raise if ``model`` cannot take whole-model mode: a bare Linear/Conv layer is its own root."""
-    from actcomp.layers import is_supported
+    from actcomp.layers.compressed_layer import is_supported
 
     if is_supported(model):
         base = getattr(type(model), "actcomp_base", type(model))

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from actcomp.model_inputs import tensors_in
-from actcomp.op_kinds import function_kind, module_kind
+from actcomp.graph.model_inputs import tensors_in
+from actcomp.graph.op_kinds import function_kind, module_kind
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from actcomp.ops import ConvOp, LinearOp, conv_op
+from actcomp.layers.ops import ConvOp, LinearOp, conv_op
 
 _CONV_FUNCTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")

@@ -5,7 +5,7 @@ lower, so it is measured, not estimated: a subprocess makes the tensor, resets t
 high-water mark of its resident memory (``/proc/self/clear_refs``, Linux), compresses, and
 reads the mark (``VmHWM``) back. The extra peak is that mark minus the resident memory before
 the call and the bytes of the result; decompressing is measured the same way. As in
-:mod:`actcomp.peak_rss`, ``MALLOC_MMAP_THRESHOLD_=65536`` makes every block from 64 KiB up
+:mod:`actcomp.tools.peak_rss`, ``MALLOC_MMAP_THRESHOLD_=65536`` makes every block from 64 KiB up
 its own mapping, so freed temporaries leave the resident set at once.
 
 >>> rows = extra_peak(["int8"], count=2**22, dtype="float32")  # doctest: +SKIP

@@ -1,0 +1,129 @@
+"""The package's shape, checked from the source: every import points down the layers, no module
+imports itself back through others (lazy imports inside functions count too), no block of six
+lines is written twice, and pickles made by 0.1.0 still load.
+"""
+
+from __future__ import annotations
+
+import ast
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+import actcomp
+
+ROOT = Path(actcomp.__file__).parent
+# Bottom to top: a module may import its own layer and the layers below it, never one above.
+LAYERS = ["errors", "kernels", "core", "compressors", "graph", "layers", "whole_model", "convert", "tools",
+          "legacy_paths", "__init__", "__main__"]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The actcomp modules ``path`` imports, at the top or inside functions; ``if TYPE_CHECKING``
+    blocks included (a type-only cycle is still a cycle for a reader)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("actcomp"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("actcomp"):
+            for alias in node.names:
+                # "from actcomp.tools import max_batch" imports the module actcomp.tools.max_batch.
+                child = f"{node.module}.{alias.name}"
+                found.add(child if (ROOT.parent / child.replace(".", "/")).with_suffix(".py").exists()
+                          or (ROOT.parent / child.replace(".", "/")).is_dir() else node.module)
+    return found
+
+
+GRAPH = {_module_name(path): _imports(path) for path in sorted(ROOT.rglob("*.py"))}
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    name = parts[1] if len(parts) > 1 else "__init__"
+    return LAYERS.index(name)
+
+
+def test_every_module_sits_in_a_known_layer():
+    for module in GRAPH:
+        assert _layer(module) >= 0, module
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_imports_point_down(module):
+    upward = [target for target in GRAPH[module] if target in GRAPH and _layer(target) > _layer(module)]
+    assert not upward, f"{module} imports {upward} from a layer above it; layers bottom-up: {LAYERS}"
+
+
+def test_no_import_cycles():
+    def cycle_from(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            module, path = stack.pop()
+            for target in GRAPH.get(module, ()):
+                if target == start:
+                    return path + [start]
+                # A package's __init__ runs on importing any of its modules; it is not an edge back.
+                if target in GRAPH and target not in seen and not start.startswith(target + "."):
+                    seen.add(target)
+                    stack.append((target, path + [target]))
+        return None
+
+    cycles = [cycle for module in GRAPH if (cycle := cycle_from(module)) is not None and module != "actcomp"]
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def _code_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, stripped text) of the lines that carry code: no docstrings, blanks, comments
+    or lone brackets."""
+    source = path.read_text()
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            docstrings.update(range(node.lineno, node.end_lineno + 1))
+    lines = []
+    for number, line in enumerate(source.splitlines(), 1):
+        text = line.strip()
+        if number not in docstrings and text and not text.startswith("#") and text not in {")", "]", "}", "):"}:
+            lines.append((number, text))
+    return lines
+
+
+def test_no_block_of_six_lines_written_twice():
+    first: dict[tuple[str, ...], tuple[str, int]] = {}
+    repeats = []
+    for path in sorted(ROOT.rglob("*.py")):
+        name = str(path.relative_to(ROOT.parent))
+        lines = _code_lines(path)
+        for index in range(len(lines) - 5):
+            block = tuple(text for _, text in lines[index:index + 6])
+            # Import lists repeat by nature; the code is what must not.
+            if all(text.startswith(("from ", "import ")) for text in block):
+                continue
+            number = lines[index][0]
+            seen = first.setdefault(block, (name, number))
+            # A block overlapping its own first place (a run of equal lines) is not a copy.
+            if seen != (name, number) and (seen[0] != name or number - seen[1] >= 6):
+                repeats.append(f"{name}:{number} repeats {seen[0]}:{seen[1]}")
+    assert not repeats, "\n".join(repeats)
+
+
+def test_pickles_made_by_0_1_0_load():
+    with open(Path(__file__).parent / "data" / "converted_models_0.1.0.pkl", "rb") as file:
+        models = pickle.load(file)
+    x = torch.randn(2, 3, 8, 8)
+    for name, model in models.items():
+        model.train()
+        model(x).sum().backward()
+        assert all(parameter.grad is not None for parameter in model.parameters()), name
+    assert actcomp.compressed_layers(models["layers"]) == {"0": actcomp.parse("mink0.9+int8"),
+                                                           "3": actcomp.parse("mink0.9+int8")}
+    assert str(models["whole_model"].actcomp_rest) == "8bit"
+    plain = actcomp.from_compressed(models["whole_model"])
+    assert type(plain) is torch.nn.Sequential
