@@ -25,7 +25,8 @@ from actcomp.core.pipeline import Pipeline, parse
 from actcomp.errors import ActcompError
 from actcomp.graph.model_inputs import unwatch_model_inputs, watch_model_inputs
 from actcomp.layers.compressed_layer import compress_layer, is_supported, uncompress_layer
-from actcomp.whole_model.model import RestPolicy, check_whole_model_root, compress_whole_model, uncompress_whole_model
+from actcomp.whole_model.compressed_model import check_whole_model_root, compress_whole_model, uncompress_whole_model
+from actcomp.whole_model.policy import RestPolicy
 
 PipelineLike = str | Pipeline
 PipelineChoice = PipelineLike | Mapping[str, PipelineLike | None]
@@ -61,7 +62,7 @@ def to_compressed(
     - a module name: that layer is not converted at all;
     - ``None``: every layer is compressed.
 
-    ``rest`` switches on whole-model mode (:mod:`actcomp.whole_model.model`): every other tensor autograd
+    ``rest`` switches on whole-model mode (:mod:`actcomp.whole_model`): every other tensor autograd
     keeps is compressed too, by the kind of op saving it. The presets: ``rest="8bit"`` keeps
     ReLU-family outputs, dropout masks and MaxPool argmaxes exactly in 1-4 bits and norm, other
     activation (GELU/SiLU too) and attention tensors in int8 (norm inputs in groups inside each

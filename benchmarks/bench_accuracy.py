@@ -45,7 +45,7 @@ from torch import nn
 import actcomp
 from actcomp.tools.plotting import pyplot_for
 from actcomp.whole_model.derivative_codes import derivative_error
-from actcomp.whole_model.model import RestPolicy
+from actcomp.whole_model.policy import RestPolicy
 
 BASELINE = "baseline"
 # smink reads tensors of at most `sample` elements whole (exact min-k); digits' activations have

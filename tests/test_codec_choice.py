@@ -181,7 +181,7 @@ def test_layouts_come_back_with_their_strides():
     # A channels_last BatchNorm input laid out channel-major and back: same values up to int8
     # rounding, same strides (the backward picks its kernel by them).
     from actcomp.core.pipeline import parse
-    from actcomp.whole_model.model import _lossy
+    from actcomp.whole_model.session import _lossy
 
     x = torch.randn(4, 6, 2, 2).contiguous(memory_format=torch.channels_last) * torch.arange(1, 7).view(1, 6, 1, 1)
     kept = _lossy(x, parse("int8"), normalized_unit("batch_norm", x.shape))
@@ -234,7 +234,7 @@ def test_a_sliced_norm_input_comes_back_dense_in_its_own_axis_order():
     # the gaps, as Linear/Conv inputs do: a contiguous stand-in would steer the backward to other
     # kernels.
     from actcomp.core.pipeline import parse
-    from actcomp.whole_model.model import _lossy
+    from actcomp.whole_model.session import _lossy
 
     x = torch.randn(4, 6, 9, 8).contiguous(memory_format=torch.channels_last)[:, :, 1:]
     rebuilt = _lossy(x, parse("int8"), normalized_unit("batch_norm", x.shape)).unpack()

@@ -133,7 +133,7 @@ def codecs_of(call: Callable[[], object]) -> set[str]:
 
 def entry_hook_counts(model: nn.Module) -> set[tuple[int, int]]:
     """(pre-hooks, post-hooks) of whole-model entry per submodule, as a set over submodules."""
-    from actcomp.whole_model.model import _enter_submodule, _leave_submodule
+    from actcomp.whole_model.compressed_model import _enter_submodule, _leave_submodule
 
     return {
         (sum(getattr(hook, "func", None) is _enter_submodule for hook in module._forward_pre_hooks.values()),
@@ -429,9 +429,8 @@ class Tiny(nn.Module):
 
 
 def test_torch_compile_traces_the_hooks_away_and_warns_once_for_a_compiled_training_entry():
+    import actcomp.whole_model.compressed_model
     from torch._dynamo.utils import counters
-
-    import actcomp.whole_model.model
 
     model = actcomp.to_compressed(Tiny(), "int8", rest=LOSSY, filter_fn=lambda module, name: False)
     inputs = torch.randn(4, 8)
@@ -445,7 +444,7 @@ def test_torch_compile_traces_the_hooks_away_and_warns_once_for_a_compiled_train
     assert counters["frames"]["ok"] == 1 and not counters["graph_break"]  # one graph, as before
 
     model.train()
-    actcomp.whole_model.model._COMPILED_ENTRY_WARNED = False
+    actcomp.whole_model.compressed_model._COMPILED_ENTRY_WARNED = False
     with pytest.warns(UserWarning, match="whole-model compression is off for a Tiny submodule called inside "
                                          "torch.compile"):
         compiled(inputs).sum().backward()

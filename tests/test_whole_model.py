@@ -33,6 +33,7 @@ from zoo import HF_ZOO, ZOO, train_step
 
 import actcomp
 from actcomp.graph.saved_tensors import listening
+from actcomp.whole_model.compressed_model import CompressedModel
 from actcomp.whole_model.derivative_codes import derivative_code, derivative_error
 from actcomp.whole_model.exact_codecs import (
     dropout_mask,
@@ -42,7 +43,7 @@ from actcomp.whole_model.exact_codecs import (
     relu_mask,
     shape_only,
 )
-from actcomp.whole_model.model import CompressedModel, RestPolicy
+from actcomp.whole_model.policy import RestPolicy
 
 pytestmark = [
     pytest.mark.usefixtures("seeded", "single_thread"),
@@ -1122,8 +1123,9 @@ def test_torch_compile_of_a_training_step_is_bit_identical(monkeypatch):
 def test_large_tensors_are_quantized_in_chunks_with_the_same_groups(monkeypatch):
     # The pipeline works in chunks (whole periods of its noise, so whole groups): the codes are
     # those of one piece, and the tensor comes back in its layout.
+    import actcomp.whole_model.session as whole_model
+
     import actcomp.whole_model.derivative_codes as derivative_codes
-    import actcomp.whole_model.model as whole_model
 
     monkeypatch.setattr(derivative_codes, "CHUNK", 1024)
     x = torch.randn(3 * 65536 + 100, 3).t()  # not contiguous; with 2**16-element chunks, 4 of them

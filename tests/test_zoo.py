@@ -20,7 +20,7 @@ from zoo import ROOMY, TIMM_ZOO, ZOO, gradient_cosine, preset_gradients, train_s
 import actcomp
 from actcomp.graph.saved_tensors import listening
 from actcomp.layers.compressed_layer import is_supported
-from actcomp.whole_model.model import CompressedModel
+from actcomp.whole_model.compressed_model import CompressedModel
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),

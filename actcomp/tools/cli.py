@@ -87,7 +87,7 @@ def _report(args: argparse.Namespace) -> int:
     from actcomp.core.pipeline import parse
     from actcomp.tools.max_batch import parse_budget
     from actcomp.tools.memory import format_bytes, memory_report
-    from actcomp.whole_model.model import RestPolicy
+    from actcomp.whole_model.policy import RestPolicy
 
     pipeline = parse(args.pipeline)
     rest = None if args.rest is None else RestPolicy.parse(args.rest)

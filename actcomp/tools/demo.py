@@ -98,7 +98,7 @@ def run_demo(epochs: int = 8, specs=("mink0.9+int8",), models=("cnn", "vit"), se
     """
     demo_started = time.perf_counter()
     pipelines = [parse(spec) for spec in specs]
-    from actcomp.whole_model.model import RestPolicy
+    from actcomp.whole_model.policy import RestPolicy
 
     rest = None if rest is None else RestPolicy.parse(rest)
     tqdm = _tqdm()

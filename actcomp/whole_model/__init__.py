@@ -7,7 +7,7 @@ exact
 """
 
 # Pickles made by actcomp 0.1.0 name these by this module.
-from actcomp.whole_model.model import (  # noqa: F401
+from actcomp.whole_model.compressed_model import (  # noqa: F401
     RestPolicy,
     _enter_submodule,
     _leave_submodule,
