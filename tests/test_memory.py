@@ -7,6 +7,7 @@ from torch import nn
 
 import actcomp
 from actcomp.layers.compressed_layer import compress_layer
+from actcomp.tools.memory import SavedTensorRecorder
 
 BATCH, WIDTH = 16, 32
 FP32 = 4
@@ -231,6 +232,36 @@ def test_whole_resnet18_keeps_over_5x_less_and_plain_keeps_what_it_keeps():
     # int8 in groups inside each channel: 16x16 planes (256), 8x8 planes, and channel rows of
     # the batch's 2 x 4x4 and 2 x 2x2 values (BatchNorm's statistics stay as is).
     assert set(kinds["normalization"].codecs) == {"int8", "int8:group=64", "int8:group=32", "int8:group=8", "as is"}
+
+
+def test_a_report_built_from_a_recorder_is_the_report_memory_report_returns():
+    # The caller runs the forward; the recorder only listens, and building the report changes nothing.
+    model, x = linear_relu_linear(), torch.randn(BATCH, WIDTH)
+    actcomp.to_compressed(model, "int8", rest="exact")
+    recorder = SavedTensorRecorder(model, [x])
+
+    with recorder.recording():
+        model(x)
+
+    facts = dict(recorder.storages)
+    report = actcomp.MemoryReport.from_recorder(recorder)
+    assert report == actcomp.MemoryReport.from_recorder(recorder) == actcomp.memory_report(model, x)
+    assert recorder.storages == facts
+    assert [row.codecs for row in report.kinds] == [("relu-mask",), ("int8",)]
+
+
+def test_a_recorder_leaves_no_hooks_when_the_forward_raises():
+    model = linear_relu_linear()
+    actcomp.to_compressed(model, "int8")
+    recorder = SavedTensorRecorder(model, [])
+    hooks = [dict(m._forward_pre_hooks) for m in model.modules()]
+
+    with pytest.raises(RuntimeError, match="shape"), recorder.recording():
+        model(torch.randn(2, WIDTH + 1))
+
+    assert [dict(m._forward_pre_hooks) for m in model.modules()] == hooks
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert recorder._alive == []
 
 
 @pytest.mark.parametrize("count, text", [(0, "0 B"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB")])
