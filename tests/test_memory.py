@@ -286,7 +286,7 @@ def test_peak_rss_passes_rest_and_first_layer_to_to_compressed(choice, message):
     from actcomp.tools.peak_rss import peak_rss
 
     # The probe's own to_compressed rejects them: proof that they reached it.
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(actcomp.ActcompError, match=message):
         peak_rss("resnet18", "int8", batch=1, img_size=32, steps=1, **choice)
 
 
