@@ -304,6 +304,16 @@ def test_every_cli_argument_has_help():
     assert not missing, f"arguments without help: {missing}"
 
 
+def test_every_command_runs_a_function_of_its_own():
+    import argparse
+
+    from actcomp.tools.cli import _COMMANDS, _parser
+
+    [subparsers] = [action for action in _parser()._actions if isinstance(action, argparse._SubParsersAction)]
+    assert set(_COMMANDS) == set(subparsers.choices) == {"report", "demo"}
+    assert len(set(_COMMANDS.values())) == len(_COMMANDS)
+
+
 @pytest.mark.parametrize("model, kept_by", [("cnn", "ReLU"), ("vit", "the attention in Block")])
 def test_demo_note_names_what_keeps_the_inputs_in_that_model(model, kept_by):
     import torch
