@@ -104,6 +104,15 @@ def test_bad_plot_path_fails_before_any_work(command, plot, message, no_work, tm
     assert "Traceback" not in err
 
 
+def test_a_plot_that_is_no_option_is_named_as_the_caller_says(tmp_path):
+    pytest.importorskip("matplotlib")
+    from actcomp.errors import ActcompError
+    from actcomp.tools.plotting import pyplot_for
+
+    with pytest.raises(ActcompError, match=r"^the frontier plot '.*frontier\.txt' has suffix '\.txt'"):
+        pyplot_for(str(tmp_path / "frontier.txt"), where="the frontier plot")
+
+
 def test_unknown_model_is_a_clear_error(capsys):
     assert main(["report", "--model", "resnet1888", "--pipeline", "int8", *TINY]) == 2
 
