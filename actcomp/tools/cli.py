@@ -20,6 +20,7 @@ from actcomp.convert import compressed_layers, to_compressed
 from actcomp.core.pipeline import Pipeline, parse
 from actcomp.errors import ActcompError
 from actcomp.tools import peak_rss
+from actcomp.tools.demo import run_demo
 from actcomp.tools.max_batch import largest_batch, parse_budget
 from actcomp.tools.memory import MemoryReport, format_bytes, memory_report
 from actcomp.tools.plotting import X_LESS_NOTE, pyplot_for
@@ -88,8 +89,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     """``python -m actcomp demo``: see :func:`actcomp.tools.demo.run_demo`."""
-    from actcomp.tools.demo import run_demo
-
     rest = None if args.rest.lower() == "none" else args.rest
     run_demo(epochs=args.epochs, specs=args.pipelines, models=args.models, seed=args.seed, threads=args.threads,
              plot=args.plot, rest=rest)
@@ -201,6 +200,14 @@ def _kind_rows(before: MemoryReport, after: MemoryReport) -> list[tuple[str, int
 
 
 def _print_rows(title: str, rows: list[tuple[str, int, int, str]], plain_total: int, packed_total: int) -> None:
+    """The bytes table: a row per (name, plain bytes, compressed bytes, codecs), then the totals.
+
+    >>> _print_rows("layer type", [("GELU", 4096, 1024, ""), ("Linear", 2048, 0, "")], 6144, 1024)
+    layer type                     plain  compressed  x less
+    GELU                         4.0 KiB     1.0 KiB   4.00x
+    Linear                       2.0 KiB         0 B       -
+    total                        6.0 KiB     1.0 KiB   6.00x
+    """
     kept_as = any(row[3] for row in rows)
     print(f"{title:<24} {'plain':>11} {'compressed':>11} {'x less':>7}" + ("  kept as" if kept_as else ""))
     for name, plain, packed, codecs in rows:
@@ -226,6 +233,7 @@ def _print_conversion(compressed: nn.Module, after: MemoryReport) -> None:
 
 
 def _print_peak_rss(args: argparse.Namespace, spec: str) -> None:
+    """Peak RSS of plain and compressed training steps, each in a fresh process."""
     sizes = dict(batch=args.batch, img_size=args.img_size, amp=args.amp, threads=args.threads)
     rss = []
     # Each probe trains in a fresh process and can take minutes on a large model: say what is running.
@@ -241,6 +249,7 @@ def _print_peak_rss(args: argparse.Namespace, spec: str) -> None:
 
 
 def _print_largest_batches(args: argparse.Namespace, spec: str, budget: int) -> None:
+    """The largest batch under ``budget``: plain, checkpointed per block, and compressed."""
     compressed = f"{spec}, rest {args.rest}" if args.rest else spec
     methods = [("plain", None, None, False), ("checkpoint per block", None, None, True), (compressed, spec, args.rest, False)]
     found = []
@@ -260,6 +269,7 @@ def _print_largest_batches(args: argparse.Namespace, spec: str, budget: int) -> 
 
 
 def _print_probe(batch: int, peak: int, fits: bool) -> None:
+    """Progress of the largest-batch search, one line per fresh-process probe (on stderr)."""
     print(f"  batch {batch}: peak {format_bytes(peak)}{'' if fits else ' (over)'}", file=sys.stderr, flush=True)
 
 
