@@ -18,17 +18,16 @@ Linear/Conv mode), fp32, at ``--threads`` torch threads.
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 from common import REPO_ROOT, benchmark_parser, header_lines, load_average, quantiles, write_results
+
+from actcomp.tools.probe import run_probe
 
 PROBE = Path(__file__).with_name("step_probe.py")
 
@@ -45,13 +44,10 @@ def export(revision: str, into: Path) -> str:
 
 
 def probe(source: Path, model: str, spec: str, rest: str, args) -> dict:
-    environment = dict(os.environ, PYTHONPATH=str(source))
-    command = [sys.executable, str(PROBE), "--model", model, "--spec", spec, "--rest", rest, "--batch", str(args.batch),
+    program = [str(PROBE), "--model", model, "--spec", spec, "--rest", rest, "--batch", str(args.batch),
                "--img-size", str(args.img_size), "--steps", str(args.steps), "--threads", str(args.threads)]
-    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=1800)
-    if result.returncode != 0:
-        raise RuntimeError(f"probe failed for {source}: {result.stderr[-2000:]}")
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    measured = run_probe(program, what=f"step probe of {model} rest={rest} for {source}", package_root=str(source),
+                         timeout=1800)
     if not measured["actcomp_file"].startswith(str(source)):
         raise RuntimeError(f"the probe imported {measured['actcomp_file']}, not the code under {source}")
     return measured

@@ -47,6 +47,7 @@ from common import (
 import actcomp
 from actcomp.tools.memory import format_bytes
 from actcomp.tools.peak_rss import peak_rss
+from actcomp.tools.plotting import pyplot_for
 
 # name -> (compress Linear/Conv?, rest?, checkpoint?)
 METHODS = {
@@ -95,6 +96,14 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS_DIR))
     args = parser.parse_args()
     check_specs(parser, [args.spec])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_path = out / f"{results_stem('frontier', torch.device('cpu'), args.threads)}.png"
+    try:
+        # Checked before the hours of measuring, not after.
+        plt = None if args.skip_time else pyplot_for(str(plot_path), where="the frontier plot")
+    except actcomp.ActcompError as error:
+        parser.error(str(error))
     torch.set_num_threads(args.threads)
     load_before, started = load_average(), time.perf_counter()
 
@@ -137,19 +146,13 @@ def main() -> None:
                     f"{row['peak_x_less']:.2f}x | {timing} |")
     columns = ["model", "batch", "method", "peak_mib", "peak_x_less", "ratio", "ratio_p25", "ratio_p75", "ratio_best",
                "median_s"]
-    out = Path(args.out)
     write_results("frontier", device, args.threads, header, "Peak memory vs step time: plain, checkpointing, actcomp",
                   body, rows, columns, out)
-    if not args.skip_time:
-        plot(rows, out / f"{results_stem('frontier', device, args.threads)}.png", args)
+    if plt is not None:
+        plot(plt, rows, plot_path, args)
 
 
-def plot(rows: list[dict], path, args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(plt, rows: list[dict], path, args) -> None:
     models = list(dict.fromkeys(row["model"] for row in rows))
     figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     markers = dict(zip(METHODS, "osD^v"))

@@ -104,6 +104,15 @@ def test_bad_plot_path_fails_before_any_work(command, plot, message, no_work, tm
     assert "Traceback" not in err
 
 
+def test_a_plot_that_is_no_option_is_named_as_the_caller_says(tmp_path):
+    pytest.importorskip("matplotlib")
+    from actcomp.errors import ActcompError
+    from actcomp.tools.plotting import pyplot_for
+
+    with pytest.raises(ActcompError, match=r"^the frontier plot '.*frontier\.txt' has suffix '\.txt'"):
+        pyplot_for(str(tmp_path / "frontier.txt"), where="the frontier plot")
+
+
 def test_unknown_model_is_a_clear_error(capsys):
     assert main(["report", "--model", "resnet1888", "--pipeline", "int8", *TINY]) == 2
 
@@ -302,6 +311,16 @@ def test_every_cli_argument_has_help():
     assert len(actions) > 20  # both subcommands were walked
     missing = [f"{where} {action.option_strings or action.dest}" for where, action in actions if not action.help]
     assert not missing, f"arguments without help: {missing}"
+
+
+def test_every_command_runs_a_function_of_its_own():
+    import argparse
+
+    from actcomp.tools.cli import _COMMANDS, _parser
+
+    [subparsers] = [action for action in _parser()._actions if isinstance(action, argparse._SubParsersAction)]
+    assert set(_COMMANDS) == set(subparsers.choices) == {"report", "demo"}
+    assert len(set(_COMMANDS.values())) == len(_COMMANDS)
 
 
 @pytest.mark.parametrize("model, kept_by", [("cnn", "ReLU"), ("vit", "the attention in Block")])

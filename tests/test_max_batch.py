@@ -1,4 +1,5 @@
-"""The largest-batch search: its bisection on a known peak curve, and one real fresh-process probe."""
+"""The largest-batch search: its bisection on a known peak curve, the fresh-process probe helper,
+and real fresh-process probes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from actcomp.tools import max_batch
 from actcomp.tools.max_batch import largest_batch
 from actcomp.tools.memory import parse_bytes
 from actcomp.tools.peak_rss import peak_rss
+from actcomp.tools.probe import PACKAGE_ROOT, run_probe
 
 MiB = 2**20
 
@@ -62,6 +64,37 @@ def test_search_when_even_the_smallest_probe_is_over(monkeypatch):
 def test_bad_search_settings_raise(budget, tolerance, message):
     with pytest.raises(actcomp.ActcompError, match=message):
         largest_batch("m", None, budget=budget, tolerance=tolerance)
+
+
+def test_a_probe_imports_this_actcomp_from_any_directory(tmp_path, monkeypatch):
+    # Run elsewhere, the child would otherwise import whichever actcomp is installed.
+    monkeypatch.chdir(tmp_path)
+
+    # Where the child finds actcomp, without importing it (and torch): a fraction of a second.
+    code = "import importlib.util, json; print(json.dumps(importlib.util.find_spec('actcomp').origin))"
+
+    found = run_probe(["-c", code], what="an import probe")
+
+    assert found == actcomp.__file__ and found.startswith(PACKAGE_ROOT)
+
+
+@pytest.mark.parametrize("program, message", [
+    ("import sys; print('Traceback ...', file=sys.stderr); sys.exit(3)",
+     "a probe failed (exit status 3):\nTraceback ..."),
+    ("print('no json here')", "a probe printed no JSON result on its last line ('no json here')"),
+    ("import time; print('started', file=sys.stderr, flush=True); time.sleep(30)", "a probe ran past 1 s:\nstarted"),
+])
+def test_a_failing_probe_raises_with_its_stderr(program, message):
+    with pytest.raises(actcomp.ActcompError) as raised:
+        run_probe(["-c", f"import sys; {program}"], what="a probe", timeout=1)
+
+    assert str(raised.value).startswith(message)
+
+
+def test_a_probe_gets_the_environment_it_asks_for():
+    code = "import json, os; print(json.dumps(os.environ['ACTCOMP_PROBE_TEST']))"
+
+    assert run_probe(["-c", code], what="an environment probe", env={"ACTCOMP_PROBE_TEST": "on"}) == "on"
 
 
 def test_probe_stops_early_above_a_limit_and_checkpoint_runs():

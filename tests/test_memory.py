@@ -7,6 +7,7 @@ from torch import nn
 
 import actcomp
 from actcomp.layers.compressed_layer import compress_layer
+from actcomp.tools.memory import SavedTensorRecorder
 
 BATCH, WIDTH = 16, 32
 FP32 = 4
@@ -233,6 +234,36 @@ def test_whole_resnet18_keeps_over_5x_less_and_plain_keeps_what_it_keeps():
     assert set(kinds["normalization"].codecs) == {"int8", "int8:group=64", "int8:group=32", "int8:group=8", "as is"}
 
 
+def test_a_report_built_from_a_recorder_is_the_report_memory_report_returns():
+    # The caller runs the forward; the recorder only listens, and building the report changes nothing.
+    model, x = linear_relu_linear(), torch.randn(BATCH, WIDTH)
+    actcomp.to_compressed(model, "int8", rest="exact")
+    recorder = SavedTensorRecorder(model, [x])
+
+    with recorder.recording():
+        model(x)
+
+    facts = dict(recorder.storages)
+    report = actcomp.MemoryReport.from_recorder(recorder)
+    assert report == actcomp.MemoryReport.from_recorder(recorder) == actcomp.memory_report(model, x)
+    assert recorder.storages == facts
+    assert [row.codecs for row in report.kinds] == [("relu-mask",), ("int8",)]
+
+
+def test_a_recorder_leaves_no_hooks_when_the_forward_raises():
+    model = linear_relu_linear()
+    actcomp.to_compressed(model, "int8")
+    recorder = SavedTensorRecorder(model, [])
+    hooks = [dict(m._forward_pre_hooks) for m in model.modules()]
+
+    with pytest.raises(RuntimeError, match="shape"), recorder.recording():
+        model(torch.randn(2, WIDTH + 1))
+
+    assert [dict(m._forward_pre_hooks) for m in model.modules()] == hooks
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert recorder._alive == []
+
+
 @pytest.mark.parametrize("count, text", [(0, "0 B"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB")])
 def test_format_bytes(count, text):
     assert actcomp.tools.memory.format_bytes(count) == text
@@ -255,7 +286,7 @@ def test_peak_rss_passes_rest_and_first_layer_to_to_compressed(choice, message):
     from actcomp.tools.peak_rss import peak_rss
 
     # The probe's own to_compressed rejects them: proof that they reached it.
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(actcomp.ActcompError, match=message):
         peak_rss("resnet18", "int8", batch=1, img_size=32, steps=1, **choice)
 
 

@@ -10,17 +10,34 @@ import contextlib
 import copy
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
+import torch
+from torch import nn
+
+from actcomp.convert import compressed_layers, to_compressed
+from actcomp.core.pipeline import Pipeline, parse
 from actcomp.errors import ActcompError
+from actcomp.tools import peak_rss
+from actcomp.tools.demo import run_demo
+from actcomp.tools.max_batch import largest_batch, parse_budget
+from actcomp.tools.memory import MemoryReport, format_bytes, memory_report
 from actcomp.tools.plotting import X_LESS_NOTE, pyplot_for
+from actcomp.whole_model.policy import RestPolicy
 
 
-# One convention for every memory ratio the CLI prints, so "2x" always means half the bytes.
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m actcomp", description="Activation compression for training.")
     commands = parser.add_subparsers(dest="command", required=True, help="what to run; add -h after it for its options")
+    _add_report_arguments(commands.add_parser(
+        "report", help="saved-activation bytes of a timm model, plain vs compressed"))
+    _add_demo_arguments(commands.add_parser(
+        "demo", help="train a small CNN and ViT on scikit-learn's digits, plain vs compressed"))
+    return parser
 
-    report = commands.add_parser("report", help="saved-activation bytes of a timm model, plain vs compressed")
+
+def _add_report_arguments(report: argparse.ArgumentParser) -> None:
     report.add_argument("--model", required=True, help="timm model name, e.g. resnet18 or vit_small_patch16_224")
     report.add_argument("--pipeline", required=True, help="spec for Linear/Conv inputs, e.g. 'mink0.9+int8'")
     report.add_argument("--rest", metavar="PRESET_OR_SPEC", default=None,
@@ -41,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--threads", type=int, default=None, help="torch threads in the --rss/--max-batch probes")
     report.add_argument("--plot", metavar="FILE.png", help="bar chart per layer type (needs matplotlib)")
 
-    demo = commands.add_parser("demo", help="train a small CNN and ViT on scikit-learn's digits, plain vs compressed")
+
+def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--epochs", type=int, default=8, help="passes over the digits training set (default %(default)s)")
     demo.add_argument("--threads", type=int, default=1, help="torch threads (tiny models run best on one)")
     demo.add_argument("--pipelines", nargs="+", default=["mink0.9+int8"],
@@ -53,42 +71,63 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0,
                       help="seed of the weights, the train/test split and the batch order (default %(default)s)")
     demo.add_argument("--plot", metavar="FILE.png", help="save the loss curves (needs matplotlib)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; 0 on success, 2 (with the message on stderr) on an :class:`ActcompError`.
+
+    >>> main(["report", "--model", "resnet18", "--pipeline", "int8", "--batch", "0"])
+    2
+    """
     args = _parser().parse_args(argv)
     try:
-        if args.command == "report":
-            return _report(args)
-        from actcomp.tools.demo import run_demo
-
-        rest = None if args.rest.lower() == "none" else args.rest
-        run_demo(epochs=args.epochs, specs=args.pipelines, models=args.models, seed=args.seed, threads=args.threads,
-                 plot=args.plot, rest=rest)
-        return 0
+        return _COMMANDS[args.command](args)
     except ActcompError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
 
-def _timm():
-    try:
-        import timm
-    except ImportError:
-        raise ActcompError("the report command builds timm models: pip install timm") from None
-    return timm
+def _demo(args: argparse.Namespace) -> int:
+    """``python -m actcomp demo``: see :func:`actcomp.tools.demo.run_demo`."""
+    rest = None if args.rest.lower() == "none" else args.rest
+    run_demo(epochs=args.epochs, specs=args.pipelines, models=args.models, seed=args.seed, threads=args.threads,
+             plot=args.plot, rest=rest)
+    return 0
+
+
+@dataclass(frozen=True)
+class _ReportSettings:
+    """The report's arguments once read and checked, before any model is built."""
+
+    pipeline: Pipeline
+    rest: RestPolicy | None
+    budget: int | None
+    plt: Any
 
 
 def _report(args: argparse.Namespace) -> int:
-    import torch
+    """``python -m actcomp report``: the memory tables, then each measurement asked for."""
+    settings = _read_report_arguments(args)
+    plain, compressed = _build_models(args, settings)
+    x = torch.randn(args.batch, 3, args.img_size, args.img_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16) if args.amp else contextlib.nullcontext():
+        before = memory_report(plain, x)
+        after = memory_report(compressed, x)
+    _print_memory(args, settings, before, after)
+    _print_conversion(compressed, after)
+    if args.layers:
+        print(after.table())
+    if args.rss:
+        _print_peak_rss(args, settings.pipeline.spec)
+    if settings.budget is not None:
+        _print_largest_batches(args, settings.pipeline.spec, settings.budget)
+    if settings.plt is not None:
+        _plot_by_type(settings.plt, args, settings.pipeline.spec, before, after)
+    return 0
 
-    from actcomp.convert import compressed_layers, to_compressed
-    from actcomp.core.pipeline import parse
-    from actcomp.tools.max_batch import parse_budget
-    from actcomp.tools.memory import format_bytes, memory_report
-    from actcomp.whole_model.policy import RestPolicy
 
+def _read_report_arguments(args: argparse.Namespace) -> _ReportSettings:
+    """Every check that needs no model, so a typo fails in a second, not after the measurements."""
     pipeline = parse(args.pipeline)
     rest = None if args.rest is None else RestPolicy.parse(args.rest)
     budget = parse_budget(" ".join(args.max_batch), "--max-batch") if args.max_batch is not None else None
@@ -100,35 +139,40 @@ def _report(args: argparse.Namespace) -> int:
         raise ActcompError(f"unknown timm model {args.model!r}{hint}")
     if args.batch < 1 or args.img_size < 1:
         raise ActcompError(f"--batch and --img-size must be positive, got {args.batch} and {args.img_size}")
+    return _ReportSettings(pipeline, rest, budget, plt)
+
+
+def _timm():
+    try:
+        import timm
+    except ImportError:
+        raise ActcompError("the report command builds timm models: pip install timm") from None
+    return timm
+
+
+def _build_models(args: argparse.Namespace, settings: _ReportSettings) -> tuple[nn.Module, nn.Module]:
+    """The plain timm model (seeded) and a converted copy of it."""
+    timm = _timm()
     torch.manual_seed(0)
     try:
         plain = timm.create_model(args.model, pretrained=False, img_size=args.img_size)
     except TypeError:
         plain = timm.create_model(args.model, pretrained=False)
-    compressed = to_compressed(copy.deepcopy(plain), pipeline, rest=rest)
-    x = torch.randn(args.batch, 3, args.img_size, args.img_size)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.amp else contextlib.nullcontext()
-    with autocast:
-        before = memory_report(plain, x)
-        after = memory_report(compressed, x)
+    return plain, to_compressed(copy.deepcopy(plain), settings.pipeline, rest=settings.rest)
 
-    plain_types, packed_types = before.by_type(), after.by_type()
+
+def _print_memory(args: argparse.Namespace, settings: _ReportSettings, before: MemoryReport,
+                  after: MemoryReport) -> None:
+    """The title, then bytes per layer type (Linear/Conv mode) or per op kind (whole-model mode)."""
     precision = "bf16 autocast" if args.amp else "fp32"
-    mode = f", rest {str(rest)!r}" if rest is not None else ""
-    print(f"{args.model}, batch {args.batch}, {args.img_size}x{args.img_size}, {precision}, pipeline {pipeline.spec!r}{mode}")
+    mode = f", rest {str(settings.rest)!r}" if settings.rest is not None else ""
+    print(f"{args.model}, batch {args.batch}, {args.img_size}x{args.img_size}, {precision}, "
+          f"pipeline {settings.pipeline.spec!r}{mode}")
     print(f"memory: {X_LESS_NOTE}")
-    if rest is None:
-        rows = [(name, plain_types.get(name, 0), packed_types.get(name, 0), "")
-                for name in sorted(set(plain_types) | set(packed_types), key=lambda t: -plain_types.get(t, 0))]
-        _print_rows("layer type", rows, before.total_bytes, after.total_bytes)
+    if settings.rest is None:
+        _print_rows("layer type", _type_rows(before, after), before.total_bytes, after.total_bytes)
     else:
-        # Whole-model mode is chosen per op kind, so the table is too (plain: the plain model's bytes).
-        plain_kinds = {row.kind: row.kept_bytes for row in before.kinds}
-        kept_kinds = {row.kind: row for row in after.kinds}
-        rows = [(kind, plain_kinds.get(kind, 0), kept_kinds[kind].kept_bytes if kind in kept_kinds else 0,
-                 ", ".join(kept_kinds[kind].codecs) if kind in kept_kinds else "")
-                for kind in dict.fromkeys([*plain_kinds, *kept_kinds])]
-        _print_rows("op kind", rows, before.total_bytes, after.total_bytes)
+        _print_rows("op kind", _kind_rows(before, after), before.total_bytes, after.total_bytes)
         whole = [s for s in after.kept_as_is() if s.nbytes >= 0.01 * before.total_bytes]
         for storage in whole[:5]:
             print(f"! kept as is: {format_bytes(storage.nbytes)} {tuple(storage.shape)} saved by "
@@ -136,75 +180,34 @@ def _report(args: argparse.Namespace) -> int:
     if before.parameter_copy_bytes or after.parameter_copy_bytes:
         print(f"(not counted above: parameter copies kept for backward, e.g. autocast weights: "
               f"plain {format_bytes(before.parameter_copy_bytes)}, compressed {format_bytes(after.parameter_copy_bytes)})")
-    layers = compressed_layers(compressed)
-    lost = sum(item.input_bytes for item in after.not_freed)
-    reads, runs = ("reads", "it runs") if len(after.plain_on_input) == 1 else ("read", "they run")
-    plain_note = f" ({', '.join(after.plain_on_input)} {reads} the model input, so {runs} plain)" if after.plain_on_input else ""
-    print(f"{len(layers)} layers converted{plain_note}; {len(after.not_freed)} free nothing because another op keeps "
-          f"their input ({format_bytes(lost)} kept anyway)")
-    if args.layers:
-        print(after.table())
-    if args.rss:
-        from actcomp.tools.peak_rss import peak_rss
-
-        sizes = dict(batch=args.batch, img_size=args.img_size, amp=args.amp, threads=args.threads)
-        rss = []
-        # Each probe trains in a fresh process and can take minutes on a large model: say what is running.
-        for number, (label, spec, rest_spec) in enumerate([("plain", None, None), ("compressed", pipeline.spec, args.rest)],
-                                                          start=1):
-            print(f"measuring peak RSS: {label} ({number}/2) ...", end="", file=sys.stderr, flush=True)
-            started = time.perf_counter()
-            rss.append(peak_rss(args.model, spec, rest=rest_spec, **sizes))
-            print(f" done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-        rss_plain, rss_packed = rss
-        print(f"peak RSS of 3 training steps: plain {format_bytes(rss_plain)}, compressed {format_bytes(rss_packed)}"
-              " (fresh processes; freed memory returned to the OS, see actcomp.tools.peak_rss)")
-    if budget is not None:
-        _print_largest_batches(args, pipeline.spec, budget)
-    if plt is not None:
-        names = list(plain_types)
-        figure, axes = plt.subplots(figsize=(8, 4))
-        positions = range(len(names))
-        axes.bar([p - 0.2 for p in positions], [plain_types[n] / 2**20 for n in names], 0.4, label="plain")
-        axes.bar([p + 0.2 for p in positions], [packed_types.get(n, 0) / 2**20 for n in names], 0.4, label=pipeline.spec)
-        axes.set_xticks(list(positions), names, rotation=30, ha="right")
-        axes.set_ylabel("saved for backward (MiB)")
-        axes.set_title(f"{args.model}, batch {args.batch}, {precision}")
-        axes.legend()
-        figure.tight_layout()
-        figure.savefig(args.plot)
-        print(f"bar chart saved to {args.plot}")
-    return 0
 
 
-def _print_largest_batches(args: argparse.Namespace, spec: str, budget: int) -> None:
-    from actcomp.tools.max_batch import largest_batch
-    from actcomp.tools.memory import format_bytes
+def _type_rows(before: MemoryReport, after: MemoryReport) -> list[tuple[str, int, int, str]]:
+    """(layer type, plain bytes, compressed bytes, ""), the plain model's largest first."""
+    plain_types, packed_types = before.by_type(), after.by_type()
+    return [(name, plain_types.get(name, 0), packed_types.get(name, 0), "")
+            for name in sorted(set(plain_types) | set(packed_types), key=lambda t: -plain_types.get(t, 0))]
 
-    compressed = f"{spec}, rest {args.rest}" if args.rest else spec
-    methods = [("plain", None, None, False), ("checkpoint per block", None, None, True), (compressed, spec, args.rest, False)]
-    found = []
-    for label, method_spec, rest, checkpoint in methods:
-        print(f"largest batch in {format_bytes(budget)}: {label} ...", file=sys.stderr, flush=True)
-        # Bisection over fresh processes: each probe can take minutes on a large model, so show each one.
-        search = largest_batch(args.model, method_spec, rest=rest, checkpoint=checkpoint, budget=budget,
-                               img_size=args.img_size, threads=args.threads,
-                               progress=lambda batch, peak, fits: print(
-                                   f"  batch {batch}: peak {format_bytes(peak)}{'' if fits else ' (over)'}",
-                                   file=sys.stderr, flush=True))
-        found.append((label, search))
-    plain_batch = found[0][1].batch
-    print(f"largest batch whose training step peaks under {format_bytes(budget)} (RSS after a batch-2 step, "
-          f"fresh processes, {args.img_size} px):")
-    print(f"{'method':<40} {'batch':>6} {'peak':>10} {'x plain':>8}")
-    for label, search in found:
-        ratio = f"{search.batch / plain_batch:.2f}x" if plain_batch else "-"
-        print(f"{label:<40} {search.batch:>6} {format_bytes(search.peak):>10} {ratio:>8}")
+
+def _kind_rows(before: MemoryReport, after: MemoryReport) -> list[tuple[str, int, int, str]]:
+    """(op kind, plain model's bytes, kept bytes, codecs): whole-model mode is chosen per op kind,
+    so its table is too."""
+    plain_kinds = {row.kind: row.kept_bytes for row in before.kinds}
+    kept_kinds = {row.kind: row for row in after.kinds}
+    return [(kind, plain_kinds.get(kind, 0), kept_kinds[kind].kept_bytes if kind in kept_kinds else 0,
+             ", ".join(kept_kinds[kind].codecs) if kind in kept_kinds else "")
+            for kind in dict.fromkeys([*plain_kinds, *kept_kinds])]
 
 
 def _print_rows(title: str, rows: list[tuple[str, int, int, str]], plain_total: int, packed_total: int) -> None:
-    from actcomp.tools.memory import format_bytes
+    """The bytes table: a row per (name, plain bytes, compressed bytes, codecs), then the totals.
 
+    >>> _print_rows("layer type", [("GELU", 4096, 1024, ""), ("Linear", 2048, 0, "")], 6144, 1024)
+    layer type                     plain  compressed  x less
+    GELU                         4.0 KiB     1.0 KiB   4.00x
+    Linear                       2.0 KiB         0 B       -
+    total                        6.0 KiB     1.0 KiB   6.00x
+    """
     kept_as = any(row[3] for row in rows)
     print(f"{title:<24} {'plain':>11} {'compressed':>11} {'x less':>7}" + ("  kept as" if kept_as else ""))
     for name, plain, packed, codecs in rows:
@@ -215,4 +218,76 @@ def _print_rows(title: str, rows: list[tuple[str, int, int, str]], plain_total: 
 
 
 def _ratio(plain: int, compressed: int) -> str:
+    # One convention for every memory ratio the CLI prints, so "2x" always means half the bytes.
     return f"{plain / compressed:.2f}x" if compressed else "-"
+
+
+def _print_conversion(compressed: nn.Module, after: MemoryReport) -> None:
+    """How many layers were converted, which ran plain, and how many free nothing."""
+    layers = compressed_layers(compressed)
+    lost = sum(item.input_bytes for item in after.not_freed)
+    reads, runs = ("reads", "it runs") if len(after.plain_on_input) == 1 else ("read", "they run")
+    plain_note = f" ({', '.join(after.plain_on_input)} {reads} the model input, so {runs} plain)" if after.plain_on_input else ""
+    print(f"{len(layers)} layers converted{plain_note}; {len(after.not_freed)} free nothing because another op keeps "
+          f"their input ({format_bytes(lost)} kept anyway)")
+
+
+def _print_peak_rss(args: argparse.Namespace, spec: str) -> None:
+    """Peak RSS of plain and compressed training steps, each in a fresh process."""
+    sizes = dict(batch=args.batch, img_size=args.img_size, amp=args.amp, threads=args.threads)
+    rss = []
+    # Each probe trains in a fresh process and can take minutes on a large model: say what is running.
+    for number, (label, probe_spec, rest) in enumerate([("plain", None, None), ("compressed", spec, args.rest)], start=1):
+        print(f"measuring peak RSS: {label} ({number}/2) ...", end="", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        # Looked up at call time (the module's, not a copy), so tests can stand in for the fresh processes.
+        rss.append(peak_rss.peak_rss(args.model, probe_spec, rest=rest, **sizes))
+        print(f" done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    rss_plain, rss_packed = rss
+    print(f"peak RSS of 3 training steps: plain {format_bytes(rss_plain)}, compressed {format_bytes(rss_packed)}"
+          " (fresh processes; freed memory returned to the OS, see actcomp.tools.peak_rss)")
+
+
+def _print_largest_batches(args: argparse.Namespace, spec: str, budget: int) -> None:
+    """The largest batch under ``budget``: plain, checkpointed per block, and compressed."""
+    compressed = f"{spec}, rest {args.rest}" if args.rest else spec
+    methods = [("plain", None, None, False), ("checkpoint per block", None, None, True), (compressed, spec, args.rest, False)]
+    found = []
+    for label, method_spec, rest, checkpoint in methods:
+        print(f"largest batch in {format_bytes(budget)}: {label} ...", file=sys.stderr, flush=True)
+        # Bisection over fresh processes: each probe can take minutes on a large model, so show each one.
+        search = largest_batch(args.model, method_spec, rest=rest, checkpoint=checkpoint, budget=budget,
+                               img_size=args.img_size, threads=args.threads, progress=_print_probe)
+        found.append((label, search))
+    plain_batch = found[0][1].batch
+    print(f"largest batch whose training step peaks under {format_bytes(budget)} (RSS after a batch-2 step, "
+          f"fresh processes, {args.img_size} px):")
+    print(f"{'method':<40} {'batch':>6} {'peak':>10} {'x plain':>8}")
+    for label, search in found:
+        ratio = f"{search.batch / plain_batch:.2f}x" if plain_batch else "-"
+        print(f"{label:<40} {search.batch:>6} {format_bytes(search.peak):>10} {ratio:>8}")
+
+
+def _print_probe(batch: int, peak: int, fits: bool) -> None:
+    """Progress of the largest-batch search, one line per fresh-process probe (on stderr)."""
+    print(f"  batch {batch}: peak {format_bytes(peak)}{'' if fits else ' (over)'}", file=sys.stderr, flush=True)
+
+
+def _plot_by_type(plt, args: argparse.Namespace, spec: str, before: MemoryReport, after: MemoryReport) -> None:
+    """Bars per layer type, plain beside compressed, saved to ``--plot``."""
+    plain_types, packed_types = before.by_type(), after.by_type()
+    names = list(plain_types)
+    figure, axes = plt.subplots(figsize=(8, 4))
+    positions = range(len(names))
+    axes.bar([p - 0.2 for p in positions], [plain_types[n] / 2**20 for n in names], 0.4, label="plain")
+    axes.bar([p + 0.2 for p in positions], [packed_types.get(n, 0) / 2**20 for n in names], 0.4, label=spec)
+    axes.set_xticks(list(positions), names, rotation=30, ha="right")
+    axes.set_ylabel("saved for backward (MiB)")
+    axes.set_title(f"{args.model}, batch {args.batch}, {'bf16 autocast' if args.amp else 'fp32'}")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(args.plot)
+    print(f"bar chart saved to {args.plot}")
+
+
+_COMMANDS = {"report": _report, "demo": _demo}

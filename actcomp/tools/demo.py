@@ -19,11 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from actcomp.convert import compressed_layers, to_compressed
-from actcomp.core.pipeline import parse
+from actcomp.core.pipeline import Pipeline, parse
 from actcomp.errors import ActcompError
 from actcomp.graph.op_kinds import module_kind
 from actcomp.tools.memory import format_bytes, memory_report
 from actcomp.tools.plotting import X_LESS_NOTE, pyplot_for
+from actcomp.whole_model.policy import RestPolicy
 
 
 def load_digits_tensors(seed: int = 0):
@@ -95,63 +96,26 @@ def run_demo(epochs: int = 8, specs=("mink0.9+int8",), models=("cnn", "vit"), se
     plain step time (lower is better).
 
     One thread by default: these models are tiny, and more threads only add contention.
+
+    >>> rows = run_demo(epochs=1, specs=["int8"], models=["cnn"], rest=None)  # doctest: +SKIP
+    >>> [row["pipeline"] for row in rows]  # doctest: +SKIP
+    ['plain', 'int8']
     """
     demo_started = time.perf_counter()
-    pipelines = [parse(spec) for spec in specs]
-    from actcomp.whole_model.policy import RestPolicy
-
-    rest = None if rest is None else RestPolicy.parse(rest)
+    configurations = _configurations([parse(spec) for spec in specs], rest)
     tqdm = _tqdm()
     torch.set_num_threads(threads)
     plt = pyplot_for(plot) if plot else None
     train_x, train_y, test_x, test_y = load_digits_tensors(seed)
-    configurations = [("plain", None, None)] + [(p.spec, p, None) for p in pipelines]
-    if rest is not None:
-        configurations += [(f"{p.spec} rest={rest}", p, rest) for p in pipelines]
     labels = [label for label, _, _ in configurations]
     rows, curves = [], {}
     for model_name in models:
-        factory, lr = _MODELS[model_name]
-        torch.manual_seed(seed)
-        base = factory()
-        nets = [copy.deepcopy(base) if pipeline is None else to_compressed(copy.deepcopy(base), pipeline, rest=mode)
-                for _, pipeline, mode in configurations]
-        optimizers = [torch.optim.AdamW(net.parameters(), lr=lr) for net in nets]
-        losses = [[] for _ in nets]
-        times = [[] for _ in nets]
-        generator = torch.Generator().manual_seed(seed)
-        steps_per_epoch = -(-len(train_y) // batch)
-        # disable=None: a bar on a terminal, nothing in a log file or under pytest.
-        with tqdm(total=epochs * steps_per_epoch, desc=f"{model_name}: {len(nets)} models in lockstep", unit="step",
-                  leave=False, dynamic_ncols=True, disable=None) as bar:
-            for _ in range(epochs):
-                order = torch.randperm(len(train_y), generator=generator)
-                for start in range(0, len(order), batch):
-                    index = order[start:start + batch]
-                    for i, (net, optimizer) in enumerate(zip(nets, optimizers)):
-                        tick = time.perf_counter()
-                        loss = F.cross_entropy(net(train_x[index]), train_y[index])
-                        optimizer.zero_grad()
-                        loss.backward()
-                        optimizer.step()
-                        times[i].append(time.perf_counter() - tick)
-                        losses[i].append(loss.item())
-                    bar.update()
-                bar.set_postfix_str(f"loss {statistics.fmean(losses[0][-steps_per_epoch:]):.3f} plain, "
-                                    f"{statistics.fmean(losses[-1][-steps_per_epoch:]):.3f} {labels[-1]}")
-        sample = train_x[:batch]
-        plain_bytes = memory_report(nets[0], sample).total_bytes
-        for label, net, step_times in zip(labels, nets, times):
-            net.eval()
-            with torch.no_grad():
-                accuracy = (net(test_x).argmax(1) == test_y).float().mean().item()
-            report = memory_report(net, sample)
-            ratios = [t / base_t for t, base_t in zip(step_times, times[0])]
-            rows.append({"model": model_name, "pipeline": label, "accuracy": accuracy,
-                         "saved_bytes": report.total_bytes, "memory_reduction": plain_bytes / report.total_bytes,
-                         "step_time_vs_plain": statistics.median(ratios), "layers_freeing_nothing": len(report.not_freed),
-                         "inputs_also_kept_by": inputs_also_kept_by(net, report),
-                         "layers_compressed": len(compressed_layers(net))})
+        progress = tqdm(total=epochs * -(-len(train_y) // batch), desc=f"{model_name}: {len(labels)} models in lockstep",
+                        unit="step", leave=False, dynamic_ncols=True, disable=None)
+        with progress:
+            nets, losses, times = _train_in_lockstep(model_name, configurations, train_x, train_y, epochs=epochs,
+                                                     batch=batch, seed=seed, progress=progress)
+        rows += _rows(model_name, labels, nets, times, train_x[:batch], test_x, test_y)
         curves[model_name] = dict(zip(labels, losses))
     _print_table(rows, batch)
     print(verdict(rows))
@@ -160,6 +124,70 @@ def run_demo(epochs: int = 8, specs=("mink0.9+int8",), models=("cnn", "vit"), se
     # Timings depend on the thread count, so the line quoted with them names it.
     used = torch.get_num_threads()
     print(f"total wall time {time.perf_counter() - demo_started:.0f} s on {used} torch thread{'s' * (used != 1)}")
+    return rows
+
+
+def _configurations(pipelines: list[Pipeline], rest) -> list[tuple[str, Pipeline | None, RestPolicy | None]]:
+    """(label, pipeline, whole-model policy): plain, each pipeline alone, then each with ``rest``.
+
+    >>> [label for label, _, _ in _configurations([parse("int8")], "8bit")]
+    ['plain', 'int8', 'int8 rest=8bit']
+    """
+    policy = None if rest is None else RestPolicy.parse(rest)
+    configurations = [("plain", None, None)] + [(p.spec, p, None) for p in pipelines]
+    if policy is not None:
+        configurations += [(f"{p.spec} rest={policy}", p, policy) for p in pipelines]
+    return configurations
+
+
+def _train_in_lockstep(model_name: str, configurations: list, train_x: torch.Tensor, train_y: torch.Tensor, *,
+                       epochs: int, batch: int, seed: int, progress) -> tuple[list[nn.Module], list, list]:
+    """One net per configuration, all from the same weights, trained on the same batches one step
+    each in turn (so the machine's drift hits all alike); the nets, their losses and step times."""
+    factory, lr = _MODELS[model_name]
+    torch.manual_seed(seed)
+    base = factory()
+    nets = [copy.deepcopy(base) if pipeline is None else to_compressed(copy.deepcopy(base), pipeline, rest=mode)
+            for _, pipeline, mode in configurations]
+    optimizers = [torch.optim.AdamW(net.parameters(), lr=lr) for net in nets]
+    losses: list[list[float]] = [[] for _ in nets]
+    times: list[list[float]] = [[] for _ in nets]
+    generator = torch.Generator().manual_seed(seed)
+    steps_per_epoch = -(-len(train_y) // batch)
+    for _ in range(epochs):
+        order = torch.randperm(len(train_y), generator=generator)
+        for start in range(0, len(order), batch):
+            index = order[start:start + batch]
+            for net, optimizer, net_losses, net_times in zip(nets, optimizers, losses, times):
+                tick = time.perf_counter()
+                loss = F.cross_entropy(net(train_x[index]), train_y[index])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                net_times.append(time.perf_counter() - tick)
+                net_losses.append(loss.item())
+            progress.update()
+        progress.set_postfix_str(f"loss {statistics.fmean(losses[0][-steps_per_epoch:]):.3f} plain, "
+                                 f"{statistics.fmean(losses[-1][-steps_per_epoch:]):.3f} {configurations[-1][0]}")
+    return nets, losses, times
+
+
+def _rows(model_name: str, labels: list[str], nets: list[nn.Module], times: list[list[float]], sample: torch.Tensor,
+          test_x: torch.Tensor, test_y: torch.Tensor) -> list[dict]:
+    """One table row per trained net: test accuracy, saved bytes, and step time against the plain net's."""
+    plain_bytes = memory_report(nets[0], sample).total_bytes
+    rows = []
+    for label, net, step_times in zip(labels, nets, times):
+        net.eval()
+        with torch.no_grad():
+            accuracy = (net(test_x).argmax(1) == test_y).float().mean().item()
+        report = memory_report(net, sample)
+        ratios = [t / base_t for t, base_t in zip(step_times, times[0])]
+        rows.append({"model": model_name, "pipeline": label, "accuracy": accuracy,
+                     "saved_bytes": report.total_bytes, "memory_reduction": plain_bytes / report.total_bytes,
+                     "step_time_vs_plain": statistics.median(ratios), "layers_freeing_nothing": len(report.not_freed),
+                     "inputs_also_kept_by": inputs_also_kept_by(net, report),
+                     "layers_compressed": len(compressed_layers(net))})
     return rows
 
 

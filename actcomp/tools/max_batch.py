@@ -89,55 +89,65 @@ def largest_batch(model: str, spec: str | None, *, budget: int, rest: str | None
     if not 0 <= tolerance < 1:
         raise ActcompError(f"largest_batch: tolerance must be in [0, 1), got {tolerance}")
     search = BatchSearch(budget)
-    measured: dict[int, int] = {}
-
-    def fits(batch: int) -> bool:
-        if batch not in measured:
-            measured[batch] = peak_rss(model, spec, batch=batch, img_size=img_size, steps=steps,
-                                       warmup_batch=warmup_batch, rest=rest,
-                                       first_layer=first_layer, checkpoint=checkpoint, threads=threads,
-                                       abort_above=budget)
-            search.probes.append((batch, measured[batch]))
-            if progress is not None:
-                progress(batch, measured[batch], measured[batch] <= budget)
-        return measured[batch] <= budget
-
-    low, high = 0, None  # low fits (0 trivially), high does not
-    small, larger = start, 2 * start
-    if not fits(small):
-        high = small
-    elif not fits(larger):
-        low, high = small, larger
-    else:
-        low = larger
-        # Peak is about affine in the batch: aim at the budget, then walk from there with
-        # doubling steps until one batch fits and a larger one does not.
-        per_sample = max(1.0, (measured[larger] - measured[small]) / (larger - small))
-        guess = max(larger + 1, min(limit, larger + int((budget - measured[larger]) / per_sample)))
-        step = max(1, math.ceil(tolerance * guess))
-        if fits(guess):
-            low = guess
-            while high is None and low < limit:
-                candidate = min(limit, low + step)
-                if fits(candidate):
-                    low = candidate
-                else:
-                    high = candidate
-                step *= 2
-        else:
-            high = guess
-            while high - step > low:
-                if fits(high - step):
-                    low = high - step
-                    break
-                high -= step
-                step *= 2
+    probes = _Probes(search, progress, lambda batch: peak_rss(
+        model, spec, batch=batch, img_size=img_size, steps=steps, warmup_batch=warmup_batch, rest=rest,
+        first_layer=first_layer, checkpoint=checkpoint, threads=threads, abort_above=budget))
+    low, high = _bracket(probes, start, tolerance, limit)
     while high is not None and high - low > max(1, tolerance * low):
         middle = (low + high) // 2
-        if fits(middle):
+        if probes.fits(middle):
             low = middle
         else:
             high = middle
     search.batch = low
-    search.peak = measured.get(low, 0)
+    search.peak = probes.peaks.get(low, 0)
     return search
+
+
+@dataclass
+class _Probes:
+    """Each batch's peak, measured once, added to ``search.probes`` and shown to ``progress``."""
+
+    search: BatchSearch
+    progress: Callable[[int, int, bool], None] | None
+    measure: Callable[[int], int]
+    peaks: dict[int, int] = field(default_factory=dict)
+
+    def fits(self, batch: int) -> bool:
+        if batch not in self.peaks:
+            peak = self.peaks[batch] = self.measure(batch)
+            self.search.probes.append((batch, peak))
+            if self.progress is not None:
+                self.progress(batch, peak, peak <= self.search.budget)
+        return self.peaks[batch] <= self.search.budget
+
+
+def _bracket(probes: _Probes, start: int, tolerance: float, limit: int) -> tuple[int, int | None]:
+    """A batch that fits (0 trivially) and a larger one that does not (None: none up to ``limit``)."""
+    small, larger = start, 2 * start
+    if not probes.fits(small):
+        return 0, small
+    if not probes.fits(larger):
+        return small, larger
+    # Peak is about affine in the batch: aim at the budget, then walk from there with
+    # doubling steps until one batch fits and a larger one does not.
+    per_sample = max(1.0, (probes.peaks[larger] - probes.peaks[small]) / (larger - small))
+    guess = max(larger + 1, min(limit, larger + int((probes.search.budget - probes.peaks[larger]) / per_sample)))
+    step = max(1, math.ceil(tolerance * guess))
+    if probes.fits(guess):
+        low, high = guess, None
+        while high is None and low < limit:
+            candidate = min(limit, low + step)
+            if probes.fits(candidate):
+                low = candidate
+            else:
+                high = candidate
+            step *= 2
+        return low, high
+    low, high = larger, guess
+    while high - step > low:
+        if probes.fits(high - step):
+            return high - step, high
+        high -= step
+        step *= 2
+    return low, high

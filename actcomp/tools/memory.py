@@ -1,8 +1,9 @@
 """Honest accounting of the bytes autograd keeps for backward.
 
-:func:`memory_report` runs one training-mode forward pass under
-``torch.autograd.graph.saved_tensors_hooks`` and records every tensor saved for backward,
-deduplicated by storage (a tensor saved by two ops, or two views of one buffer, count
+:func:`memory_report` runs one training-mode forward pass while a :class:`SavedTensorRecorder`
+(a ``torch.autograd.graph.saved_tensors_hooks`` pack hook) records every tensor saved for
+backward, and :meth:`MemoryReport.from_recorder` builds the report from what it recorded. Saved
+tensors are deduplicated by storage (a tensor saved by two ops, or two views of one buffer, count
 once, at the size of the whole storage), attributed to the innermost module running when
 it was saved. Parameters are not activations and are left out, including the unsharded
 parameters FSDP2 all-gathers for the forward (so a sharded model reports what the same model
@@ -24,8 +25,10 @@ compression frees nothing and the compressed copy is an extra cost. Those show u
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -43,6 +46,7 @@ from actcomp.graph.saved_tensors import (
     tracking_scopes,
 )
 from actcomp.kernels.layouts import local_part, storage_key
+from actcomp.layers.compressed_layer import CompressedLayer, autocast_casts
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,27 @@ class MemoryReport:
     plain_on_input: list[str] = field(default_factory=list)
     kinds: list[KindRow] = field(default_factory=list)
 
+    @classmethod
+    def from_recorder(cls, recorder: SavedTensorRecorder) -> MemoryReport:
+        """The report on what ``recorder`` saw (it reads the recorder and changes nothing).
+
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> recorder = SavedTensorRecorder(model, [])
+        >>> with recorder.recording():
+        ...     output = model(torch.randn(4, 8))  # not a model input: the first Linear's input counts
+        >>> report = MemoryReport.from_recorder(recorder)
+        >>> [(row.name, row.nbytes) for row in report.rows], report.input_bytes
+        ([('0', 128), ('1', 128)], 0)
+        """
+        storages = list(recorder.storages.values())
+        modules = {name: module for module, name in recorder.names.items()}
+        not_freed, plain_on_input = _layer_input_fates(recorder, modules)
+        return cls(_module_rows(storages, modules), storages,
+                   input_bytes=sum(s.nbytes for s in storages if s.kind == "input"),
+                   parameter_copy_bytes=sum(s.nbytes for s in storages if s.kind == "parameter_copy"),
+                   not_freed=not_freed, plain_on_input=plain_on_input,
+                   kinds=_kind_rows(storages, recorder.plain.values()))
+
     @property
     def total_bytes(self) -> int:
         """Saved activation bytes, deduplicated, without parameters and model inputs."""
@@ -169,7 +194,11 @@ class MemoryReport:
 
 
 def format_bytes(count: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
+    """A byte count as people read it, in powers of 1024.
+
+    >>> format_bytes(1536), format_bytes(100), format_bytes(5 * 2**40)
+    ('1.5 KiB', '100 B', '5120.0 GiB')
+    """
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(count) < 1024 or unit == "GiB":
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
@@ -207,135 +236,168 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
     The model is put in training mode for the pass and restored afterwards, and an FSDP2 model
     is left sharded, as after a training step. Run it under ``torch.autocast`` to account mixed
     precision.
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    >>> memory_report(model, torch.randn(4, 8)).by_type()  # GELU keeps its input: 4 x 8 fp32
+    {'GELU': 128}
     """
-    from actcomp.layers.compressed_layer import CompressedLayer, autocast_casts
+    recorder = SavedTensorRecorder(model, [*inputs, *kwargs.values()])
+    was_training = model.training
+    model.train()
+    try:
+        with recorder.recording():
+            output = model(*inputs, **kwargs)
+        del output
+    finally:
+        model.train(was_training)
+        _reshard(model)
+    return MemoryReport.from_recorder(recorder)
 
-    names = {module: name or "(model)" for name, module in model.named_modules()}
-    excluded = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
-    input_keys = {storage_key(t) for t in [*inputs, *kwargs.values()] if isinstance(t, torch.Tensor)}
-    copy_keys: set[tuple] = set()
-    order: list[tuple] = []
-    seen: dict[tuple, dict] = {}
-    # What plain PyTorch would keep, by storage: its bytes and the op kind that saved it first.
-    plain: dict[tuple, tuple[int, str]] = {}
-    layer_inputs: dict[str, tuple] = {}
-    # Holding every saved tensor (and the compressed layers' inputs) until the end keeps their
-    # addresses from being reused by later tensors, which would make storage keys collide.
-    alive: list[torch.Tensor] = []
 
-    def record(event: SavedEvent) -> None:
-        tensor = event.tensor
-        local = local_part(tensor)
-        key = storage_key(local)
-        if key is None or key in excluded or is_parameter(tensor):
-            return
-        alive.append(tensor)
-        module = innermost_module()
-        saver = names.get(module, "(model)") if module is not None else "(model)"
-        copy = is_parameter_copy(tensor)
-        codec = event.codec
-        if in_compressed_layer():
-            # A compressed layer's packed input: plain PyTorch would keep the input itself
-            # (recorded by ``before``), not these. The layer also keeps its weight, which
-            # under autocast is a low-precision copy, and under autocast a layer reading the
-            # model input keeps that input: both kept as they are, not compressed.
-            if not copy and key not in input_keys:
-                codec = _spec_of(module) if module is not None else "layer"
-        elif not copy and key not in input_keys:
-            plain.setdefault(key, (local.untyped_storage().nbytes(), event.kind))
-        for kept in event.kept:
-            kept_local = local_part(kept)
-            kept_key = storage_key(kept_local)
-            if kept_key is None:
-                continue
-            entry = seen.get(kept_key)
-            if entry is None:
-                entry = seen[kept_key] = {
-                    "nbytes": kept_local.untyped_storage().nbytes(), "shape": tuple(kept.shape),
-                    "dtype": kept.dtype, "savers": [], "op_kind": event.kind, "codec": codec,
-                }
-                order.append(kept_key)
-                if kept is tensor and copy:
-                    copy_keys.add(kept_key)
-            if saver not in entry["savers"]:
-                entry["savers"].append(saver)
+class SavedTensorRecorder:
+    """Listens to the tensors autograd saves during a forward and keeps the facts a report needs.
 
-    def observe(tensor: torch.Tensor) -> torch.Tensor:
-        # Plain tensors and the compressed layers' own packed tensors (whole-model mode's hooks
-        # tell ``record`` about theirs directly).
+    What it records, by storage (two views of one buffer, or a tensor saved by two ops, are one
+    entry): :attr:`storages`, what is really kept, with every module that saved it;
+    :attr:`plain`, what plain PyTorch would have kept instead, and for which op kind;
+    :attr:`layer_inputs`, the storage each compressed layer read. It sees through whole-model
+    mode, whose hooks tell it what each saved tensor became (:func:`listening`), and through
+    compressed layers, which save their own packed form. :meth:`MemoryReport.from_recorder`
+    turns the facts into a report.
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> x = torch.randn(4, 8)
+    >>> recorder = SavedTensorRecorder(model, [x])
+    >>> with recorder.recording():
+    ...     output = model(x)
+    >>> [(s.kind, s.savers, s.nbytes) for s in recorder.storages.values()]  # x, and ReLU's output
+    [('input', ('0',), 128), ('activation', ('1', '2'), 128)]
+    """
+
+    # The recorder is itself the pack hook; whole-model mode puts its own hooks on top of it
+    # (and reports to it) instead of stepping aside as it does for anyone else's hooks.
+    actcomp_observer = True
+
+    def __init__(self, model: nn.Module, inputs: list) -> None:
+        self.names = {module: name or "(model)" for name, module in model.named_modules()}
+        self.excluded = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+        self.input_keys = {storage_key(t) for t in inputs if isinstance(t, torch.Tensor)}
+        self.storages: dict[tuple, SavedStorage] = {}
+        # Keyed by storage (with an "autocast" tag for autocast's own low-precision copy of an input).
+        self.plain: dict[tuple, tuple[int, str]] = {}
+        self.layer_inputs: dict[str, tuple | None] = {}
+        # Holding every saved tensor (and the compressed layers' inputs) until the forward ends
+        # keeps their addresses from being reused by later tensors, which would make storage
+        # keys collide.
+        self._alive: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record what the forward passes run in the block save (gradients on)."""
+        layers = [module for module in self.names if isinstance(module, CompressedLayer)]
+        handles = [layer.register_forward_pre_hook(self._layer_input) for layer in layers]
+        try:
+            with tracking_scopes(), listening(self.record), torch.enable_grad():
+                with torch.autograd.graph.saved_tensors_hooks(self, lambda tensor: tensor):
+                    yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._alive.clear()
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The pack hook: plain tensors and the compressed layers' own packed tensors (whole-model
+        mode's hooks tell :meth:`record` about theirs directly)."""
         scope = innermost_kind()
         kind = "linear" if in_compressed_layer() else scope.kind if scope is not None else "other"
-        record(SavedEvent(tensor, (tensor,), kind, None))
+        self.record(SavedEvent(tensor, (tensor,), kind, None))
         # Detached: an op's saved output holds the op's grad_fn, which holds what this hook
         # returns; the tensor itself would close a cycle through C++ that keeps the report's
         # whole forward graph alive after the report returns.
         return tensor.detach()
 
-    observe.actcomp_observer = True  # type: ignore[attr-defined]
+    def record(self, event: SavedEvent) -> None:
+        """Account one save: what plain PyTorch would keep, and what is kept instead."""
+        tensor = event.tensor
+        local = local_part(tensor)
+        key = storage_key(local)
+        if key is None or key in self.excluded or is_parameter(tensor):
+            return
+        self._alive.append(tensor)
+        module = innermost_module()
+        copy = is_parameter_copy(tensor)
+        codec = event.codec
+        if in_compressed_layer():
+            # A compressed layer's packed input: plain PyTorch would keep the input itself
+            # (recorded by ``_layer_input``), not these. The layer also keeps its weight, which
+            # under autocast is a low-precision copy, and under autocast a layer reading the
+            # model input keeps that input: both kept as they are, not compressed.
+            if not copy and key not in self.input_keys:
+                codec = _spec_of(module) if module is not None else "layer"
+        elif not copy and key not in self.input_keys:
+            self.plain.setdefault(key, (local.untyped_storage().nbytes(), event.kind))
+        saver = self.names.get(module, "(model)")
+        for kept in event.kept:
+            self._keep(kept, saver, event.kind, codec, parameter_copy=copy and kept is tensor)
 
-    def before(module: nn.Module, args) -> None:
-        if args and isinstance(args[0], torch.Tensor):
-            key = storage_key(args[0])
-            layer_inputs[names[module]] = key
-            alive.append(args[0])
-            x = args[0]
-            if key is None:
-                return
-            if autocast_casts(x):
-                # Plain autocast keeps a low-precision copy of its own, of a model input too.
-                itemsize = torch.get_autocast_dtype(x.device.type).itemsize
-                plain.setdefault((key, "autocast"), (x.numel() * itemsize, "linear"))
-            elif key not in input_keys:
-                plain.setdefault(key, (local_part(x).untyped_storage().nbytes(), "linear"))
+    def _keep(self, kept: torch.Tensor, saver: str, op_kind: str, codec: str | None, parameter_copy: bool) -> None:
+        local = local_part(kept)
+        key = storage_key(local)
+        if key is None:
+            return
+        storage = self.storages.get(key)
+        if storage is None:
+            kind = "input" if key in self.input_keys else "parameter_copy" if parameter_copy else "activation"
+            self.storages[key] = SavedStorage(local.untyped_storage().nbytes(), tuple(kept.shape), kept.dtype,
+                                              (saver,), kind, op_kind, codec)
+        elif saver not in storage.savers:
+            self.storages[key] = replace(storage, savers=(*storage.savers, saver))
 
-    handles = [m.register_forward_pre_hook(before) for m in model.modules() if isinstance(m, CompressedLayer)]
-    was_training = model.training
-    model.train()
-    try:
-        with tracking_scopes(), listening(record), torch.enable_grad():
-            with torch.autograd.graph.saved_tensors_hooks(observe, lambda tensor: tensor):
-                output = model(*inputs, **kwargs)
-        del output
-    finally:
-        model.train(was_training)
-        for handle in handles:
-            handle.remove()
-        alive.clear()
-        _reshard(model)
+    def _layer_input(self, module: nn.Module, args: tuple) -> None:
+        """Forward pre-hook of each compressed layer: the input it reads, which plain PyTorch keeps."""
+        if not args or not isinstance(args[0], torch.Tensor):
+            return
+        x = args[0]
+        key = storage_key(x)
+        self.layer_inputs[self.names[module]] = key
+        self._alive.append(x)
+        if key is None:
+            return
+        if autocast_casts(x):
+            # Plain autocast keeps a low-precision copy of its own, of a model input too.
+            itemsize = torch.get_autocast_dtype(x.device.type).itemsize
+            self.plain.setdefault((key, "autocast"), (x.numel() * itemsize, "linear"))
+        elif key not in self.input_keys:
+            self.plain.setdefault(key, (local_part(x).untyped_storage().nbytes(), "linear"))
 
-    def kind(key: tuple) -> str:
-        return "input" if key in input_keys else "parameter_copy" if key in copy_keys else "activation"
 
-    storages = [
-        SavedStorage(seen[k]["nbytes"], seen[k]["shape"], seen[k]["dtype"], tuple(seen[k]["savers"]), kind(k),
-                     seen[k]["op_kind"], seen[k]["codec"])
-        for k in order
-    ]
+def _module_rows(storages: list[SavedStorage], modules: dict[str, nn.Module]) -> list[ModuleRow]:
+    """Activation bytes per module, each storage counted for the first module that saved it."""
     per_module: dict[str, int] = defaultdict(int)
     for storage in storages:
         if storage.kind == "activation":
             per_module[storage.savers[0]] += storage.nbytes
-    input_bytes = sum(s.nbytes for s in storages if s.kind == "input")
-    copy_bytes = sum(s.nbytes for s in storages if s.kind == "parameter_copy")
-    modules = {name: module for module, name in names.items()}
-    rows = [
-        ModuleRow(name, _type_name(modules[name]), nbytes, _spec_of(modules[name]))
-        for name, nbytes in per_module.items()
-    ]
+    return [ModuleRow(name, _type_name(modules[name]), nbytes, _spec_of(modules[name]))
+            for name, nbytes in per_module.items()]
+
+
+def _layer_input_fates(recorder: SavedTensorRecorder,
+                       modules: dict[str, nn.Module]) -> tuple[list[NotFreed], list[str]]:
+    """The compressed layers whose input another module keeps too, and those that ran plain on
+    the model input."""
     not_freed, plain_on_input = [], []
-    for layer, key in layer_inputs.items():
-        entry = seen.get(key)
-        if key in input_keys:
+    for layer, key in recorder.layer_inputs.items():
+        storage = recorder.storages.get(key)
+        if key in recorder.input_keys:
             if modules[layer].actcomp_plain_on_model_input:
                 plain_on_input.append(layer)
-        elif entry is not None:
+        elif storage is not None:
             # A lossless pipeline keeps (a view of) the input itself: then the layer is its only
             # saver, and no other module keeps the input.
-            others = tuple(s for s in entry["savers"] if s != layer)
+            others = tuple(saver for saver in storage.savers if saver != layer)
             if others:
-                not_freed.append(NotFreed(layer, entry["nbytes"], others))
-    return MemoryReport(rows, storages, input_bytes, copy_bytes, not_freed, plain_on_input,
-                        _kind_rows(storages, plain.values()))
+                not_freed.append(NotFreed(layer, storage.nbytes, others))
+    return not_freed, plain_on_input
 
 
 def _kind_rows(storages: list[SavedStorage], plain) -> list[KindRow]:

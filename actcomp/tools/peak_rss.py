@@ -19,14 +19,9 @@ True
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 from actcomp.errors import ActcompError
-
-_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+from actcomp.tools.probe import run_probe
 
 _PROBE = r"""
 import json, os, resource, sys, threading, time, torch, timm, actcomp
@@ -106,17 +101,9 @@ def peak_rss(model: str, spec: str | None, *, batch: int, img_size: int, steps: 
     """
     if spec is None and rest is not None:
         raise ActcompError(f"peak_rss: rest={rest!r} needs a spec for the Linear/Conv layers (spec is None: plain)")
-    args = json.dumps({"model": model, "spec": spec, "batch": batch, "img_size": img_size, "steps": steps, "amp": amp,
-                       "rest": rest, "first_layer": first_layer, "checkpoint": checkpoint, "threads": threads,
-                       "abort_above": abort_above, "warmup_batch": warmup_batch})
-    env = dict(os.environ)
-    # The probe must run this actcomp, not whichever one the interpreter would find first
-    # (an installed copy may predate ``rest``).
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-    if return_freed_memory:
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    done = subprocess.run([sys.executable, "-c", _PROBE, args], capture_output=True, text=True, check=False, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"peak-RSS probe failed for {model} {spec!r} rest={rest!r} checkpoint={checkpoint} "
-                           f"batch={batch}:\n{done.stderr[-2000:]}")
-    return int(json.loads(done.stdout.strip().splitlines()[-1]))
+    settings = {"model": model, "spec": spec, "batch": batch, "img_size": img_size, "steps": steps, "amp": amp,
+                "rest": rest, "first_layer": first_layer, "checkpoint": checkpoint, "threads": threads,
+                "abort_above": abort_above, "warmup_batch": warmup_batch}
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"} if return_freed_memory else {}
+    return int(run_probe(["-c", _PROBE, json.dumps(settings)], env=env,
+                         what=f"peak-RSS probe for {model} {spec!r} rest={rest!r} checkpoint={checkpoint} batch={batch}"))

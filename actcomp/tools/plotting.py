@@ -14,11 +14,17 @@ from actcomp.errors import ActcompError
 X_LESS_NOTE = "x less = plain / compressed bytes, higher is better"
 
 
-def pyplot_for(path: str):
-    """pyplot, once ``path`` is known to be a file matplotlib can write.
+def pyplot_for(path: str, where: str = "--plot"):
+    """pyplot, once ``path`` is known to be a file matplotlib can write; ``where`` names the
+    option (or the plot) in errors.
 
     Called before any model is built or trained, so a bad ``--plot`` fails in a second, not
     after the whole run.
+
+    >>> pyplot_for("/no/such/dir/loss.png")
+    Traceback (most recent call last):
+    ...
+    actcomp.errors.ActcompError: --plot '/no/such/dir/loss.png': directory '/no/such/dir' does not exist
     """
     try:
         import matplotlib
@@ -27,18 +33,18 @@ def pyplot_for(path: str):
         import matplotlib.pyplot as plt
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
-        raise ActcompError("--plot needs matplotlib: pip install matplotlib (or pip install 'actcomp[plot]')") from None
+        raise ActcompError(f"{where} needs matplotlib: pip install matplotlib (or pip install 'actcomp[plot]')") from None
     target = Path(path)
     formats = FigureCanvasBase.get_supported_filetypes()
     # savefig reads the format from the suffix, lower-cased; without one it would write FILE.png instead.
     suffix = target.suffix.lower()
     if suffix.lstrip(".") not in formats:
         found = f"suffix {suffix!r}" if suffix else "no suffix"
-        raise ActcompError(f"--plot {path!r} has {found}; matplotlib writes {', '.join('.' + f for f in formats)}")
+        raise ActcompError(f"{where} {path!r} has {found}; matplotlib writes {', '.join('.' + f for f in formats)}")
     if target.is_dir():
-        raise ActcompError(f"--plot {path!r} is a directory; give a file name such as {str(target / 'plot.png')!r}")
+        raise ActcompError(f"{where} {path!r} is a directory; give a file name such as {str(target / 'plot.png')!r}")
     if not target.parent.is_dir():
-        raise ActcompError(f"--plot {path!r}: directory {str(target.parent)!r} does not exist")
+        raise ActcompError(f"{where} {path!r}: directory {str(target.parent)!r} does not exist")
     if not os.access(target.parent, os.W_OK):
-        raise ActcompError(f"--plot {path!r}: directory {str(target.parent)!r} is not writable")
+        raise ActcompError(f"{where} {path!r}: directory {str(target.parent)!r} is not writable")
     return plt

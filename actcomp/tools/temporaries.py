@@ -16,12 +16,9 @@ True
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+from actcomp.errors import ActcompError
+from actcomp.tools.probe import run_probe
 
 _PROBE = r"""
 import json, sys, torch, actcomp
@@ -79,12 +76,7 @@ def extra_peak(specs: list[str], *, count: int, dtype: str = "float32", threads:
     ``with_nan`` puts a NaN in it: the pipeline then sets the non-finite values aside, which
     costs a zeroed copy of the tensor."""
     if count % 65536:
-        raise ValueError(f"count must be a multiple of 65536 (a (N, 64, 32, 32) tensor), got {count}")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    args = json.dumps({"specs": list(specs), "count": count, "dtype": dtype, "threads": threads, "with_nan": with_nan})
-    done = subprocess.run([sys.executable, "-c", _PROBE, args], capture_output=True, text=True, check=False, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"extra-peak probe failed for {specs}:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        raise ActcompError(f"count must be a multiple of 65536 (a (N, 64, 32, 32) tensor), got {count}")
+    settings = {"specs": list(specs), "count": count, "dtype": dtype, "threads": threads, "with_nan": with_nan}
+    return run_probe(["-c", _PROBE, json.dumps(settings)], env={"MALLOC_MMAP_THRESHOLD_": "65536"},
+                     what=f"extra-peak probe for {specs}")
