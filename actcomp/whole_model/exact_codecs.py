@@ -40,6 +40,12 @@ from actcomp.kernels.bitpack import pack_bits, pack_codes, packed_size, unpack_b
 from actcomp.kernels.chunks import aligned_length, spans
 
 
+def select(codes: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values[codes]`` for uint8 codes (or a bool mask). Never a bool cast or ``where`` on the
+    mask: Inductor's CPU code for those does not build (torch 2.14.1), and an index compiles."""
+    return torch.index_select(values, 0, codes.view(torch.uint8).int())
+
+
 def pack_chunked(flat: torch.Tensor, bits: int, codes_of: Callable[[torch.Tensor], torch.Tensor],
                  length: int) -> torch.Tensor:
     """``codes_of`` (bools for 1 bit, uint8 codes otherwise) of ``flat`` packed ``bits`` to an
@@ -88,9 +94,9 @@ class BitMask(Compressor):
         mask = unpack_bits(payload, count)
         outside, inside = self.standins(dtype)
         if (outside, inside) == (0, 1):
-            return mask.to(dtype)  # 1 and 0 (ReLU's stand-in) are the mask itself, cast: cheaper than a select
-        values = torch.tensor([outside, inside], dtype=dtype, device=payload.device)
-        return torch.where(mask, values[1], values[0])
+            # 1 and 0 (ReLU's stand-in) are the mask itself, cast: cheaper than a select.
+            return mask.view(torch.uint8).to(dtype)
+        return select(mask, torch.tensor([outside, inside], dtype=dtype, device=payload.device))
 
 
 @register_codec
@@ -179,8 +185,8 @@ class ClampMask(Compressor):
         middle = (self.low + self.high) / 2  # rounded to dtype below, as clamp_middle rounds it
         values = torch.tensor([-math.inf, middle, math.nan], dtype=dtype, device=payload.device)
         if self.states == 2:
-            return torch.where(unpack_bits(payload, count), values[1], values[0])
-        return values[unpack_codes(payload, 2, count).long()]
+            return select(unpack_bits(payload, count), values)
+        return select(unpack_codes(payload, 2, count), values)
 
 
 @register_codec
@@ -208,7 +214,7 @@ class DropoutMask(BitMask):
         if dtype == torch.bool:
             return mask
         (scale,) = saved
-        return torch.where(mask, scale, scale.new_zeros(()))
+        return select(mask, torch.cat([scale.new_zeros(1), scale]))
 
 
 @register_codec
