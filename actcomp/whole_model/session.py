@@ -339,7 +339,11 @@ def choose_codec(policy: RestPolicy, tensor: torch.Tensor, kind: str, scope: Sco
     category = "float" if tensor.is_floating_point() else "int"
     for entry in OP_CODECS.get(scope.op if scope is not None else None, ()):
         derivative = entry.codec.kind == "derivative"
-        if category not in entry.codec.takes or (derivative and not isinstance(choice, Derivative)):
+        # Derivative codes need a Derivative choice; exact codecs any choice but keeping as is
+        # (rest={"activation": None, "fewbit": 3} keeps ReLU outputs as they are).
+        wanted = isinstance(choice, Derivative) if derivative else not isinstance(
+            choice.fallback if isinstance(choice, Derivative) else choice, KeepAsIs)
+        if category not in entry.codec.takes or not wanted:
             continue
         settings = entry.settings(scope, tensor)
         if settings is not None:
