@@ -13,9 +13,18 @@ from actcomp import compressors, legacy_paths
 from actcomp.convert import compressed_layers, from_compressed, to_compressed
 from actcomp.core.packed import Packed
 from actcomp.core.pipeline import Pipeline, parse
-from actcomp.core.registry import list_compressors, register_compressor, unregister_compressor
+from actcomp.core.registry import (
+    codec_class,
+    list_codecs,
+    list_compressors,
+    register_codec,
+    register_compressor,
+    unregister_codec,
+    unregister_compressor,
+)
 from actcomp.errors import ActcompError
 from actcomp.tools.memory import MemoryReport, memory_report
+from actcomp.whole_model.session import register_op_codec, unregister_op_codec
 
 # The one place the version is written: pyproject.toml reads it, CHANGELOG.md says what changed.
 __version__ = "0.1.0"
@@ -23,6 +32,8 @@ __version__ = "0.1.0"
 legacy_paths.install()
 
 __all__ = [
-    "ActcompError", "MemoryReport", "Packed", "Pipeline", "compressed_layers", "compressors", "from_compressed",
-    "list_compressors", "memory_report", "parse", "register_compressor", "to_compressed", "unregister_compressor",
+    "ActcompError", "MemoryReport", "Packed", "Pipeline", "codec_class", "compressed_layers", "compressors",
+    "from_compressed", "list_codecs", "list_compressors", "memory_report", "parse", "register_codec",
+    "register_compressor", "register_op_codec", "to_compressed", "unregister_codec", "unregister_compressor",
+    "unregister_op_codec",
 ]

@@ -34,16 +34,19 @@ from zoo import HF_ZOO, ZOO, train_step
 import actcomp
 from actcomp.graph.saved_tensors import listening
 from actcomp.whole_model.compressed_model import CompressedModel
-from actcomp.whole_model.derivative_codes import derivative_code, derivative_error
+from actcomp.graph.saved_tensors import Scope
+from actcomp.whole_model.derivative_codes import DerivativeCode, derivative_error
 from actcomp.whole_model.exact_codecs import (
-    dropout_mask,
-    hardtanh_mask,
-    leaky_relu_mask,
-    pool_offsets,
-    relu_mask,
-    shape_only,
+    ClampMask,
+    DropoutMask,
+    LeakyReluMask,
+    PoolOffsets,
+    ReluMask,
+    ShapeOnly,
+    clamp_middle,
 )
 from actcomp.whole_model.policy import RestPolicy
+from actcomp.whole_model.session import CodecChoice, _is_dropout_mask, _pool_settings, _with_nan_state
 
 pytestmark = [
     pytest.mark.usefixtures("seeded", "single_thread"),
@@ -289,13 +292,35 @@ def packed_bytes(count: int, bits: int) -> int:
     return math.ceil(count * bits / 8)
 
 
+class Kept:
+    """``tensor`` as whole-model mode keeps it under ``codec``: its bytes, label, and stand-in."""
+
+    def __init__(self, codec, tensor: torch.Tensor):
+        self.compressed = CodecChoice(codec).encode(tensor)
+        self.tensors, self.codec = self.compressed.packed.tensors, self.compressed.packed.layout.spec
+        self.nbytes = self.compressed.packed.nbytes
+
+    def unpack(self) -> torch.Tensor:
+        return self.compressed.unpack()
+
+
+def clamp_mask(saved: torch.Tensor, low: float, high: float) -> Kept:
+    """Hardtanh's mask as whole-model mode picks it: with a NaN state where ``saved`` holds NaN."""
+    return Kept(_with_nan_state(saved, ClampMask(low, high)), saved)
+
+
+def pool_offsets(indices, x, kernel, stride, padding, dilation) -> Kept | None:
+    settings = _pool_settings(Scope("pooling", op="max_pool2d", args=(x, kernel, stride, padding, dilation)), indices)
+    return None if settings is None else Kept(PoolOffsets(**settings), indices)
+
+
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_relu_mask_gives_threshold_backward_exactly(dtype, layout):
     result = torch.relu(edge_values(dtype)).contiguous(memory_format=layout)
     grad = torch.randn(result.shape, dtype=dtype)
 
-    kept = relu_mask(result)
+    kept = Kept(ReluMask(), result)
     standin = kept.unpack()
 
     assert kept.nbytes == packed_bytes(result.numel(), 1)
@@ -312,7 +337,7 @@ def test_leaky_relu_mask_gives_leaky_relu_backward_exactly(dtype, saved_output):
     saved = F.leaky_relu(x, 0.1) if saved_output else x
     grad = torch.randn(x.shape, dtype=dtype)
 
-    kept = leaky_relu_mask(saved)
+    kept = Kept(LeakyReluMask(), saved)
 
     assert kept.nbytes == packed_bytes(x.numel(), 1)
     assert torch.equal(torch.ops.aten.leaky_relu_backward(grad, kept.unpack(), 0.1, saved_output),
@@ -329,10 +354,13 @@ def test_hardtanh_mask_gives_hardtanh_backward_exactly(dtype, layout, bounds):
     saved = edge_values(dtype, bounds).contiguous(memory_format=layout)
     grad = torch.randn(saved.shape, dtype=dtype)
 
-    kept = hardtanh_mask(saved, *bounds)
+    kept = clamp_mask(saved, *bounds)
+    finite = clamp_mask(saved.nan_to_num(0.25), *bounds)
 
-    nan_count = int(saved.isnan().sum())
-    assert kept.nbytes == packed_bytes(saved.numel(), 1) + 8 * nan_count
+    # NaN is a third state (2 bits an element); without NaN one bit.
+    assert kept.nbytes == packed_bytes(saved.numel(), 2) and finite.nbytes == packed_bytes(saved.numel(), 1)
+    assert torch.equal(torch.ops.aten.hardtanh_backward(grad, finite.unpack(), *bounds),
+                       torch.ops.aten.hardtanh_backward(grad, saved.nan_to_num(0.25), *bounds))
     assert torch.equal(torch.ops.aten.hardtanh_backward(grad, kept.unpack(), *bounds),
                        torch.ops.aten.hardtanh_backward(grad, saved, *bounds))
 
@@ -340,7 +368,8 @@ def test_hardtanh_mask_gives_hardtanh_backward_exactly(dtype, layout, bounds):
 def test_hardtanh_mask_without_a_value_inside_is_not_used():
     # No bf16 value lies strictly between 1 and 1 + 2**-9: every gradient is blocked, and there
     # is no stand-in value for "inside".
-    assert hardtanh_mask(torch.ones(8, dtype=torch.bfloat16), 1.0, 1.0 + 2**-9) is None
+    assert clamp_middle(1.0, 1.0 + 2**-9, torch.bfloat16) is None
+    assert clamp_middle(1.0, 1.0 + 2**-9, torch.float32) is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.bfloat16], ids=["bool", "fp32", "bf16"])
@@ -348,15 +377,18 @@ def test_dropout_mask_unpacks_to_the_mask(dtype):
     keep = torch.rand(1001) > 0.3
     mask = keep if dtype == torch.bool else keep.to(dtype) / 0.7
 
-    kept = dropout_mask(mask)
+    kept = Kept(DropoutMask(), mask)
 
-    assert kept.nbytes == packed_bytes(mask.numel(), 1)
+    scale_bytes = 0 if dtype == torch.bool else mask.element_size()  # the scale, one element
+    assert kept.nbytes == packed_bytes(mask.numel(), 1) + scale_bytes
     assert torch.equal(kept.unpack(), mask)
 
 
-def test_dropout_mask_refuses_floats_that_are_not_a_mask():
-    # Two non-zero values: not 0 / 1/(1-p), so not a dropout mask (alpha dropout, a user's op).
-    assert dropout_mask(torch.tensor([0.0, 1.0, 2.0])) is None
+def test_sdpa_eager_check_refuses_floats_that_are_not_a_mask():
+    # Two non-zero values: not 0 / 1/(1-p), so not a dropout mask (a tensor SDPA saves off
+    # autograd's path that is not its mask).
+    assert _is_dropout_mask(torch.tensor([0.0, 1.0, 2.0]), DropoutMask()) is None
+    assert _is_dropout_mask(torch.tensor([0.0, 2.0, 2.0]), DropoutMask()) == DropoutMask()
 
 
 POOLS = [
@@ -386,8 +418,8 @@ def test_pool_offsets_give_max_pool2d_backward_exactly(kernel, stride, padding, 
     grad = torch.randn(output.shape).contiguous(memory_format=torch.channels_last if output.dim() == 4 else
                                                 torch.contiguous_format)
 
-    kept = pool_offsets(indices, x.shape, kernel, stride, padding, dilation)
-    standin = shape_only(x)
+    kept = pool_offsets(indices, x, kernel, stride, padding, dilation)
+    standin = Kept(ShapeOnly(), x)
 
     assert kept.codec == f"pool-offsets{bits}"
     assert kept.nbytes == packed_bytes(indices.numel(), bits)
@@ -400,7 +432,7 @@ def test_pool_offsets_give_max_pool2d_backward_exactly(kernel, stride, padding, 
 def test_pool_offsets_of_a_window_over_256_positions_are_not_used():
     x = torch.randn(1, 1, 20, 20)
     _, indices = torch.ops.aten.max_pool2d_with_indices(x, 17, 1)
-    assert pool_offsets(indices, x.shape, 17, 1, 0, 1) is None
+    assert pool_offsets(indices, x, 17, 1, 0, 1) is None
 
 
 FEWBIT = [("gelu", "none"), ("gelu", "tanh"), ("silu", "none")]
@@ -420,7 +452,7 @@ def derivative(function: str, approximate: str, x: torch.Tensor) -> torch.Tensor
 def test_derivative_code_error_is_within_derivative_error(function, approximate, bits, dtype):
     x = torch.cat([torch.randn(20000) * 3, torch.linspace(-12, 12, 4801)]).to(dtype)
 
-    kept = derivative_code(x, function, approximate, bits=bits)
+    kept = Kept(DerivativeCode(function, approximate, bits), x)
 
     assert kept.codec == f"fewbit{bits}"
     assert kept.nbytes == packed_bytes(x.numel(), bits)
@@ -1070,18 +1102,18 @@ def test_foreign_saved_tensor_hooks_win_with_a_warning():
 def test_torch_compile_of_a_training_step_is_bit_identical(monkeypatch):
     from torch._dynamo.utils import counters
 
-    from actcomp.whole_model.exact_codecs import Kept
+    from actcomp.whole_model.session import _Compressed
 
     # Whether dynamo traced each unpack: the count of frames it looked at is no witness, it
     # depends on the state of Inductor's on-disk cache (8 warm, 103 cold on torch 2.14.1).
     traced = []
-    original_unpack = Kept.unpack
+    original_unpack = _Compressed.unpack
 
     def spying_unpack(self):
         traced.append(torch.compiler.is_compiling())
         return original_unpack(self)
 
-    monkeypatch.setattr(Kept, "unpack", spying_unpack)
+    monkeypatch.setattr(_Compressed, "unpack", spying_unpack)
 
     torch._dynamo.reset()
     counters.clear()
@@ -1123,14 +1155,12 @@ def test_torch_compile_of_a_training_step_is_bit_identical(monkeypatch):
 def test_large_tensors_are_quantized_in_chunks_with_the_same_groups(monkeypatch):
     # The pipeline works in chunks (whole periods of its noise, so whole groups): the codes are
     # those of one piece, and the tensor comes back in its layout.
-    import actcomp.whole_model.session as whole_model
-
     import actcomp.whole_model.derivative_codes as derivative_codes
 
     monkeypatch.setattr(derivative_codes, "CHUNK", 1024)
     x = torch.randn(3 * 65536 + 100, 3).t()  # not contiguous; with 2**16-element chunks, 4 of them
     monkeypatch.setattr("actcomp.kernels.chunks.CPU_CHUNK", 2**16)
-    kept = whole_model._lossy(x, actcomp.parse("int8"), None)
+    kept = Kept(actcomp.parse("int8"), x)
     monkeypatch.setattr("actcomp.kernels.chunks.CPU_CHUNK", 2**24)
     whole = actcomp.parse("int8").compress(x.reshape(-1))
     assert all(map(torch.equal, kept.tensors, whole.tensors))
@@ -1138,10 +1168,10 @@ def test_large_tensors_are_quantized_in_chunks_with_the_same_groups(monkeypatch)
     assert rebuilt.stride() == x.stride() and rebuilt.shape == x.shape
     assert (rebuilt - x).abs().max() <= (x.max() - x.min()) / 255
     x = x[:, :4800]
-    codes = derivative_code(x, "gelu", bits=3)
+    codes = Kept(DerivativeCode("gelu", bits=3), x)
     monkeypatch.setattr(derivative_codes, "CHUNK", 1 << 20)
-    assert torch.equal(codes.tensors[0], derivative_code(x, "gelu", bits=3).tensors[0])
-    assert torch.equal(codes.unpack(), derivative_code(x, "gelu", bits=3).unpack())
+    assert torch.equal(codes.tensors[0], Kept(DerivativeCode("gelu", bits=3), x).tensors[0])
+    assert torch.equal(codes.unpack(), Kept(DerivativeCode("gelu", bits=3), x).unpack())
 
 
 @pytest.mark.parametrize("rest, message", [

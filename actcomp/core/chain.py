@@ -34,10 +34,14 @@ import torch
 
 from actcomp.core.packed import Encoded, Hints, Packed, PackedLayout
 from actcomp.errors import ActcompError
+from actcomp.kernels.layouts import restride
 
 
 class Stage(Protocol):
     """What the loop needs of a stage (:class:`~actcomp.core.codec.Compressor` is one)."""
+
+    takes: frozenset[str]
+    sets_aside_non_finite: bool
 
     def encode(self, x: torch.Tensor, hints: Hints, *state: Any) -> Encoded: ...
 
@@ -60,14 +64,18 @@ def pack(stages: Sequence[Stage], spec: str, x: torch.Tensor, *, channel_dim: in
     """
     if not isinstance(x, torch.Tensor):
         raise ActcompError(f"compress expects a tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise ActcompError(f"compress expects a floating-point tensor, got dtype {x.dtype}")
+    category = "float" if x.is_floating_point() else "bool" if x.dtype == torch.bool else "int"
+    if category not in stages[0].takes:
+        expected = "a floating-point" if stages[0].takes == {"float"} else f"a {' or '.join(sorted(stages[0].takes))}"
+        raise ActcompError(f"compress expects {expected} tensor, got dtype {x.dtype}")
     if channel_dim is not None and x.dim() and not -x.dim() <= channel_dim < x.dim():
         raise ActcompError(f"channel_dim={channel_dim} is out of range for a tensor of shape {tuple(x.shape)}")
     if states is None:
         states = [stage.initial_state() for stage in stages]
     hints = Hints(channel_dim=channel_dim if x.dim() else None)
-    payload, non_finite = _set_aside_non_finite(x.detach())
+    payload, non_finite = x.detach(), ()
+    if category == "float" and stages[0].sets_aside_non_finite:
+        payload, non_finite = _set_aside_non_finite(payload)
     tensors = list(non_finite)
     stage_layouts = []
     for stage, state in zip(stages, states, strict=True):
@@ -100,7 +108,25 @@ def unpack(stages: Sequence[Stage], spec: str, packed: Packed) -> torch.Tensor:
         positions, values = non_finite
         # Out of place: a stage may hand back one of the packed tensors itself.
         payload = payload.reshape(-1).index_put((positions.long(),), values)
-    return payload.reshape(layout.shape)
+    return _laid_out(payload, layout)
+
+
+def _laid_out(payload: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+    """The decoded ``payload`` in the packed tensor's shape, axis order and strides."""
+    if layout.permutation is None:
+        out = payload.reshape(layout.shape)
+    else:
+        out = payload.reshape([layout.shape[axis] for axis in layout.permutation])
+        out = out.permute(sorted(range(out.dim()), key=layout.permutation.__getitem__))
+    if layout.strides is None or out.stride() == layout.strides:
+        return out
+    if payload.dim() == 1 and payload.stride() == (0,):
+        # A stand-in nobody reads the values of (a max pool's input): a broadcast zero serves a
+        # contiguous tensor, an uninitialized one any other layout, which decides the gradient's.
+        if layout.strides == torch.empty(layout.shape, device="meta").stride():
+            return out
+        return torch.empty_strided(layout.shape, layout.strides, dtype=out.dtype, device=out.device)
+    return restride(out, layout.strides)
 
 
 def _set_aside_non_finite(x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:

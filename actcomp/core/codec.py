@@ -1,6 +1,9 @@
-"""The compressor interface every stage implements, independent of any layer type.
+"""The codec interface: every pipeline stage and every whole-model codec implements it.
 
-A stage turns a tensor into a *payload* tensor (handed to the next stage) plus the tensors
+A codec is a frozen dataclass of its settings with an ``encode``/``decode`` pair, registered by
+name (:mod:`actcomp.core.registry`). Pipeline stages (kinds ``sparsifier`` and ``quantizer``)
+chain in a spec; whole-model codecs (kinds ``exact`` and ``derivative``) each keep one saved
+tensor for the op that saved it (:mod:`actcomp.whole_model.session`). A stage turns a tensor into a *payload* tensor (handed to the next stage) plus the tensors
 and small metadata it needs to undo itself. Because everything a stage keeps is a tensor or
 plain Python, a caller can route the tensors through ``ctx.save_for_backward`` (and so
 through saved-tensor hooks) and keep only the metadata on the side. What a stage is given
@@ -16,7 +19,7 @@ import sys
 import typing
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -29,22 +32,29 @@ from actcomp.errors import ActcompError
 @dataclass(frozen=True)
 class Rule:
     """The values a setting accepts: a real int (never a bool) or a finite number, maybe
-    None, and an optional range (``minimum`` included, ``below`` excluded).
+    None, and an optional range (``minimum`` included, ``below`` excluded); or a tuple of such
+    ints (a pool's kernel size, written ``2x3`` in a spec); or one of a few strings (``choices``).
 
     >>> Rule(int, minimum=1).describe(), Rule(float, minimum=0, below=1).describe()
     ('an integer >= 1', 'a number in [0, 1)')
     >>> Rule(int, optional=True).parse("None"), Rule(int).parse("64"), Rule(int).parse("2.5")
     (None, 64, '2.5')
+    >>> Rule(tuple, minimum=0).parse("2x3"), Rule(str, choices=("none", "tanh")).describe()
+    ((2, 3), "one of 'none', 'tanh'")
     """
 
     kind: type
     optional: bool = False
     minimum: float | None = None
     below: float | None = None
+    choices: tuple[str, ...] = ()
 
     def describe(self) -> str:
+        if self.kind is str:
+            return "one of " + ", ".join(map(repr, self.choices))
         bounded = self.minimum is not None and self.below is not None
-        text = "an integer" if self.kind is int else "a number" if bounded else "a finite number"
+        text = {int: "an integer", tuple: "a tuple of integers"}.get(self.kind) or (
+            "a number" if bounded else "a finite number")
         if bounded:
             text += f" in [{self.minimum}, {self.below})"
         elif self.minimum is not None:
@@ -56,11 +66,18 @@ class Rule:
     def accepts(self, value: Any) -> bool:
         if value is None:
             return self.optional
+        if self.kind is str:
+            return isinstance(value, str) and value in self.choices
+        if self.kind is tuple:
+            return isinstance(value, tuple) and all(self._in_range(item, int) for item in value)
+        return self._in_range(value, self.kind)
+
+    def _in_range(self, value: Any, kind: type) -> bool:
         # bool is an int subclass, but True would print a spec that does not parse back.
-        if isinstance(value, bool) or not isinstance(value, (int, float) if self.kind is float else int):
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
             return False
         # NaN, +-inf and ints too large for a float are not finite numbers.
-        if self.kind is float and not abs(value) <= sys.float_info.max:
+        if kind is float and not abs(value) <= sys.float_info.max:
             return False
         return (self.minimum is None or value >= self.minimum) and (self.below is None or value < self.below)
 
@@ -70,6 +87,8 @@ class Rule:
         if text == "None" and self.optional:
             return None
         try:
+            if self.kind is tuple:
+                return tuple(int(item) for item in text.split("x"))
             return self.kind(text)
         except ValueError:
             return text
@@ -79,8 +98,9 @@ _DROP_RATE = Rule(float, minimum=0, below=1)
 
 
 def setting(default: Any, *, minimum: float | None = None, below: float | None = None) -> Any:
-    """A stage option as a dataclass field: the constructor and the spec parser accept only
-    values of its annotated type (int, float, or either ``| None``) in ``[minimum, below)``.
+    """A codec option as a dataclass field: the constructor and the spec parser accept only
+    values of its annotated type in ``[minimum, below)``: int, float (or either ``| None``),
+    ``tuple[int, ...]`` (each item in range) or a ``Literal`` of strings.
 
     >>> @dataclass(frozen=True)
     ... class Blur(Compressor):
@@ -96,16 +116,20 @@ def setting(default: Any, *, minimum: float | None = None, below: float | None =
 
 @dataclass(frozen=True)
 class Compressor:
-    """Base class of every stage. Subclasses are frozen dataclasses of their settings.
+    """Base class of every codec. Subclasses are frozen dataclasses of their settings.
 
-    Subclasses set ``name`` (registry name), ``kind`` ("sparsifier" or "quantizer") and
+    Subclasses set ``name`` (registry name), ``kind`` (one of :data:`KINDS`) and
     ``takes_rate`` (whether the spec carries a drop rate, stored in the ``drop_rate``
     field, always in [0, 1)), and implement :meth:`encode` / :meth:`decode`. Dataclass
-    fields other than ``drop_rate`` are the spec options, typed int or float (or either
-    ``| None``), with a range from :func:`setting`; a stage holds nothing else, and what it
-    must remember between calls lives with the pipeline (see :meth:`initial_state`).
-    :meth:`encode` sees only finite values: the pipeline sets NaN and +-inf aside and puts
-    them back after :meth:`decode`.
+    fields other than ``drop_rate`` are the settings (see :func:`setting`); a codec holds
+    nothing else, and what it must remember between calls lives with the pipeline (see
+    :meth:`initial_state`). Everything :meth:`decode` reads is in the tensors :meth:`encode`
+    kept and its metadata (plain values), so a packed tensor needs no closure to come back.
+
+    ``takes`` names the input dtypes a codec accepts ("float", "bool", "int"). By default
+    :meth:`encode` sees only finite values: the chain sets NaN and +-inf aside and puts them
+    back after :meth:`decode`; a codec that keeps them itself (an exact mask must: a NaN
+    decides a branch of the backward) sets ``sets_aside_non_finite = False``.
 
     >>> import torch, actcomp
     >>> stage = actcomp.compressors.MinK(0.5)
@@ -117,6 +141,8 @@ class Compressor:
     name: ClassVar[str] = ""
     kind: ClassVar[str] = ""
     takes_rate: ClassVar[bool] = False
+    takes: ClassVar[frozenset[str]] = frozenset({"float"})
+    sets_aside_non_finite: ClassVar[bool] = True
     # Whether encode draws from torch's global generator (a random choice of what to keep): then
     # two compressions of one tensor differ, and each must really run.
     draws_global_random: ClassVar[bool] = False
@@ -151,6 +177,13 @@ class Compressor:
     @classmethod
     def rules(cls) -> dict[str, Rule]:
         """What the drop rate (for stages that take one) and each setting accept, by field name."""
+        # Read once per class: whole-model mode builds a codec per saved tensor.
+        if "_rules" not in cls.__dict__:
+            cls._rules = cls._read_rules()
+        return cls._rules
+
+    @classmethod
+    def _read_rules(cls) -> dict[str, Rule]:
         hints = typing.get_type_hints(cls)
         rules = {}
         if cls.takes_rate:
@@ -158,15 +191,13 @@ class Compressor:
                 raise ActcompError(f"compressor {cls.name!r} takes a rate but has no 'drop_rate: float' field")
             rules["drop_rate"] = _DROP_RATE
         for f in cls.settings():
-            kinds = set(typing.get_args(hints[f.name]) or (hints[f.name],))
-            optional = type(None) in kinds
-            kinds.discard(type(None))
-            if kinds not in ({int}, {float}):
+            rule = _rule_of(hints[f.name], f.metadata.get("minimum"), f.metadata.get("below"))
+            if rule is None:
                 raise ActcompError(
-                    f"setting {f.name!r} of compressor {cls.name!r} is annotated {hints[f.name]}; "
-                    "a setting is int, float, int | None or float | None"
+                    f"setting {f.name!r} of compressor {cls.name!r} is annotated {hints[f.name]}; a setting is "
+                    "int, float, int | None, float | None, tuple[int, ...] or a Literal of strings"
                 )
-            rules[f.name] = Rule(kinds.pop(), optional, f.metadata.get("minimum"), f.metadata.get("below"))
+            rules[f.name] = rule
         return rules
 
     @classmethod
@@ -188,17 +219,45 @@ class Compressor:
     def __str__(self) -> str:
         return str(self.stage_spec)
 
-    # A stage is usable on its own, packing as a one-stage pipeline would.
+    @property
+    def label(self) -> str:
+        """What the packed form and the memory report call this codec: its spec by default."""
+        return str(self)
+
+    # A codec is usable on its own, packing as a one-stage pipeline would.
     def compress(self, x: torch.Tensor, *, channel_dim: int | None = None) -> Packed:
-        return pack((self,), str(self), x, channel_dim=channel_dim)
+        return pack((self,), self.label, x, channel_dim=channel_dim)
 
     def decompress(self, packed: Packed) -> torch.Tensor:
-        return unpack((self,), str(self), packed)
+        return unpack((self,), self.label, packed)
+
+
+# The kinds of codec: pipeline stages, then whole-model codecs (exact: the backward computes
+# bit-identical gradients from what decode gives back; derivative: within a stated error).
+STAGE_KINDS = ("sparsifier", "quantizer")
+KINDS = (*STAGE_KINDS, "exact", "derivative")
+
+
+def _rule_of(annotation: Any, minimum: float | None, below: float | None) -> Rule | None:
+    """The rule for a setting annotated ``annotation``, None when a setting cannot be so typed."""
+    origin, arguments = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal and arguments and all(isinstance(item, str) for item in arguments):
+        return Rule(str, choices=arguments)
+    if origin is tuple:
+        return Rule(tuple, minimum=minimum, below=below) if arguments == (int, ...) else None
+    kinds = set(arguments or (annotation,))
+    optional = type(None) in kinds
+    kinds.discard(type(None))
+    if kinds not in ({int}, {float}):
+        return None
+    return Rule(kinds.pop(), optional, minimum, below)
 
 
 def _format_option(value: Any) -> str:
     if isinstance(value, float):
         return format_rate(value)
+    if isinstance(value, tuple):
+        return "x".join(map(str, value))
     return str(value)
 
 

@@ -50,6 +50,11 @@ class PackedLayout:
     # How many of the packed tensors, the first ones, hold the input's non-finite values:
     # 0, or 2 (their flat positions and their values).
     non_finite: int = 0
+    # Whole-model mode packs a saved tensor flat, in the axis order ``permutation`` (None: its
+    # own), and rebuilds it with ``strides`` (None: contiguous), since backward kernels choose
+    # by strides.
+    permutation: tuple[int, ...] | None = None
+    strides: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,8 +1,9 @@
-"""The registry of stage names, and building stages from parsed specs.
+"""The one registry of codec names (pipeline stages and whole-model codecs), and building
+stages from parsed specs.
 
 >>> import actcomp
->>> "mink" in actcomp.list_compressors()
-True
+>>> "mink" in actcomp.list_compressors(), "relu-mask" in actcomp.list_codecs("exact")
+(True, True)
 """
 
 from __future__ import annotations
@@ -10,17 +11,19 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from actcomp.core.codec import Compressor
+from actcomp.core.codec import KINDS, STAGE_KINDS, Compressor
 from actcomp.core.grammar import StageSpec, spec_error
 from actcomp.errors import ActcompError
 
 _REGISTRY: dict[str, type] = {}
-_NAME = re.compile(r"[a-z][a-z0-9_]*")
-_KINDS = ("sparsifier", "quantizer")
+_STAGE_NAME = re.compile(r"[a-z][a-z0-9_]*")
+# A whole-model codec never appears in a spec, so its name may hold '-' too ("relu-mask").
+_CODEC_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 
 
 def register_compressor(cls: type | None = None, *, replace: bool = False):
-    """Class decorator adding a :class:`~actcomp.core.codec.Compressor` under ``cls.name``.
+    """Class decorator adding a pipeline stage (a :class:`~actcomp.core.codec.Compressor` of
+    kind ``sparsifier`` or ``quantizer``) under ``cls.name``.
 
     >>> import dataclasses, torch, actcomp
     >>> from actcomp.compressors import Compressor, Encoded
@@ -37,17 +40,45 @@ def register_compressor(cls: type | None = None, *, replace: bool = False):
     Pipeline('mink0.5+halve')
     >>> actcomp.unregister_compressor("halve")
     """
+    return _register(cls, STAGE_KINDS, replace)
+
+
+def register_codec(cls: type | None = None, *, replace: bool = False):
+    """Class decorator adding a codec of any kind (:data:`~actcomp.core.codec.KINDS`) under
+    ``cls.name``; whole-model codecs (``exact``, ``derivative``) then serve an op through
+    :func:`actcomp.register_op_codec`. docs/codecs.md shows a whole example.
+
+    >>> import dataclasses, actcomp
+    >>> from actcomp.whole_model.exact_codecs import BitMask
+    >>> @actcomp.register_codec
+    ... @dataclasses.dataclass(frozen=True)
+    ... class Positive(BitMask):
+    ...     name = "positive-mask"
+    ...     def predicate(self, part):
+    ...         return part > 0
+    >>> "positive-mask" in actcomp.list_codecs("exact")
+    True
+    >>> actcomp.unregister_codec("positive-mask")
+    """
+    return _register(cls, KINDS, replace)
+
+
+def _register(cls: type | None, kinds: tuple[str, ...], replace: bool):
+    function = "register_compressor" if kinds == STAGE_KINDS else "register_codec"
+
     def add(klass: type) -> type:
         if not (isinstance(klass, type) and issubclass(klass, Compressor)):
-            raise ActcompError(f"register_compressor expects a Compressor subclass, got {klass!r}")
+            raise ActcompError(f"{function} expects a Compressor subclass, got {klass!r}")
         name = klass.name
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
+        pattern = _STAGE_NAME if klass.kind in STAGE_KINDS else _CODEC_NAME
+        if not isinstance(name, str) or not pattern.fullmatch(name):
+            extra = "" if pattern is _STAGE_NAME else ", '-'"
             raise ActcompError(
                 f"compressor name {name!r} of {klass.__name__} is not valid: use lowercase letters, "
-                "digits and '_', starting with a letter"
+                f"digits and '_'{extra}, starting with a letter"
             )
-        if klass.kind not in _KINDS:
-            raise ActcompError(f"compressor {name!r} has kind {klass.kind!r}; valid kinds: {', '.join(_KINDS)}")
+        if klass.kind not in kinds:
+            raise ActcompError(f"compressor {name!r} has kind {klass.kind!r}; valid kinds: {', '.join(kinds)}")
         klass.rules()  # a setting that could not be written in a spec fails here, not at first use
         if name in _REGISTRY and not replace:
             raise ActcompError(f"a compressor named {name!r} is already registered; pass replace=True to override")
@@ -59,18 +90,46 @@ def register_compressor(cls: type | None = None, *, replace: bool = False):
 
 def unregister_compressor(name: str) -> None:
     """Remove a user-registered compressor (built-ins may be removed too, at your risk)."""
-    if name not in _REGISTRY:
+    if name not in list_compressors():
         raise ActcompError(f"no compressor named {name!r}; known: {', '.join(list_compressors())}")
     del _REGISTRY[name]
 
 
+def unregister_codec(name: str) -> None:
+    """Remove a user-registered codec of any kind (built-ins may be removed too, at your risk)."""
+    if name not in _REGISTRY:
+        raise ActcompError(f"no codec named {name!r}; known: {', '.join(list_codecs())}")
+    del _REGISTRY[name]
+
+
 def list_compressors() -> list[str]:
-    """Sorted names of every registered stage."""
-    return sorted(_REGISTRY)
+    """Sorted names of every registered pipeline stage (what a spec may name)."""
+    return sorted(name for name, cls in _REGISTRY.items() if cls.kind in STAGE_KINDS)
+
+
+def list_codecs(kind: str | None = None) -> list[str]:
+    """Sorted names of every registered codec, or of those of one ``kind``: ``"sparsifier"`` and
+    ``"quantizer"`` (pipeline stages), ``"exact"`` (the backward reads bit-identical gradients
+    from the decoded tensor) and ``"derivative"`` (a derivative within a stated error).
+
+    >>> import actcomp
+    >>> actcomp.list_codecs("derivative"), actcomp.codec_class("relu-mask").kind
+    (['fewbit'], 'exact')
+    """
+    if kind is not None and kind not in KINDS:
+        raise ActcompError(f"unknown codec kind {kind!r}; kinds: {', '.join(KINDS)}")
+    return sorted(name for name, cls in _REGISTRY.items() if kind is None or cls.kind == kind)
+
+
+def codec_class(name: str) -> type:
+    """The registered class of the codec called ``name``; its ``kind`` says what it is."""
+    if name not in _REGISTRY:
+        raise ActcompError(f"unknown codec {name!r}; known: {', '.join(list_codecs())}")
+    return _REGISTRY[name]
 
 
 def compressor_class(name: str) -> type:
-    if name not in _REGISTRY:
+    if name not in list_compressors():
         raise ActcompError(f"unknown compressor {name!r}; known: {', '.join(list_compressors())}")
     return _REGISTRY[name]
 

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actcomp.errors import ActcompError
+
 KINDS = ("activation", "normalization", "attention", "pooling", "dropout", "linear", "other")
 
 
@@ -103,6 +105,19 @@ _NAMED_KINDS = (
     ("attention", ("Attention",)),
     ("activation", ("GELU", "SiLU", "Swish", "Mish", "Activation")),
 )
+
+
+def register_function(function, kind: str, op: str) -> None:
+    """Recognise ``function`` (a torch function, a Tensor method or any callable that dispatches
+    through ``__torch_function__``) as op ``op`` of ``kind``; for :func:`actcomp.register_op_codec`."""
+    if kind not in KINDS:
+        raise ActcompError(f"unknown op kind {kind!r}; kinds: {', '.join(KINDS)}")
+    _FUNCTIONS[function] = FunctionKind(kind, op)
+
+
+def unregister_function(function) -> None:
+    """Forget what :func:`register_function` said of ``function``."""
+    _FUNCTIONS.pop(function, None)
 
 
 def function_kind(function) -> FunctionKind | None:

@@ -14,24 +14,27 @@ kernels themselves, so they match what the backward computes.
 
 >>> import torch
 >>> x = torch.randn(1000)
->>> kept = derivative_code(x, "gelu", "none", bits=3)
->>> kept.nbytes, round(derivative_error("gelu", "none", 3), 3)
-(375, 0.08)
+>>> codec = DerivativeCode("gelu", bits=3)
+>>> packed = codec.compress(x)
+>>> packed.nbytes, codec.label, round(derivative_error("gelu", "none", 3), 3)
+(375, 'fewbit3', 0.08)
 >>> d = lambda t: torch.ops.aten.gelu_backward(torch.ones_like(t), t)
->>> bool((d(kept.unpack()) - d(x)).abs().max() <= derivative_error("gelu", "none", 3) + 1e-3)  # + fp32 rounding
+>>> bool((d(codec.decompress(packed)) - d(x)).abs().max() <= derivative_error("gelu", "none", 3) + 1e-3)  # + fp32 rounding
 True
 """
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
-from actcomp.kernels.bitpack import pack_codes, packed_size, unpack_codes
+from actcomp.core.codec import Compressor, Encoded, Hints, setting
+from actcomp.core.registry import register_codec
+from actcomp.kernels.bitpack import unpack_codes
 from actcomp.kernels.chunks import spans
-from actcomp.kernels.layouts import dense_strides, restride
-from actcomp.whole_model.exact_codecs import Kept
+from actcomp.whole_model.exact_codecs import pack_chunked
 
 # f' on [-10, 10] decides the intervals; beyond it GELU's and SiLU's derivatives are within
 # 5e-4 of their limits (0 and 1), inside every interval's tolerance.
@@ -59,9 +62,20 @@ def _pieces(values: list[float], tolerance: float) -> list[int]:
     return starts
 
 
-@functools.lru_cache(maxsize=None)
+_CODEBOOKS: dict[tuple[str, str, int], tuple[list[float], list[float], float]] = {}
+
+
 def _codebook(function: str, approximate: str, bits: int) -> tuple[list[float], list[float], float]:
-    """Interval boundaries, representatives and the largest derivative error."""
+    """Interval boundaries, representatives and the largest derivative error, computed once.
+
+    A plain dict, filled when a codec is built (eagerly): compiled code then reads constants."""
+    key = (function, approximate, bits)
+    if key not in _CODEBOOKS:
+        _CODEBOOKS[key] = _compute_codebook(function, approximate, bits)
+    return _CODEBOOKS[key]
+
+
+def _compute_codebook(function: str, approximate: str, bits: int) -> tuple[list[float], list[float], float]:
     derivative = _derivative(function, approximate, _GRID)
     values = derivative.tolist()
     low, high = 0.0, max(values) - min(values)
@@ -96,39 +110,56 @@ def derivative_error(function: str, approximate: str, bits: int) -> float:
     return _codebook(function, approximate, bits)[2]
 
 
-def derivative_code(x: torch.Tensor, function: str, approximate: str = "none", *, bits: int = 3) -> Kept:
-    """``x`` (the input GELU or SiLU saved) as ``bits``-bit interval indices; ``function`` is
-    ``"gelu"`` (``approximate`` ``"none"`` or ``"tanh"``) or ``"silu"``. Finite inputs only.
+@register_codec
+@dataclass(frozen=True)
+class DerivativeCode(Compressor):
+    """``x`` (the input GELU or SiLU saved) as ``bits``-bit interval indices, ``ceil(n * bits
+    / 8)`` bytes; ``function`` is ``"gelu"`` (``approximate`` ``"none"`` or ``"tanh"``) or
+    ``"silu"``. Finite inputs only: a NaN or inf has no interval (whole-model mode sends such a
+    tensor to the activation pipeline, an eager-only check).
 
     Works in chunks of :data:`CHUNK` elements, so its temporaries stay a few chunks in size
     whatever the tensor's (whole-tensor interval indices alone would be 1 byte per element).
     """
-    boundaries, representatives, _ = _codebook(function, approximate, bits)
-    # The edges as the input's dtype rounds them: a comparison with a Python number casts it so.
-    edges = torch.tensor(boundaries, dtype=x.dtype).tolist()
-    values = torch.tensor(representatives, dtype=x.dtype, device=x.device)
-    shape, stride, count = x.shape, dense_strides(x), x.numel()
-    flat = x.detach().reshape(-1)
-    packed = torch.empty(packed_size(count, bits), dtype=torch.uint8, device=x.device)
-    # CHUNK is a multiple of 8, so each chunk packs into whole bytes of the output.
-    for start, stop in spans(count, CHUNK):
-        chunk_bytes = pack_codes(_interval(flat[start:stop], edges), bits)
-        packed[start * bits // 8:start * bits // 8 + chunk_bytes.numel()] = chunk_bytes
 
-    def rebuild(tensors: tuple) -> torch.Tensor:
-        out = torch.empty(count, dtype=values.dtype, device=values.device)
+    name = "fewbit"
+    kind = "derivative"
+    sets_aside_non_finite = False
+    function: Literal["gelu", "silu"] = "gelu"
+    approximate: Literal["none", "tanh"] = "none"
+    bits: int = setting(3, minimum=1, below=9)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _codebook(self.function, self.approximate, self.bits)
+
+    @property
+    def label(self) -> str:
+        return f"fewbit{self.bits}"
+
+    def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
+        boundaries, _, _ = _codebook(self.function, self.approximate, self.bits)
+        # The edges as the input's dtype rounds them, as a comparison with a Python number would.
+        edges = torch.tensor(boundaries, dtype=x.dtype, device=x.device)
+        flat = x.reshape(-1)
+        packed = pack_chunked(flat, self.bits, lambda part: _interval(part, edges), CHUNK)
+        return Encoded(packed, (), (flat.numel(), x.dtype))
+
+    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+        count, dtype = meta
+        _, representatives, _ = _codebook(self.function, self.approximate, self.bits)
+        values = torch.tensor(representatives, dtype=dtype, device=payload.device)
+        out = torch.empty(count, dtype=dtype, device=payload.device)
         for start, stop in spans(count, CHUNK):
-            codes = unpack_codes(tensors[0][start * bits // 8:], bits, stop - start)
-            torch.index_select(values, 0, codes.int(), out=out[start:stop])
-        return restride(out.view(shape), stride)
-
-    return Kept(f"fewbit{bits}", (packed,), rebuild)
+            codes = unpack_codes(payload[start * self.bits // 8:], self.bits, stop - start)
+            out[start:stop] = torch.index_select(values, 0, codes.int())
+        return out
 
 
-def _interval(part: torch.Tensor, edges: list[float]) -> torch.Tensor:
+def _interval(part: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
     """``torch.bucketize(part, edges)`` as uint8: the number of edges below each value. One
     comparison per edge (7 for 3 bits) is ten times faster on CPU than bucketize's search."""
     codes = (part > edges[0]).to(torch.uint8)
-    for edge in edges[1:]:
-        codes += part > edge
+    for index in range(1, edges.numel()):
+        codes += part > edges[index]
     return codes

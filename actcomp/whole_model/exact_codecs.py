@@ -1,180 +1,291 @@
 """Exact codecs: what a backward reads of some saved tensors fits in a few bits per element.
 
-A codec turns a saved tensor into :class:`Kept` (the tensors really stored and how to rebuild a
-stand-in). The stand-in is not the tensor, but the op's own backward kernel, given the stand-in,
-computes bit-for-bit the gradient it computes from the tensor:
+Each is a registered codec (kind ``exact``): it encodes a saved tensor (whole-model mode hands it
+flat) into packed codes, and decodes a *stand-in*. The stand-in is not the tensor, but the op's
+own backward kernel, given the stand-in, computes bit-for-bit the gradient it computes from the
+tensor:
 
 - ReLU keeps its output and reads only ``not (y <= 0)``; Hardtanh (ReLU6) reads
-  ``not (x <= low or x >= high)``; LeakyReLU reads ``x > 0``: one bit each
-  (:func:`relu_mask`, :func:`hardtanh_mask`, :func:`leaky_relu_mask`). NaN keeps its branch.
-- Dropout keeps its mask: ``bool`` (CUDA) or ``0``/``1/(1-p)`` floats (CPU): one bit plus the
-  scale (:func:`dropout_mask`).
+  ``not (x <= low or x >= high)``; LeakyReLU reads ``x > 0``: one bit each (:class:`ReluMask`,
+  :class:`ClampMask`, :class:`LeakyReluMask`). NaN keeps its branch.
+- Dropout keeps its mask: ``bool`` (CUDA) or ``0``/``1/(1-p)`` floats (CPU): one bit, plus the
+  scale for floats (:class:`DropoutMask`).
 - MaxPool keeps its input only for its shape and the argmax as int64 flat positions; each
   argmax lies in its window, so its offset there needs ``log2(window)`` bits (2 for 2x2,
-  4 for 3x3) and the input needs no bytes at all (:func:`pool_offsets`, :func:`shape_only`).
+  4 for 3x3) and the input needs no bytes at all (:class:`PoolOffsets`, :class:`ShapeOnly`).
+
+Encode and decode are functions of tensors and settings: no value is read back to Python, and
+the sizes follow from the input's. :class:`BitMask` is the base of the one-bit masks; a user's
+exact codec for an op of their own is a subclass with a ``predicate`` (docs/codecs.md).
 
 >>> import torch
 >>> y = torch.relu(torch.randn(4, 256))
->>> kept = relu_mask(y)
->>> kept.nbytes, torch.equal(kept.unpack() > 0, y > 0)
+>>> packed = ReluMask().compress(y)
+>>> packed.nbytes, torch.equal(ReluMask().decompress(packed) > 0, y > 0)
 (128, True)
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
+from actcomp.core.codec import Compressor, Encoded, Hints, setting
+from actcomp.core.registry import register_codec
 from actcomp.kernels.bitpack import pack_bits, pack_codes, packed_size, unpack_bits, unpack_codes
 from actcomp.kernels.chunks import aligned_length, spans
-from actcomp.kernels.layouts import dense_strides, restride
 
 
-class Kept:
-    """A saved tensor in compressed form: ``tensors`` are exactly what is stored."""
+def select(codes: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values[codes]`` for uint8 codes (or a bool mask). Never a bool cast or ``where`` on the
+    mask: Inductor's CPU code for those does not build (torch 2.14.1), and an index compiles."""
+    return torch.index_select(values, 0, codes.view(torch.uint8).int())
 
-    __slots__ = ("codec", "tensors", "_rebuild")
 
-    def __init__(self, codec: str, tensors: tuple[torch.Tensor, ...], rebuild: Callable[[tuple], torch.Tensor]):
-        self.codec = codec
-        self.tensors = tensors
-        self._rebuild = rebuild
+def pack_chunked(flat: torch.Tensor, bits: int, codes_of: Callable[[torch.Tensor], torch.Tensor],
+                 length: int) -> torch.Tensor:
+    """``codes_of`` (bools for 1 bit, uint8 codes otherwise) of ``flat`` packed ``bits`` to an
+    element, a chunk of ``length`` (a multiple of 8) at a time, so temporaries stay a chunk's."""
+    count = flat.numel()
+    out = torch.empty(packed_size(count, bits), dtype=torch.uint8, device=flat.device)
+    for start, stop in spans(count, length):
+        codes = codes_of(flat[start:stop])
+        # Each chunk starts on a byte: ``length`` is a multiple of 8.
+        out[start * bits // 8:packed_size(stop, bits)] = pack_bits(codes) if bits == 1 else pack_codes(codes, bits)
+    return out
+
+
+@dataclass(frozen=True)
+class BitMask(Compressor):
+    """Base of the one-bit exact codecs: ``predicate`` of each element, packed 8 to a byte
+    (``ceil(n / 8)`` bytes); decodes to ``inside`` where it held and ``outside`` elsewhere.
+
+    >>> class Positive(BitMask):
+    ...     def predicate(self, part):
+    ...         return part > 0
+    >>> codec = Positive()
+    >>> codec.decompress(codec.compress(torch.tensor([-2.0, 3.0, 0.0])))
+    tensor([0., 1., 0.])
+    """
+
+    kind = "exact"
+    sets_aside_non_finite = False
+    inside: ClassVar[float] = 1.0
+    outside: ClassVar[float] = 0.0
+
+    def predicate(self, part: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def standins(self, dtype: torch.dtype) -> tuple[float, float]:
+        """The values decode gives where the predicate failed and where it held."""
+        return self.outside, self.inside
+
+    def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
+        flat = x.reshape(-1)
+        bits = pack_chunked(flat, 1, self.predicate, aligned_length(x.device, flat.numel(), 8))
+        return Encoded(bits, (), (flat.numel(), x.dtype))
+
+    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+        count, dtype = meta
+        mask = unpack_bits(payload, count)
+        outside, inside = self.standins(dtype)
+        if (outside, inside) == (0, 1):
+            # 1 and 0 (ReLU's stand-in) are the mask itself, cast: cheaper than a select.
+            return mask.view(torch.uint8).to(dtype)
+        return select(mask, torch.tensor([outside, inside], dtype=dtype, device=payload.device))
+
+
+@register_codec
+@dataclass(frozen=True)
+class ReluMask(BitMask):
+    """ReLU's saved output: its backward passes the gradient where ``not (y <= 0)`` (NaN too)."""
+
+    name = "relu-mask"
+
+    def predicate(self, part: torch.Tensor) -> torch.Tensor:
+        return ~(part <= 0)
+
+
+@register_codec
+@dataclass(frozen=True)
+class LeakyReluMask(BitMask):
+    """LeakyReLU's saved input (or output, in place): its backward branches on ``x > 0``."""
+
+    name = "leaky-relu-mask"
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+    def label(self) -> str:
+        return "relu-mask"  # the memory report's name for both ReLU masks since 0.1.0
 
-    def unpack(self) -> torch.Tensor:
-        """The stand-in (or, for lossy codecs, the approximation) the backward reads."""
-        return self._rebuild(self.tensors)
-
-    def __repr__(self) -> str:
-        return f"Kept({self.codec!r}, {self.nbytes:,} bytes)"
+    def predicate(self, part: torch.Tensor) -> torch.Tensor:
+        return part > 0
 
 
-def _mask_codec(codec: str, tensor: torch.Tensor, predicate: Callable[[torch.Tensor], torch.Tensor],
-                inside, outside) -> Kept:
-    """``predicate`` (elementwise, giving bools) in bits, computed a chunk at a time so the bool
-    temporaries stay a chunk's; unpacks to ``inside`` where it held and ``outside`` elsewhere,
-    laid out like ``tensor``."""
-    shape, stride, dtype, count = tensor.shape, dense_strides(tensor), tensor.dtype, tensor.numel()
-    values = torch.tensor([outside, inside], dtype=dtype, device=tensor.device)
-    flat = tensor.reshape(-1)
-    length = aligned_length(tensor.device, count, 8)
-    bits = torch.empty(packed_size(count, 1), dtype=torch.uint8, device=tensor.device)
-    for start, stop in spans(count, length):
-        bits[start // 8:packed_size(stop, 1)] = pack_bits(predicate(flat[start:stop]))
-
-    ones_and_zeros = (inside, outside) == (1, 0)
-
-    def rebuild(tensors: tuple) -> torch.Tensor:
-        mask = unpack_bits(tensors[0], count).view(shape)
-        if dtype == torch.bool:
-            return restride(mask, stride)
-        # 1 and 0 (ReLU's stand-in) are the mask itself, cast: cheaper than a select.
-        standin = mask.to(dtype) if ones_and_zeros else torch.where(mask, values[1], values[0])
-        return restride(standin, stride)
-
-    return Kept(codec, (bits,), rebuild)
-
-
-def relu_mask(result: torch.Tensor) -> Kept:
-    """ReLU's saved output: its backward passes the gradient where ``not (y <= 0)``."""
-    return _mask_codec("relu-mask", result, lambda part: ~(part <= 0), 1, 0)
-
-
-def leaky_relu_mask(saved: torch.Tensor) -> Kept:
-    """LeakyReLU's saved input (or output, in place): its backward branches on ``x > 0``."""
-    return _mask_codec("relu-mask", saved, lambda part: part > 0, 1, 0)
-
-
-def hardtanh_mask(saved: torch.Tensor, low: float, high: float) -> Kept | None:
-    """Hardtanh's (ReLU6's) saved tensor: its backward passes the gradient where
-    ``not (x <= low or x >= high)``. None when no value of the dtype lies strictly inside."""
+def _compare_dtype(dtype: torch.dtype) -> torch.dtype:
     # The CPU kernel compares bf16/fp16 values as float32 against float32 bounds: comparing in
     # bf16 would round the bound (0.7 to 0.69921875) and block the value equal to it.
-    compute = torch.float32 if saved.dtype in (torch.bfloat16, torch.float16) else saved.dtype
-    middle = torch.tensor((low + high) / 2, dtype=saved.dtype)
-    if not bool((middle.to(compute) > low) & (middle.to(compute) < high)):
-        return None
-
-    def inside(part: torch.Tensor) -> torch.Tensor:
-        values = part.to(compute)
-        return ~((values <= low) | (values >= high))
-
-    kept = _mask_codec("clamp-mask", saved, inside, middle.item(), -math.inf)
-    nan = saved.isnan()
-    if not bool(nan.any()):
-        return kept
-    # For NaN the CPU kernel's answer depends on the code path: its vectorised loop tests
-    # ``low < x < high`` (blocks NaN), its scalar tail ``not (x <= low or x >= high)`` (passes
-    # it). Only NaN itself, at the same place in a tensor of the same layout, gets the same
-    # answer: keep the NaN positions (8 bytes each) and put NaN back there.
-    shape, rebuild_mask = saved.shape, kept._rebuild
-
-    def rebuild(tensors: tuple) -> torch.Tensor:
-        standin = rebuild_mask(tensors[:1])
-        standin[torch.unravel_index(tensors[1], shape)] = math.nan
-        return standin
-
-    return Kept("clamp-mask", (*kept.tensors, nan.reshape(-1).nonzero().squeeze(1)), rebuild)
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-def dropout_mask(mask: torch.Tensor) -> Kept | None:
-    """Dropout's saved mask: ``bool`` or floats that are all ``0`` or one scale ``1/(1-p)``.
-    None when the floats are not of that form (then it is not a dropout mask)."""
-    if mask.dtype == torch.bool:
-        return _mask_codec("dropout-mask", mask, lambda part: part, True, False)
-    scale = mask.amax() if mask.numel() else mask.new_zeros(())
-    if not bool(((mask == 0) | (mask == scale)).all()):
-        return None
-    return _mask_codec("dropout-mask", mask, lambda part: part != 0, scale.item(), 0)
+def clamp_middle(low: float, high: float, dtype: torch.dtype) -> float | None:
+    """A value of ``dtype`` strictly between ``low`` and ``high`` as hardtanh's kernel compares,
+    None when there is none (then every gradient is blocked and no stand-in exists). Reads only
+    the settings, never a tensor's values."""
+    middle = torch.tensor((low + high) / 2, dtype=dtype)
+    compared = middle.to(_compare_dtype(dtype))
+    return middle.item() if bool((compared > low) & (compared < high)) else None
 
 
-def shape_only(tensor: torch.Tensor) -> Kept:
-    """A tensor whose backward reads only its shape and layout (MaxPool's input): no bytes."""
-    shape, stride, dtype, device = tensor.shape, tensor.stride(), tensor.dtype, tensor.device
-    contiguous = tensor.is_contiguous()
+@register_codec
+@dataclass(frozen=True)
+class ClampMask(Compressor):
+    """Hardtanh's (ReLU6's) saved tensor: its backward passes the gradient where
+    ``not (x <= low or x >= high)``. ``states=2``: one bit an element (``ceil(n / 8)`` bytes).
 
-    def rebuild(tensors: tuple) -> torch.Tensor:
-        if contiguous:
-            return torch.zeros((), dtype=dtype, device=device).expand(shape)
-        # The layout (channels_last) decides the gradient's layout: allocate, never fill.
-        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    For NaN the CPU kernel's answer depends on the code path: its vectorised loop tests
+    ``low < x < high`` (blocks NaN), its scalar tail ``not (x <= low or x >= high)`` (passes
+    it). Only NaN itself, at the same place in a tensor of the same layout, gets the same
+    answer: ``states=3`` keeps NaN as a third state, two bits an element (``ceil(n / 4)``
+    bytes). Whole-model mode picks 3 only for a tensor holding NaN (an eager-only check).
 
-    return Kept("shape-only", (), rebuild)
-
-
-def _pair(value: int | Sequence[int]) -> tuple[int, int]:
-    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[-1]))
-
-
-def pool_offsets(indices: torch.Tensor, input_shape: Sequence[int], kernel_size, stride, padding,
-                 dilation) -> Kept | None:
-    """max_pool2d's argmax (flat positions in each input plane) as the offset inside its window.
-
-    None when a window has more than 256 positions (then a byte per offset is no saving).
+    >>> codec = ClampMask(-1.0, 1.0)
+    >>> codec.decompress(codec.compress(torch.tensor([-3.0, 0.2, 5.0])))
+    tensor([-inf, 0., -inf])
     """
-    kernel, step = _pair(kernel_size), _pair(stride if stride else kernel_size)
-    pad, dil = _pair(padding), _pair(dilation)
-    window = kernel[0] * kernel[1]
-    if window > 256:
-        return None
-    bits = next(b for b in (1, 2, 4, 8) if window <= 2**b)
-    width = int(input_shape[-1])
-    shape, stride_out, device = indices.shape, dense_strides(indices), indices.device
-    rows = torch.arange(shape[-2], device=device).view(-1, 1) * step[0] - pad[0]
-    cols = torch.arange(shape[-1], device=device) * step[1] - pad[1]
-    row_in_window = torch.div(torch.div(indices, width, rounding_mode="floor") - rows, dil[0], rounding_mode="floor")
-    col_in_window = torch.div(indices % width - cols, dil[1], rounding_mode="floor")
-    offsets = (row_in_window * kernel[1] + col_in_window).to(torch.uint8)
 
-    def rebuild(tensors: tuple) -> torch.Tensor:
-        offset = unpack_codes(tensors[0], bits, shape.numel()).view(shape).long()
-        row = rows + torch.div(offset, kernel[1], rounding_mode="floor") * dil[0]
-        col = cols + (offset % kernel[1]) * dil[1]
-        return restride(row * width + col, stride_out)
+    name = "clamp-mask"
+    kind = "exact"
+    sets_aside_non_finite = False
+    low: float = -1.0
+    high: float = 1.0
+    states: int = setting(2, minimum=2, below=4)
 
-    return Kept(f"pool-offsets{bits}", (pack_codes(offsets.reshape(-1), bits),), rebuild)
+    @property
+    def label(self) -> str:
+        return self.name
+
+    def _codes(self, part: torch.Tensor) -> torch.Tensor:
+        values = part.to(_compare_dtype(part.dtype))
+        inside = ~((values <= self.low) | (values >= self.high))
+        if self.states == 2:
+            return inside
+        return torch.where(part.isnan(), 2, inside.to(torch.uint8)).to(torch.uint8)
+
+    def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
+        flat = x.reshape(-1)
+        codes = pack_chunked(flat, self.states - 1, self._codes, aligned_length(x.device, flat.numel(), 8))
+        return Encoded(codes, (), (flat.numel(), x.dtype))
+
+    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+        count, dtype = meta
+        middle = (self.low + self.high) / 2  # rounded to dtype below, as clamp_middle rounds it
+        values = torch.tensor([-math.inf, middle, math.nan], dtype=dtype, device=payload.device)
+        if self.states == 2:
+            return select(unpack_bits(payload, count), values)
+        return select(unpack_codes(payload, 2, count), values)
+
+
+@register_codec
+@dataclass(frozen=True)
+class DropoutMask(BitMask):
+    """Dropout's saved mask, one bit an element (``ceil(n / 8)`` bytes): ``bool`` as it is;
+    floats, all ``0`` or one scale ``1/(1-p)`` (the CPU kernel's), with the scale kept too
+    (one element more)."""
+
+    name = "dropout-mask"
+    takes = frozenset({"bool", "float"})
+
+    def predicate(self, part: torch.Tensor) -> torch.Tensor:
+        return part if part.dtype == torch.bool else part != 0
+
+    def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
+        bits, _, meta = super().encode(x, hints)
+        # The scale is the largest value (a reduction on the device: nothing read back).
+        scale = () if x.dtype == torch.bool else (x.reshape(-1).amax().reshape(1),)
+        return Encoded(bits, scale, meta)
+
+    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+        count, dtype = meta
+        mask = unpack_bits(payload, count)
+        if dtype == torch.bool:
+            return mask
+        (scale,) = saved
+        return select(mask, torch.cat([scale.new_zeros(1), scale]))
+
+
+@register_codec
+@dataclass(frozen=True)
+class ShapeOnly(Compressor):
+    """A tensor whose backward reads only its shape and layout (MaxPool's input): no bytes.
+    Decodes to a broadcast zero, which the packed layout turns into its tensor's layout."""
+
+    name = "shape-only"
+    kind = "exact"
+    sets_aside_non_finite = False
+
+    def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
+        return Encoded(torch.empty(0, dtype=torch.uint8, device=x.device), (), (x.numel(), x.dtype))
+
+    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+        count, dtype = meta
+        return torch.zeros((), dtype=dtype, device=payload.device).expand(count)
+
+
+@register_codec
+@dataclass(frozen=True)
+class PoolOffsets(Compressor):
+    """max_pool2d's argmax (flat positions in each input plane of ``width`` columns, output
+    planes of ``out_size``) as the offset inside its window: ``bits`` = 1, 2, 4 or 8 bits for
+    windows of up to 2, 4, 16 or 256 positions; ``ceil(n * bits / 8)`` bytes.
+
+    >>> x = torch.randn(1, 1, 4, 4)
+    >>> _, indices = torch.ops.aten.max_pool2d_with_indices(x, 2, 2)
+    >>> codec = PoolOffsets(width=4, out_size=(2, 2))
+    >>> codec.label, torch.equal(codec.decompress(codec.compress(indices)), indices)
+    ('pool-offsets2', True)
+    """
+
+    name = "pool-offsets"
+    kind = "exact"
+    takes = frozenset({"int"})
+    sets_aside_non_finite = False
+    kernel: tuple[int, ...] = setting((2, 2), minimum=1)
+    stride: tuple[int, ...] = setting((2, 2), minimum=1)
+    padding: tuple[int, ...] = setting((0, 0), minimum=0)
+    dilation: tuple[int, ...] = setting((1, 1), minimum=1)
+    width: int = setting(1, minimum=1)
+    out_size: tuple[int, ...] = setting((1, 1), minimum=0)
+
+    @property
+    def bits(self) -> int:
+        return next(b for b in (1, 2, 4, 8) if self.kernel[0] * self.kernel[1] <= 2**b)
+
+    @property
+    def label(self) -> str:
+        return f"pool-offsets{self.bits}"
+
+    def _window_origins(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row and column of each output position's window corner, in the input plane."""
+        rows = torch.arange(self.out_size[0], device=device).view(-1, 1) * self.stride[0] - self.padding[0]
+        cols = torch.arange(self.out_size[1], device=device) * self.stride[1] - self.padding[1]
+        return rows, cols
+
+    def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
+        indices = x.reshape(-1, *self.out_size)
+        rows, cols = self._window_origins(x.device)
+        row_in_window = torch.div(torch.div(indices, self.width, rounding_mode="floor") - rows, self.dilation[0],
+                                  rounding_mode="floor")
+        col_in_window = torch.div(indices % self.width - cols, self.dilation[1], rounding_mode="floor")
+        offsets = (row_in_window * self.kernel[1] + col_in_window).to(torch.uint8)
+        return Encoded(pack_codes(offsets.reshape(-1), self.bits), (), x.numel())
+
+    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+        offset = unpack_codes(payload, self.bits, meta).view(-1, *self.out_size).long()
+        rows, cols = self._window_origins(payload.device)
+        row = rows + torch.div(offset, self.kernel[1], rounding_mode="floor") * self.dilation[0]
+        col = cols + (offset % self.kernel[1]) * self.dilation[1]
+        return (row * self.width + col).reshape(-1)

@@ -1,4 +1,5 @@
-"""What whole-model mode keeps per op kind (:class:`RestPolicy`), and the presets.
+"""What whole-model mode keeps per op kind (:class:`RestPolicy`: one :data:`Choice` a kind),
+and the presets, which are values of it.
 
 >>> print(RestPolicy.parse("8bit"))
 8bit
@@ -16,97 +17,144 @@ LOSSY_KINDS = ("activation", "normalization", "attention", "other")
 EXACT_KINDS = ("pooling", "dropout")
 
 
-EXACT = "exact"
+@dataclass(frozen=True)
+class KeepAsIs:
+    """Every tensor of the kind kept as it is. Prints as the ``rest`` value that asks for it."""
+
+    def __str__(self) -> str:
+        return "None"
+
+
+@dataclass(frozen=True)
+class Exact:
+    """Only the exact codecs of the kind's ops (ReLU-family masks, pooling window offsets,
+    dropout bits); every other tensor of the kind as it is."""
+
+    def __str__(self) -> str:
+        return "exact"
+
+
+@dataclass(frozen=True)
+class Lossy:
+    """The exact codecs where an op has one, ``pipeline`` for every other tensor of the kind."""
+
+    pipeline: Pipeline
+
+    def __str__(self) -> str:
+        return self.pipeline.spec
+
+
+@dataclass(frozen=True)
+class Derivative:
+    """GELU and SiLU inputs as ``bits``-bit derivative codes
+    (:mod:`actcomp.whole_model.derivative_codes`), every other tensor of the kind as ``fallback``
+    says (and a GELU/SiLU input holding NaN or inf too). Written ``fewbit`` in a ``rest`` mapping."""
+
+    bits: int
+    fallback: KeepAsIs | Exact | Lossy
+
+    def __str__(self) -> str:
+        return str(self.fallback)
+
+
+Choice = KeepAsIs | Exact | Lossy | Derivative
+AS_IS, EXACT = KeepAsIs(), Exact()
 
 
 @dataclass(frozen=True)
 class RestPolicy:
-    """What whole-model mode keeps per op kind: a pipeline, ``"exact"`` (only the exact codecs:
-    ReLU-family masks for activations, window offsets for pooling, bits for dropout; every other
-    tensor of the kind as is) or None (the kind's tensors as they are). ``str`` prints it back.
+    """What whole-model mode keeps per op kind: one :data:`Choice` each. ``str`` prints it
+    back as a ``rest`` value would say it.
 
     >>> print(RestPolicy.parse({"normalization": "int4", "fewbit": 3}))
     activation=int8, normalization=int4, attention=int8, pooling=exact, dropout=exact, other=None, fewbit=3
     >>> print(RestPolicy.parse("int8"))
     8bit
-    >>> print(RestPolicy.parse({"normalization": "int4", "fewbit": 4}))
-    activation=int8, normalization=int4, attention=int8, pooling=exact, dropout=exact, other=None, fewbit=4
+    >>> RestPolicy.parse("4bit").activation
+    Derivative(bits=4, fallback=Lossy(pipeline=Pipeline('int4:group=64')))
     """
 
-    activation: Pipeline | str | None
-    normalization: Pipeline | str | None
-    attention: Pipeline | str | None
-    pooling: str | None
-    dropout: str | None
-    other: Pipeline | str | None = None
-    # GELU and SiLU inputs as few-bit derivative codes (actcomp.whole_model.derivative_codes) instead of
-    # the activation pipeline; None: they follow ``activation``.
-    fewbit: int | None = None
+    activation: Choice
+    normalization: Choice
+    attention: Choice
+    pooling: KeepAsIs | Exact
+    dropout: KeepAsIs | Exact
+    other: Choice = AS_IS
 
     @classmethod
     def parse(cls, rest: str | Pipeline | Mapping | RestPolicy) -> RestPolicy:
         """``rest`` as given to :func:`actcomp.to_compressed`: a preset (``"8bit"``, ``"4bit"``,
         ``"exact"``; see :data:`PRESETS`), one spec for activations, norms and attention (plus
-        the exact codecs), or a mapping from kinds to specs, ``"exact"`` or None, overriding
-        the ``"8bit"`` preset."""
+        the exact codecs), or a mapping from kinds to specs, ``"exact"`` or None (and
+        ``"fewbit"`` to a bit width), overriding the ``"8bit"`` preset."""
         if isinstance(rest, RestPolicy):
             return rest
         if isinstance(rest, str) and rest in PRESETS:
-            return cls.parse(PRESETS[rest])
-        if isinstance(rest, str):
-            presets = ", ".join(repr(name) for name in PRESETS)
-            near = rest.lower().translate({ord(c): None for c in " -_"})
-            if near in PRESETS:
-                # Told, not accepted: a spelling the library reads silently would be one more to support.
-                raise ActcompError(f"unknown rest preset {rest!r}; did you mean {near!r}? presets: {presets}")
-            try:
-                pipeline = _lossy_pipeline(rest, "rest")
-            except ActcompError as error:
-                raise ActcompError(f"rest={rest!r} is neither a preset ({presets}) nor a spec whole-model mode can "
-                                   f"use:\n{error}") from None
-            return cls(pipeline, pipeline, pipeline, EXACT, EXACT)
-        if isinstance(rest, Pipeline):
-            pipeline = _lossy_pipeline(rest, "rest")
-            return cls(pipeline, pipeline, pipeline, EXACT, EXACT)
+            return PRESETS[rest]
+        if isinstance(rest, (str, Pipeline)):
+            lossy = Lossy(_rest_pipeline(rest))
+            return cls(lossy, lossy, lossy, EXACT, EXACT)
         if not isinstance(rest, Mapping):
             raise ActcompError(
                 f"rest must be 'exact', a spec string, a Pipeline or a mapping from op kinds to specs, got "
                 f"{type(rest).__name__}: {rest!r}"
             )
-        values = vars(cls.parse("8bit")).copy()
-        for kind, spec in rest.items():
-            if kind in EXACT_KINDS:
-                if spec not in (EXACT, None):
-                    raise ActcompError(f"rest[{kind!r}] must be 'exact' or None (its codec is exact), got {spec!r}")
-                values[kind] = spec
-            elif kind == "fewbit":
-                if spec is not None and (type(spec) is not int or spec not in range(1, 5)):
-                    raise ActcompError(f"rest['fewbit'] must be a bit width 1 to 4 (or None), got {spec!r}")
-                values[kind] = spec
-            elif kind in LOSSY_KINDS:
-                values[kind] = spec if spec in (EXACT, None) else _lossy_pipeline(spec, f"rest[{kind!r}]")
+        choices = dict(vars(PRESETS["8bit"]))
+        for kind, value in rest.items():
+            if kind == "fewbit":
+                if value is not None and (type(value) is not int or value not in range(1, 5)):
+                    raise ActcompError(f"rest['fewbit'] must be a bit width 1 to 4 (or None), got {value!r}")
+            elif kind in LOSSY_KINDS or kind in EXACT_KINDS:
+                choices[kind] = _choice(kind, value)
             else:
                 raise ActcompError(
                     f"unknown op kind {kind!r} in rest; valid keys: {', '.join(LOSSY_KINDS + EXACT_KINDS)}, fewbit "
                     "(Linear/Conv inputs take the main pipeline argument)"
                 )
-        return cls(**values)
-
-    def pipeline(self, kind: str) -> Pipeline | None:
-        """The lossy pipeline for ``kind``'s tensors, None when they are kept as is."""
-        value = getattr(self, kind)
-        return value if isinstance(value, Pipeline) else None
+        if rest.get("fewbit") is not None:
+            choices["activation"] = Derivative(rest["fewbit"], choices["activation"])
+        return cls(**choices)
 
     def __str__(self) -> str:
-        preset = next((name for name in PRESETS if RestPolicy.parse(name) == self), None)
+        preset = next((name for name, policy in PRESETS.items() if policy == self), None)
         if preset is not None:
             return preset
-        parts = []
-        for item in fields(self):
-            value = getattr(self, item.name)
-            if item.name != "fewbit" or value is not None:
-                parts.append(f"{item.name}={value.spec if isinstance(value, Pipeline) else value}")
-        return ", ".join(parts)
+        text = ", ".join(f"{item.name}={getattr(self, item.name)}" for item in fields(self))
+        return text + (f", fewbit={self.activation.bits}" if isinstance(self.activation, Derivative) else "")
+
+    def __setstate__(self, state: dict) -> None:
+        if "fewbit" in state:
+            # Pickled by 0.1.0, whose fields held a Pipeline, "exact" or None, and fewbit apart.
+            state = vars(RestPolicy.parse(state))
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
+
+def _choice(kind: str, value) -> Choice:
+    """One kind's choice from its ``rest`` mapping value."""
+    if value is None:
+        return AS_IS
+    if isinstance(value, str) and value == "exact":
+        return EXACT
+    if kind in EXACT_KINDS:
+        raise ActcompError(f"rest[{kind!r}] must be 'exact' or None (its codec is exact), got {value!r}")
+    return Lossy(_lossy_pipeline(value, f"rest[{kind!r}]"))
+
+
+def _rest_pipeline(rest: str | Pipeline) -> Pipeline:
+    """``rest`` given as one spec (or pipeline) for every lossy kind."""
+    if isinstance(rest, Pipeline):
+        return _lossy_pipeline(rest, "rest")
+    presets = ", ".join(repr(name) for name in PRESETS)
+    near = rest.lower().translate({ord(c): None for c in " -_"})
+    if near in PRESETS:
+        # Told, not accepted: a spelling the library reads silently would be one more to support.
+        raise ActcompError(f"unknown rest preset {rest!r}; did you mean {near!r}? presets: {presets}")
+    try:
+        return _lossy_pipeline(rest, "rest")
+    except ActcompError as error:
+        raise ActcompError(f"rest={rest!r} is neither a preset ({presets}) nor a spec whole-model mode can "
+                           f"use:\n{error}") from None
 
 
 def _lossy_pipeline(spec: str | Pipeline, where: str) -> Pipeline:
@@ -137,10 +185,9 @@ def _lossy_pipeline(spec: str | Pipeline, where: str) -> Pipeline:
 # of int4, a derivative within 0.044 (int4 codes of a deep SiLU net's inputs drift further:
 # EfficientNet-B0's gradient cosine 0.93 against 0.98). "8bit" keeps them in int8: 3-bit codes
 # (rest={"fewbit": 3}) take 0.375 bytes an element instead of 1, at cosine 0.95 on EfficientNet.
-PRESETS: dict[str, RestPolicy | Mapping | str] = {
+_INT8, _INT4 = Lossy(parse("int8")), Lossy(parse("int4:group=64"))
+PRESETS: dict[str, RestPolicy] = {
     "exact": RestPolicy(EXACT, EXACT, EXACT, EXACT, EXACT, EXACT),
-    "8bit": "int8",
-    "4bit": {"activation": "int4:group=64", "normalization": "int4:group=64", "attention": "int4:group=64", "fewbit": 4},
+    "8bit": RestPolicy(_INT8, _INT8, _INT8, EXACT, EXACT),
+    "4bit": RestPolicy(Derivative(4, _INT4), _INT4, _INT4, EXACT, EXACT),
 }
-
-

@@ -1,18 +1,32 @@
 """One whole-model forward's saved-tensor hooks: which codec each saved tensor gets
-(:func:`choose_codec`), applied once per tensor and codec (:class:`_Session`), undone in backward.
+(:func:`choose_codec`: the op table, then the policy), applied once per tensor and codec
+(:class:`_Session`), undone in backward.
+
+The op table maps an op name (:mod:`actcomp.graph.op_kinds`) to the registered codecs that serve
+it and how each reads its settings from the op's call. A new exact codec for an op is one
+registered codec plus one :func:`register_op_codec` call, from the library or from a user's code.
+
+>>> import torch.nn.functional as F
+>>> [entry.codec.name for entry in OP_CODECS["max_pool2d"]]
+['pool-offsets', 'shape-only']
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
+from typing import Any, NamedTuple
 
 import torch
 
+from actcomp.core.codec import Compressor
 from actcomp.core.pipeline import Packed, Pipeline
+from actcomp.core.registry import codec_class
 from actcomp.errors import ActcompError
+from actcomp.graph.op_kinds import register_function, unregister_function
 from actcomp.graph.saved_tensors import (
+    Scope,
     SavedEvent,
     announce,
     in_compressed_layer,
@@ -21,19 +35,19 @@ from actcomp.graph.saved_tensors import (
     is_parameter_copy,
     listened,
 )
-from actcomp.kernels.layouts import dense_strides_like, local_part, restride, storage_key
-from actcomp.whole_model.derivative_codes import derivative_code
+from actcomp.kernels.layouts import dense_strides_like, local_part, storage_key
+from actcomp.whole_model.derivative_codes import DerivativeCode
 from actcomp.whole_model.exact_codecs import (
-    Kept,
-    dropout_mask,
-    hardtanh_mask,
-    leaky_relu_mask,
-    pool_offsets,
-    relu_mask,
-    shape_only,
+    ClampMask,
+    DropoutMask,
+    LeakyReluMask,
+    PoolOffsets,
+    ReluMask,
+    ShapeOnly,
+    clamp_middle,
 )
 from actcomp.whole_model.normalized_units import Unit, normalized_unit, row_group
-from actcomp.whole_model.policy import RestPolicy
+from actcomp.whole_model.policy import Derivative, Exact, KeepAsIs, Lossy, RestPolicy
 
 
 class _AsIs:
@@ -59,6 +73,18 @@ class _AsIs:
         return self.tensor
 
 
+class _Compressed(NamedTuple):
+    """A saved tensor in packed form and the codec that decodes it: frozen values only, so it
+    holds no closure and could be pickled or handed to compiled code."""
+
+    codec: Compressor | Pipeline
+    packed: Packed
+
+    def unpack(self) -> torch.Tensor:
+        """The stand-in (or, for lossy codecs, the approximation) the backward reads."""
+        return self.codec.decompress(self.packed)
+
+
 class _Session:
     """One training forward of a whole-model: chooses and applies codecs as tensors are saved."""
 
@@ -67,9 +93,10 @@ class _Session:
         # Buffers and the caller's data stay alive anyway: a compressed copy would only add bytes.
         self.excluded = {storage_key(t) for t in excluded}
         self.excluded.discard(None)
-        # (id of the saved tensor, codec) -> (weak reference, version, Kept): one tensor saved
-        # twice under one codec (RMSNorm's input, by pow and by mul) is compressed once.
-        self.cache: dict[tuple[int, str], tuple[weakref.ref, int, Kept]] = {}
+        # (id of the saved tensor, codec choice) -> (weak reference, version, compressed form):
+        # one tensor saved twice under one choice (RMSNorm's input, by pow and by mul) is
+        # compressed once.
+        self.cache: dict[tuple[int, CodecChoice], tuple[weakref.ref, int, _Compressed]] = {}
 
     def close(self) -> None:
         """Forget the forward's tensors: the saved variables alone now decide what stays alive."""
@@ -82,11 +109,11 @@ class _Session:
             kind, kept = self.choose(tensor)
         holder = _AsIs(tensor) if kept is None else kept
         if listened():
-            announce(SavedEvent(tensor, (tensor,) if kept is None else kept.tensors, kind,
-                                None if kept is None else kept.codec))
+            announce(SavedEvent(tensor, (tensor,) if kept is None else kept.packed.tensors, kind,
+                                None if kept is None else kept.packed.layout.spec))
         return holder
 
-    def choose(self, tensor: torch.Tensor) -> tuple[str, Kept | None]:
+    def choose(self, tensor: torch.Tensor) -> tuple[str, _Compressed | None]:
         if in_compressed_layer():
             return "linear", None
         if type(tensor) is not torch.Tensor:
@@ -99,102 +126,264 @@ class _Session:
             return kind, None
         return kind, self.cached(tensor, kind, scope)
 
-    def cached(self, tensor: torch.Tensor, kind: str, scope) -> Kept | None:
-        codec = choose_codec(self.policy, tensor, kind, scope)
-        if codec is None:
+    def cached(self, tensor: torch.Tensor, kind: str, scope: Scope | None) -> _Compressed | None:
+        choice = choose_codec(self.policy, tensor, kind, scope)
+        if choice is None:
             return None
-        # The key is everything the codec reads besides the tensor's values (its function and
-        # settings: a clamp's range, GELU's approximation, a norm's unit), so two saves of one
-        # tensor under one op with other arguments never share a code.
-        key = (id(tensor), codec)
+        # The key is everything the codec reads besides the tensor's values (its settings: a
+        # clamp's range, GELU's approximation, a pool's geometry, a norm's unit), so two saves
+        # of one tensor under one op with other arguments never share a code.
+        key = (id(tensor), choice)
         hit = self.cache.get(key)
         if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
             return hit[2]
-        kept = codec.encode(tensor)
+        kept = choice.encode(tensor)
         if kept is not None:
             self.cache[key] = (weakref.ref(tensor), tensor._version, kept)
         return kept
 
 
+# ---------------------------------------------------------------------------------------------
+# The op table
+
+
+def argument(call: Scope, index: int, name: str, default: Any) -> Any:
+    """Argument ``index`` (by position) or ``name`` (by keyword) of an op's call, else ``default``.
+
+    >>> argument(Scope("activation", op="hardtanh", args=(None, -2.0)), 1, "min_val", -1.0)
+    -2.0
+    """
+    if len(call.args) > index:
+        return call.args[index]
+    return call.kwargs.get(name, default)
+
+
+def _no_settings(call: Scope, tensor: torch.Tensor) -> dict:
+    return {}
+
+
 @dataclass(frozen=True)
-class Codec:
-    """A codec function and every setting it reads: ``encode(t)`` is ``function(t, *settings)``.
+class OpCodec:
+    """An op-table entry: a registered codec class and ``settings(call, tensor)``, its settings
+    read from the op's call (arguments, and the saved tensor's shape and dtype, never its
+    values) or None where the codec does not apply to this call. ``eager_check(tensor, codec)``,
+    where given, is an eager-only step that reads values: it returns the codec to use, or None
+    to fall back to the kind's own choice."""
+
+    codec: type[Compressor]
+    settings: Callable[[Scope, torch.Tensor], dict | None] = _no_settings
+    eager_check: Callable[[torch.Tensor, Compressor], Compressor | None] | None = None
+
+
+def _clamp_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
+    low, high = (0.0, 6.0) if call.op == "relu6" else (float(argument(call, 1, "min_val", -1.0)),
+                                                       float(argument(call, 2, "max_val", 1.0)))
+    if clamp_middle(low, high, tensor.dtype) is None:
+        return None  # no value of the dtype lies strictly inside: no stand-in for "inside"
+    return {"low": low, "high": high}
+
+
+def _with_nan_state(tensor: torch.Tensor, codec: Compressor) -> Compressor:
+    """Eager-only: a clamp's input holding NaN gets the mask with a NaN state (2 bits an element)."""
+    return replace(codec, states=3) if bool(tensor.isnan().any()) else codec
+
+
+def _pair(value) -> tuple[int, int]:
+    return (int(value), int(value)) if isinstance(value, int) else (int(value[0]), int(value[-1]))
+
+
+def _pool_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
+    kernel = _pair(argument(call, 1, "kernel_size", None))
+    stride = argument(call, 2, "stride", None)
+    if kernel[0] * kernel[1] > 256 or tensor.dim() < 2:
+        return None  # a byte per offset would be no saving
+    return {"kernel": kernel, "stride": _pair(stride if stride else kernel),
+            "padding": _pair(argument(call, 3, "padding", 0)), "dilation": _pair(argument(call, 4, "dilation", 1)),
+            "width": int(argument(call, 0, "input", None).shape[-1]), "out_size": tuple(tensor.shape[-2:])}
+
+
+def _derivative_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
+    if tensor.numel() != call.reference:
+        return None  # not the activation's input
+    approximate = argument(call, 1, "approximate", "none") if call.op == "gelu" else "none"
+    return {"function": call.op, "approximate": approximate}
+
+
+def _finite(tensor: torch.Tensor, codec: Compressor) -> Compressor | None:
+    """Eager-only: derivative codes have no code for NaN or inf; such a tensor goes to the
+    kind's fallback (a pipeline keeps them exactly). One reduction: any non-finite element makes
+    the sum non-finite."""
+    return codec if bool(tensor.sum(dtype=torch.float32).isfinite()) else None
+
+
+def _sdpa_mask_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
+    """SDPA's math path (CPU) multiplies by a 0-or-1/(1-p) tensor it drew and saves it: with
+    dropout on, a saved tensor off autograd's path (the mask needs no gradient) may be it."""
+    if float(argument(call, 4, "dropout_p", 0.0)) > 0 and tensor.grad_fn is None and not tensor.requires_grad:
+        return {}
+    return None
+
+
+def _is_dropout_mask(tensor: torch.Tensor, codec: Compressor) -> Compressor | None:
+    """Eager-only: whether floats are all 0 or one scale (a tensor SDPA saves off autograd's
+    path is its dropout mask only then; else the attention choice applies)."""
+    scale = tensor.amax()
+    return codec if bool(((tensor == 0) | (tensor == scale)).all()) else None
+
+
+OP_CODECS: dict[str, tuple[OpCodec, ...]] = {
+    "relu": (OpCodec(ReluMask),),
+    "leaky_relu": (OpCodec(LeakyReluMask),),
+    "hardtanh": (OpCodec(ClampMask, _clamp_settings, _with_nan_state),),
+    "relu6": (OpCodec(ClampMask, _clamp_settings, _with_nan_state),),
+    "gelu": (OpCodec(DerivativeCode, _derivative_settings, _finite),),
+    "silu": (OpCodec(DerivativeCode, _derivative_settings, _finite),),
+    # Every float tensor a dropout op saves is its 0-or-scale mask (alpha dropout's too).
+    "dropout": (OpCodec(DropoutMask),),
+    "max_pool2d": (OpCodec(PoolOffsets, _pool_settings), OpCodec(ShapeOnly)),
+    "sdpa": (OpCodec(DropoutMask, _sdpa_mask_settings, _is_dropout_mask),),
+}
+
+
+def register_op_codec(function: Callable, codec: str | type[Compressor],
+                      settings: Callable[[Scope, torch.Tensor], dict | None] = _no_settings, *,
+                      kind: str = "activation", op: str | None = None, replace: bool = False) -> None:
+    """Keep what ``function`` saves for backward with the registered whole-model ``codec`` (its
+    class or name; kind ``exact`` or ``derivative``) in whole-model mode, where the policy keeps
+    ``kind`` compressed. ``settings(call, tensor)`` reads the codec's settings from the call
+    (``call.args``, ``call.kwargs``; :func:`argument` helps) and the saved tensor's shape and
+    dtype: a dict, or None where the codec does not apply. A whole example is in docs/codecs.md.
+
+    >>> import torch, actcomp
+    >>> actcomp.register_op_codec(torch.nn.functional.threshold, "relu-mask", op="zero_threshold",
+    ...                           settings=lambda call, tensor: {} if argument(call, 1, "threshold", 0) == 0 else None)
+    >>> actcomp.unregister_op_codec(torch.nn.functional.threshold)
+    """
+    klass = codec_class(codec) if isinstance(codec, str) else codec
+    if getattr(klass, "kind", None) not in ("exact", "derivative"):
+        raise ActcompError(f"register_op_codec expects a registered codec of kind 'exact' or 'derivative', got {codec!r}")
+    op = op or getattr(function, "__name__", None)
+    if not op:
+        raise ActcompError(f"name the op of {function!r}: pass op='...'")
+    if op in OP_CODECS and not replace:
+        raise ActcompError(f"op {op!r} has codecs already ({', '.join(e.codec.name for e in OP_CODECS[op])}); "
+                           "pass replace=True to override")
+    register_function(function, kind, op)
+    OP_CODECS[op] = (OpCodec(klass, settings),)
+    _USER_OPS[function] = op
+
+
+_USER_OPS: dict[Callable, str] = {}
+
+
+def unregister_op_codec(function: Callable) -> None:
+    """Undo :func:`register_op_codec` for ``function``."""
+    if function not in _USER_OPS:
+        raise ActcompError(f"no op codec was registered for {function!r}")
+    OP_CODECS.pop(_USER_OPS.pop(function), None)
+    unregister_function(function)
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing a codec
+
+
+@dataclass(frozen=True)
+class CodecChoice:
+    """What whole-model mode does with one saved tensor: ``codec`` on it, laid out in
+    ``unit``'s rows (a norm's input); ``eager_check`` and ``fallback`` as in :class:`OpCodec`.
 
     Frozen and hashable: whole-model mode shares one encoding between saves of one tensor
-    only when their ``Codec`` values are equal.
+    only when their choices are equal.
 
-    >>> x = torch.randn(4, 8)
-    >>> Codec(hardtanh_mask, (-1.0, 1.0)) == Codec(hardtanh_mask, (0.0, 0.5))
+    >>> CodecChoice(ClampMask(-1.0, 1.0)) == CodecChoice(ClampMask(0.0, 0.5))
     False
-    >>> Codec(hardtanh_mask, (-1.0, 1.0)).encode(x)
-    Kept('clamp-mask', 4 bytes)
+    >>> CodecChoice(ReluMask()).encode(torch.randn(4, 8)).packed
+    Packed('relu-mask', float32[4, 8] on cpu, 4 of 128 bytes (3.1%): uint8[4])
     """
 
-    function: object
-    settings: tuple = ()
+    codec: Compressor | Pipeline
+    unit: Unit | None = None
+    eager_check: Callable[[torch.Tensor, Compressor], Compressor | None] | None = None
+    fallback: CodecChoice | None = None
 
-    def encode(self, tensor: torch.Tensor) -> Kept | None:
-        return self.function(tensor, *self.settings)
-
-
-def choose_codec(policy: RestPolicy, tensor: torch.Tensor, kind: str, scope) -> Codec | None:
-    """The codec whole-model mode applies to ``tensor``, saved by an op of ``kind`` in
-    ``scope``, under ``policy``; None to keep it as it is. Reads the tensor's metadata only
-    (its values are the codec's business), so choosing costs nothing per element."""
-    op = scope.op if scope is not None else None
-    if tensor.dtype == torch.bool:
-        return Codec(dropout_mask) if policy.dropout else None
-    if not tensor.is_floating_point():
-        if kind == "pooling" and op == "max_pool2d" and policy.pooling:
-            input_shape = tuple(_argument(scope, 0, "input", None).shape)
-            return Codec(pool_offsets, (input_shape, *(_hashable(value) for value in _pool_settings(scope))))
-        return None
-    if kind == "activation":
-        if policy.activation is None:
+    def encode(self, tensor: torch.Tensor) -> _Compressed | None:
+        """``tensor`` packed flat, in its unit's rows, to be rebuilt in its own axis order and
+        dense strides (backward kernels choose by strides); None when this would not save
+        memory (a norm's rows of a few elements, each with a range of its own)."""
+        codec = self.codec if self.eager_check is None else self.eager_check(tensor, self.codec)
+        if codec is None:
+            return None if self.fallback is None else self.fallback.encode(tensor)
+        permutation = None if self.unit is None else self.unit.permutation
+        values = tensor.detach() if permutation is None else tensor.detach().permute(permutation)
+        packed = codec.compress(values.reshape(-1))
+        if self.unit is not None and packed.nbytes >= tensor.numel() * tensor.element_size():
             return None
-        if op == "relu":
-            return Codec(relu_mask)
-        if op == "leaky_relu":
-            return Codec(leaky_relu_mask)
-        if op in ("hardtanh", "relu6"):
-            return Codec(hardtanh_mask, _clamp_range(scope))
-        if op in ("gelu", "silu") and policy.fewbit is not None and tensor.numel() == scope.reference:
-            approximate = _argument(scope, 1, "approximate", "none") if op == "gelu" else "none"
-            return Codec(_derivative_or_lossy, (op, approximate, policy.fewbit, policy.pipeline("activation")))
-    if kind == "dropout":
-        return Codec(dropout_mask) if policy.dropout else None
-    if kind == "pooling":
-        return Codec(shape_only) if op == "max_pool2d" and policy.pooling else None
-    if kind == "attention" and op == "sdpa" and policy.dropout and _sdpa_dropout_mask(tensor, scope):
-        # SDPA's math path (CPU) multiplies by a 0-or-1/(1-p) tensor it drew and saves it: a
-        # dropout mask, one exact bit an element, or the pipeline if it is not of that form.
-        return Codec(_dropout_or_lossy, (policy.pipeline("attention"),))
-    pipeline = policy.pipeline(kind)
-    if pipeline is None or (scope is not None and tensor.numel() * 4 < scope.reference):
-        return None  # kept as is, or a statistic (a norm's mean and rstd, a log-sum-exp)
+        layout = replace(packed.layout, shape=tensor.shape, permutation=permutation,
+                         strides=dense_strides_like(tensor))
+        return _Compressed(codec, Packed(packed.tensors, layout))
+
+
+def choose_codec(policy: RestPolicy, tensor: torch.Tensor, kind: str, scope: Scope | None) -> CodecChoice | None:
+    """The codec whole-model mode applies to ``tensor``, saved by an op of ``kind`` in
+    ``scope``, under ``policy``; None to keep it as it is. The op's entries in
+    :data:`OP_CODECS` first, then the kind's own choice. Reads the tensor's metadata only (its
+    values are the codec's business), so choosing costs nothing per element."""
+    if tensor.dtype == torch.bool:
+        # Any saved bool tensor is a mask: dropout's on CUDA.
+        return CodecChoice(DropoutMask()) if isinstance(policy.dropout, Exact) else None
+    choice = getattr(policy, kind)
+    if isinstance(choice, KeepAsIs):
+        return None
+    fallback = _kind_codec(choice, tensor, kind, scope)
+    category = "float" if tensor.is_floating_point() else "int"
+    for entry in OP_CODECS.get(scope.op if scope is not None else None, ()):
+        derivative = entry.codec.kind == "derivative"
+        # Derivative codes need a Derivative choice; exact codecs any choice but keeping as is
+        # (rest={"activation": None, "fewbit": 3} keeps ReLU outputs as they are).
+        wanted = isinstance(choice, Derivative) if derivative else not isinstance(
+            choice.fallback if isinstance(choice, Derivative) else choice, KeepAsIs)
+        if category not in entry.codec.takes or not wanted:
+            continue
+        settings = entry.settings(scope, tensor)
+        if settings is not None:
+            codec = entry.codec(**settings, bits=choice.bits) if derivative else entry.codec(**settings)
+            return CodecChoice(codec, eager_check=entry.eager_check, fallback=fallback)
+    return fallback
+
+
+def _kind_codec(choice, tensor: torch.Tensor, kind: str, scope: Scope | None) -> CodecChoice | None:
+    """The kind's own choice for a tensor no op codec takes: its lossy pipeline, if any."""
+    if isinstance(choice, Derivative):
+        choice = choice.fallback
+    if not isinstance(choice, Lossy) or not tensor.is_floating_point():
+        return None
+    if scope is not None and tensor.numel() * 4 < scope.reference:
+        return None  # a statistic (a norm's mean and rstd, a log-sum-exp)
     unit = _normalized_unit(tensor, scope) if kind == "normalization" else None
-    return Codec(_lossy, (pipeline, unit))
+    pipeline = choice.pipeline
+    if unit is not None:
+        grouped = _grouped_by_rows(pipeline, unit.row)
+        if grouped is None:
+            unit = None
+        else:
+            pipeline = grouped
+    return CodecChoice(pipeline, unit)
 
 
 def _hashable(value):
     return tuple(value) if isinstance(value, (list, torch.Size)) else value
 
 
-def _sdpa_dropout_mask(tensor: torch.Tensor, scope) -> bool:
-    """Whether ``tensor``, saved inside ``F.scaled_dot_product_attention``, can be its dropout
-    mask: dropout is on and the tensor is not on autograd's path (the mask needs no gradient)."""
-    return float(_argument(scope, 4, "dropout_p", 0.0)) > 0 and tensor.grad_fn is None and not tensor.requires_grad
-
-
-def _normalized_unit(tensor: torch.Tensor, scope) -> Unit | None:
+def _normalized_unit(tensor: torch.Tensor, scope: Scope | None) -> Unit | None:
     op = scope.op if scope is not None and scope.op is not None else None
     if scope is None or (op is None and scope.module is None):
         return None
     setting = None
     if op in ("layer_norm", "rms_norm"):
-        setting = _hashable(_argument(scope, 1, "normalized_shape", None))
+        setting = _hashable(argument(scope, 1, "normalized_shape", None))
     elif op == "group_norm":
-        setting = _argument(scope, 1, "num_groups", None)
+        setting = argument(scope, 1, "num_groups", None)
     return normalized_unit(op, tensor.shape, setting)
 
 
@@ -203,26 +392,6 @@ def _frees_memory(tensor: torch.Tensor) -> bool:
     compressed form at full size can outweigh its small storage. A small slice of a large
     storage (a head reading ``x[:, 0]``) does qualify: kept as is, it would pin the storage."""
     return tensor.numel() > 0 and all(stride != 0 or size == 1 for size, stride in zip(tensor.shape, tensor.stride()))
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    # Derivative codes have no code for NaN or inf; such a tensor goes to the pipeline, which
-    # keeps them exactly. One reduction: any non-finite element makes the sum non-finite.
-    return bool(tensor.sum(dtype=torch.float32).isfinite())
-
-
-def _derivative_or_lossy(tensor: torch.Tensor, function: str, approximate: str, bits: int,
-                         fallback: Pipeline | None) -> Kept | None:
-    if _all_finite(tensor):
-        return derivative_code(tensor, function, approximate, bits=bits)
-    return None if fallback is None else _lossy(tensor, fallback, None)
-
-
-def _dropout_or_lossy(tensor: torch.Tensor, fallback: Pipeline | None) -> Kept | None:
-    kept = dropout_mask(tensor)
-    if kept is not None or fallback is None:
-        return kept
-    return _lossy(tensor, fallback, None)
 
 
 _REGROUPED: dict[tuple[Pipeline, int], Pipeline] = {}
@@ -242,57 +411,6 @@ def _grouped_by_rows(pipeline: Pipeline, row: int) -> Pipeline | None:
     if key not in _REGROUPED:
         _REGROUPED[key] = Pipeline(replace(stages[0], group=group))
     return _REGROUPED[key]
-
-
-def _lossy(tensor: torch.Tensor, pipeline: Pipeline, unit: Unit | None) -> Kept | None:
-    """``tensor`` through ``pipeline``; with a normalized ``unit``, laid out in its rows and
-    quantized in groups that never straddle two rows. None when that would not save memory
-    (rows of a few elements, each with a range of its own)."""
-    # The rebuild closure must not capture ``tensor``: that would keep the full tensor alive.
-    # The pipeline works a chunk at a time, so its temporaries stay small (actcomp.tools.temporaries).
-    # Rebuilt dense in the tensor's own axis order (a slice's gaps closed), as Linear/Conv
-    # inputs are: backward kernels choose by strides.
-    stride, permutation = dense_strides_like(tensor), None
-    values = tensor.detach()
-    if unit is not None:
-        grouped = _grouped_by_rows(pipeline, unit.row)
-        if grouped is not None:
-            pipeline, permutation = grouped, unit.permutation
-            if permutation is not None:
-                values = values.permute(permutation)
-    packed = pipeline.compress(values.reshape(-1))
-    if unit is not None and packed.nbytes >= tensor.numel() * tensor.element_size():
-        return None
-    layout, laid_out = packed.layout, values.shape
-    inverse = None if permutation is None else tuple(sorted(range(len(permutation)), key=permutation.__getitem__))
-
-    def rebuild(tensors: tuple) -> torch.Tensor:
-        out = pipeline.decompress(Packed(tensors, layout)).view(laid_out)
-        if inverse is not None:
-            out = out.permute(inverse)  # back to the tensor's dimension order
-        return restride(out, stride)
-
-    return Kept(pipeline.spec, packed.tensors, rebuild)
-
-
-def _argument(scope, index: int, name: str, default):
-    if len(scope.args) > index:
-        return scope.args[index]
-    return scope.kwargs.get(name, default)
-
-
-def _clamp_range(scope) -> tuple[float, float]:
-    if scope.op == "relu6":
-        return 0.0, 6.0
-    return float(_argument(scope, 1, "min_val", -1.0)), float(_argument(scope, 2, "max_val", 1.0))
-
-
-def _pool_settings(scope) -> tuple:
-    kernel = _argument(scope, 1, "kernel_size", None)
-    stride = _argument(scope, 2, "stride", None)
-    padding = _argument(scope, 3, "padding", 0)
-    dilation = _argument(scope, 4, "dilation", 1)
-    return kernel, stride, padding, dilation
 
 
 # A backward called inside a torch.compile'd step runs these unpack calls with dynamo's frame
