@@ -195,6 +195,10 @@ class ConvOp:
         return grad_input
 
 
+# Every op the compressed Function runs.
+Op = LinearOp | GPT2Conv1DOp | ConvOp
+
+
 def _per_axis(value: int | Sequence[int], dims: int) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, Sequence) else (value,) * dims
 
