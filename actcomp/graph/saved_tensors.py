@@ -222,6 +222,9 @@ class TensorCache:
     >>> _ = x.add_(1)
     >>> cache.get(x, "doubled") is None
     True
+    >>> del x, _  # (the name _ holds x too)
+    >>> len(cache)
+    0
     """
 
     def __init__(self) -> None:
@@ -244,6 +247,9 @@ class TensorCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def refuse_double_backward(through: str, why: str, remedy: str) -> None:

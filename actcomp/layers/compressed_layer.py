@@ -1,7 +1,7 @@
 """The thin module layer: a compressed twin of Linear / Conv1d/2d/3d / GPT-2 Conv1D.
 
 Conversion swaps a module's class for a subclass of its own class that adds only a
-``forward`` (:mod:`actcomp.graph.class_swap`, shared with whole-model mode): parameters stay the
+``forward`` (:mod:`actcomp.graph.module_surgery`, shared with whole-model mode): parameters stay the
 same objects, state_dict keys and values are unchanged, and ``isinstance(m, nn.Linear)`` still
 holds.
 
@@ -23,7 +23,7 @@ from torch import nn
 
 from actcomp.core.pipeline import Pipeline
 from actcomp.errors import ActcompError, warn_once
-from actcomp.graph.class_swap import SwappedModule, rebuild_swapped, swap_class, unswap_class
+from actcomp.graph.module_surgery import SwappedModule, rebuild_swapped, swap_class, unswap_class
 from actcomp.graph.model_inputs import is_model_input
 from actcomp.layers.function import compressed_apply
 from actcomp.layers.ops import ConvOp, GPT2Conv1DOp, LinearOp, Op, conv_op
@@ -49,7 +49,7 @@ def is_supported(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, *_CONVS)) or is_gpt2_conv1d(module)
 
 
-def _has_own_forward(base: type) -> bool:
+def _has_own_forward(base: type[nn.Module]) -> bool:
     """Whether ``base`` overrides the forward of the layer it derives from (timm's
     ``StdConv2d``, ``Conv2dSame``, QAT layers, a user's subclass)."""
     for plain in (nn.Linear, *_CONVS):
@@ -187,8 +187,7 @@ def compress_layer(module: nn.Module, pipeline: Pipeline) -> None:
 
     A module that is already compressed just gets the new pipeline.
     """
-    swap_class(module, CompressedLayer)
-    module.actcomp_pipeline = pipeline
+    swap_class(module, CompressedLayer).actcomp_pipeline = pipeline
 
 
 def uncompress_layer(module: nn.Module) -> None:

@@ -68,7 +68,13 @@ import torch
 from torch import nn
 
 from actcomp.errors import WARNED, ActcompError, warn_once
-from actcomp.graph.class_swap import SwappedModule, rebuild_swapped, swap_class, unswap_class
+from actcomp.graph.module_surgery import (
+    SwappedModule,
+    rebuild_swapped,
+    remove_forward_hooks,
+    swap_class,
+    unswap_class,
+)
 from actcomp.graph.model_inputs import record_model_inputs, tensors_in
 from actcomp.graph.saved_tensors import (
     checkpoint_hooks_on_top,
@@ -235,7 +241,7 @@ def _warn_compiled_entry(model_class: type) -> None:
     )
 
 
-def _forward_like(base: type):
+def _forward_like(base: type[nn.Module]):
     """:meth:`CompressedModel.forward` with ``base.forward``'s docstring and signature.
 
     Callers read the signature: Hugging Face's Trainer passes on only the batch keys that
@@ -267,10 +273,10 @@ def compress_whole_model(model: nn.Module, policy: RestPolicy) -> None:
     """Make ``model``'s training forward compress every saved tensor per ``policy``, in place,
     and its submodules' too when they are called from outside it."""
     check_whole_model_root(model)
-    swap_class(model, CompressedModel)
-    model.actcomp_rest = policy
+    root = swap_class(model, CompressedModel)
+    root.actcomp_rest = policy
     _remove_entry_hooks(model)  # a root was maybe a submodule of another converted model
-    enter = functools.partial(_enter_submodule, policy, type(model).actcomp_base)
+    enter = functools.partial(_enter_submodule, policy, type(root).actcomp_base)
     for module in _entry_modules(model):
         _remove_entry_hooks(module)  # converting again replaces the policy, never adds hooks
         module.register_forward_pre_hook(enter, with_kwargs=True)
@@ -296,16 +302,11 @@ def _entry_modules(model: nn.Module):
 
 
 def _remove_entry_hooks(module: nn.Module) -> None:
-    # Found by identity rather than through kept handles: handles do not follow the model through
-    # deepcopy or pickle, the hooks themselves do.
-    for hook_id, hook in list(module._forward_pre_hooks.items()):
-        if getattr(hook, "func", None) is _enter_submodule:
-            del module._forward_pre_hooks[hook_id]
-            module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
-    for hook_id, hook in list(module._forward_hooks.items()):
-        if hook is _leave_submodule:
-            del module._forward_hooks[hook_id]
-            module._forward_hooks_always_called.pop(hook_id, None)
+    remove_forward_hooks(module, _is_entry_hook)
+
+
+def _is_entry_hook(hook) -> bool:
+    return hook is _leave_submodule or getattr(hook, "func", None) is _enter_submodule
 
 
 # Pickles made before the class swap was shared name this (with the base class as argument).
