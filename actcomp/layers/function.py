@@ -67,8 +67,10 @@ class _Context(FunctionCtx):
     compute_dtype: torch.dtype | None
     where: str
     x_like: torch.Tensor
-    # "recast" (the uncast input saved as it is), a packed layout, or None (no weight gradient).
-    layout: PackedLayout | str | None
+    # The input's packed layout; None when no packed copy is kept (no weight gradient, or recast).
+    layout: PackedLayout | None
+    # Whether the uncast input itself is kept, to be cast again in backward.
+    recast: bool
 
 
 class CompressedInputFunction(torch.autograd.Function):
@@ -87,14 +89,14 @@ class CompressedInputFunction(torch.autograd.Function):
         ctx.x_like = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
         out = op.forward(x, weight, bias)
         needs_weight = ctx.needs_input_grad[1]
-        ctx.layout = None
+        ctx.layout, ctx.recast = None, False
         # The weight is a parameter (or autocast's cached cast of it): saving it costs nothing
         # extra, and convolution backward needs it even for the weight gradient alone.
         saved = [weight]
         if needs_weight and pipeline is None:
             # Recast mode: ``uncast`` is data the caller keeps anyway (the model's input); keeping
             # it costs nothing, and casting it again in backward gives autocast's copy exactly.
-            ctx.layout = "recast"
+            ctx.recast = True
             saved.append(uncast)
         elif needs_weight and pipeline is not None:
             packed = _compress_once(pipeline, uncast, unbroadcast(x), op.channel_dim)
@@ -111,7 +113,7 @@ class CompressedInputFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad[:3]
         weight, *packed_tensors = ctx.saved_tensors
         x = None
-        if ctx.layout == "recast":
+        if ctx.recast:
             x = packed_tensors[0].to(ctx.compute_dtype)
         elif ctx.layout is not None and ctx.pipeline is not None:
             try:

@@ -216,7 +216,8 @@ def conv_op(kernel_size: Sequence[int], stride, padding, dilation, groups: int, 
     """
     dims = len(kernel_size)
     stride, dilation = _per_axis(stride, dims), _per_axis(dilation, dims)
-    pre_pad, pre_pad_mode = (), "constant"
+    pre_pad: tuple[int, ...] = ()
+    pre_pad_mode = "constant"
     if padding_mode != "zeros":
         pre_pad, pre_pad_mode = tuple(reversed_padding), padding_mode
         padding = (0,) * dims
