@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 
 from torch import nn
 
-from actcomp.core.pipeline import Pipeline, parse
+from actcomp.core.pipeline import Pipeline, as_pipeline
 from actcomp.errors import ActcompError
 from actcomp.graph.model_inputs import unwatch_model_inputs, watch_model_inputs
 from actcomp.layers.compressed_layer import compress_layer, is_supported, uncompress_layer
@@ -141,18 +141,10 @@ def compressed_layers(model: nn.Module) -> dict[str, Pipeline]:
     return {name: m.actcomp_pipeline for name, m in model.named_modules() if isinstance(m, CompressedLayer)}
 
 
-def _as_pipeline(spec: PipelineLike, where: str) -> Pipeline:
-    if isinstance(spec, Pipeline):
-        return spec
-    if isinstance(spec, str):
-        return parse(spec)
-    raise ActcompError(f"{where}: expected a spec string or Pipeline, got {type(spec).__name__}: {spec!r}")
-
-
 def _chooser(pipeline: PipelineChoice) -> Callable[[str], Pipeline | None]:
     if isinstance(pipeline, Mapping):
         rules = [
-            (pattern, None if spec is None else _as_pipeline(spec, f"pattern {pattern!r}"))
+            (pattern, None if spec is None else as_pipeline(spec, f"pattern {pattern!r}"))
             for pattern, spec in pipeline.items()
         ]
 
@@ -160,7 +152,7 @@ def _chooser(pipeline: PipelineChoice) -> Callable[[str], Pipeline | None]:
             return next((p for pattern, p in rules if fnmatch.fnmatchcase(name, pattern)), None)
 
         return choose
-    single = _as_pipeline(pipeline, "to_compressed")
+    single = as_pipeline(pipeline, "to_compressed")
     return lambda name: single
 
 

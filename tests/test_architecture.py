@@ -114,6 +114,21 @@ def test_no_block_of_six_lines_written_twice():
     assert not repeats, "\n".join(repeats)
 
 
+# Delicate operations, each written in one place: the class swap both modes share, and a private
+# torch API whose every read would have to change with it.
+WRITTEN_ONCE = {
+    ".__class__ = ": "actcomp/graph/module_surgery.py",
+    "_top_saved_tensors_default_hooks": "actcomp/graph/saved_tensors.py",
+}
+
+
+@pytest.mark.parametrize("text", sorted(WRITTEN_ONCE))
+def test_delicate_operations_are_written_in_one_place(text):
+    places = [f"{path.relative_to(ROOT.parent)}:{number}" for path in sorted(ROOT.rglob("*.py"))
+              for number, line in _code_lines(path) if text in line]
+    assert places and all(place.startswith(WRITTEN_ONCE[text] + ":") for place in places), places
+
+
 def test_pickles_made_by_0_1_0_load():
     with open(Path(__file__).parent / "data" / "converted_models_0.1.0.pkl", "rb") as file:
         models = pickle.load(file)

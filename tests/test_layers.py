@@ -466,3 +466,15 @@ def test_shared_copy_is_not_reused_after_an_in_place_change():
     expected = x.half().float().sum(0).expand(4, 16)
     assert torch.allclose(b.weight.grad, expected, rtol=1e-5)
     assert torch.allclose(a.weight.grad * 3, expected, rtol=1e-2, atol=0.05)  # a saw the old values
+
+
+def test_shared_copy_goes_with_its_input():
+    from actcomp.layers.function import _SHARED
+
+    layer = actcomp.to_compressed(torch.nn.Linear(16, 4), "int8", first_layer=None)
+    before = len(_SHARED)
+    x = torch.randn(64, 16)
+    layer(x).sum().backward()
+    assert len(_SHARED) == before + 1
+    del x  # the cache holds the input weakly: its entry, and the packed copy, go with it
+    assert len(_SHARED) == before

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -43,10 +44,8 @@ class Pipeline:
         for stage in stages:
             if not isinstance(stage, Compressor):
                 raise ActcompError(f"pipeline stages must be Compressor instances, got {stage!r}")
-        problem = _order_problem([stage.kind for stage in stages])
-        if problem is not None:
-            index, why = problem
-            raise ActcompError(f"{why} in pipeline {format_spec(s.stage_spec for s in stages)!r}")
+        _check_order(stages, lambda index, why: ActcompError(
+            f"{why} in pipeline {format_spec(s.stage_spec for s in stages)!r}"))
         self.stages = tuple(stages)
         # State changes as the pipeline compresses, so it lives here, not in the stages, and
         # never counts in equality (the spec does).
@@ -96,23 +95,37 @@ def parse(spec: str | Pipeline) -> Pipeline:
         return spec.fresh()
     stage_specs = parse_spec(spec, list_compressors())
     stages = [build_stage(stage, spec) for stage in stage_specs]
-    problem = _order_problem([stage.kind for stage in stages])
-    if problem is not None:
-        index, why = problem
-        start, length = stage_specs[index].span
-        raise spec_error(why, spec, start, length, "a pipeline is [sparsifier][+quantizer], e.g. 'mink0.9+int8'")
+    # Checked here first, where the error can point at the stage in the spec text.
+    _check_order(stages, lambda index, why: spec_error(
+        why, spec, *stage_specs[index].span, "a pipeline is [sparsifier][+quantizer], e.g. 'mink0.9+int8'"))
     return Pipeline(*stages)
 
 
-def _order_problem(kinds: list[str]) -> tuple[int, str] | None:
-    """Index and reason of the first stage that breaks [sparsifier][+quantizer]."""
-    if not kinds:
-        return 0, "a pipeline needs at least one stage"
+def as_pipeline(spec: object, where: str, expected: str = "a spec string or Pipeline") -> Pipeline:
+    """``spec`` as a pipeline: a :class:`Pipeline` as it is, a string parsed. Anything else is
+    an error naming ``where`` (the argument) and what it ``expected``.
+
+    >>> as_pipeline("int8", "rest")
+    Pipeline('int8')
+    >>> as_pipeline(8, "rest")
+    Traceback (most recent call last):
+    actcomp.errors.ActcompError: rest: expected a spec string or Pipeline, got int: 8
+    """
+    if isinstance(spec, Pipeline):
+        return spec
+    if isinstance(spec, str):
+        return parse(spec)
+    raise ActcompError(f"{where}: expected {expected}, got {type(spec).__name__}: {spec!r}")
+
+
+def _check_order(stages: Sequence[Compressor], error: Callable[[int, str], ActcompError]) -> None:
+    """Raise ``error(index, why)`` for the first stage that breaks [sparsifier][+quantizer]."""
+    if not stages:
+        raise error(0, "a pipeline needs at least one stage")
     seen: set[str] = set()
-    for index, kind in enumerate(kinds):
-        if kind in seen:
-            return index, f"a second {kind} is meaningless"
-        if kind == "sparsifier" and "quantizer" in seen:
-            return index, "a sparsifier after a quantizer would sparsify codes"
-        seen.add(kind)
-    return None
+    for index, stage in enumerate(stages):
+        if stage.kind in seen:
+            raise error(index, f"a second {stage.kind} is meaningless")
+        if stage.kind == "sparsifier" and "quantizer" in seen:
+            raise error(index, "a sparsifier after a quantizer would sparsify codes")
+        seen.add(stage.kind)

@@ -28,6 +28,7 @@ import weakref
 import torch
 from torch import nn
 
+from actcomp.graph.module_surgery import remove_forward_hooks
 from actcomp.kernels.layouts import storage_key
 
 _INPUTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -75,9 +76,4 @@ def watch_model_inputs(model: nn.Module) -> None:
 def unwatch_model_inputs(model: nn.Module) -> None:
     """Undo :func:`watch_model_inputs` on ``model`` and its submodules."""
     for module in model.modules():
-        # The hook is found by identity rather than through a kept handle: handles do not
-        # follow the model through deepcopy or pickle, the hook itself does.
-        for hook_id, hook in list(module._forward_pre_hooks.items()):
-            if hook is _record_model_inputs:
-                del module._forward_pre_hooks[hook_id]
-                module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+        remove_forward_hooks(module, lambda hook: hook is _record_model_inputs)

@@ -9,7 +9,11 @@ whole-model mode (which codec a saved tensor gets). Both need the same facts:
 - **what is not an activation**: parameters, views of them, FSDP2's unsharded parameters and
   autocast's low-precision weight copies (:func:`is_parameter`, :func:`is_parameter_copy`);
 - **whose hooks are on top**: a checkpoint region's hooks must not be overridden
-  (:func:`checkpoint_hooks_on_top`);
+  (:func:`top_saved_tensors_hooks`, :func:`checkpoint_hooks_on_top`);
+- **one encoding per tensor**: a tensor saved twice for one use is encoded once, while it lives
+  unmodified (:class:`TensorCache`);
+- **no double backward** through a tensor rebuilt from its compressed form
+  (:func:`refuse_double_backward`);
 - **listeners** that are told what every saved tensor became (:func:`listening`), so the
   memory report sees through whole-model mode's own hooks;
 - the tensors the compressed Linear/Conv Function saves are its own compressed form
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +41,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from actcomp.errors import ActcompError
 from actcomp.graph.model_inputs import tensors_in
 from actcomp.graph.op_kinds import function_kind, module_kind
 
@@ -185,17 +191,80 @@ def is_parameter_copy(tensor: torch.Tensor) -> bool:
     return False
 
 
+def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+    """The innermost saved-tensor hooks in force in this thread, ``(pack, unpack)``, or None.
+
+    >>> top_saved_tensors_hooks() is None
+    True
+    >>> with torch.autograd.graph.save_on_cpu():
+    ...     top_saved_tensors_hooks()[0].__qualname__
+    'save_on_cpu.__init__.<locals>.pack_to_cpu'
+    """
+    # Private API, read in this one place: torch has no public way to ask.
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
 def checkpoint_hooks_on_top() -> bool:
     """Whether the innermost saved-tensor hooks are ``torch.utils.checkpoint``'s: tensors saved
     now are to be recomputed, so nothing else may replace its hooks."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    top = top_saved_tensors_hooks()
     return top is not None and getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
 
 
-def foreign_hooks_on_top(own: Callable) -> bool:
-    """Whether saved-tensor hooks other than ``own`` are innermost (save_on_cpu, a user's)."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top is not None and top[0] is not own
+class TensorCache:
+    """Values made from tensors, keyed by the tensor and a key of the caller's, found again only
+    while that tensor lives and is not modified in place. Entries go when their tensor does.
+
+    >>> cache, x = TensorCache(), torch.ones(3)
+    >>> cache.put(x, "doubled", x * 2)
+    >>> cache.get(x, "doubled")
+    tensor([2., 2., 2.])
+    >>> _ = x.add_(1)
+    >>> cache.get(x, "doubled") is None
+    True
+    >>> del x, _  # (the name _ holds x too)
+    >>> len(cache)
+    0
+    """
+
+    def __init__(self) -> None:
+        # (id of the tensor, key) -> (weak reference to it, its version then, value). The weak
+        # reference tells an id reused by a new tensor from the old one; the version, an
+        # in-place change since.
+        self._entries: dict[tuple[int, Any], tuple[weakref.ref, int, Any]] = {}
+
+    def get(self, tensor: torch.Tensor, key: Any) -> Any:
+        """The value put for ``tensor`` and ``key``, or None."""
+        hit = self._entries.get((id(tensor), key))
+        if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+            return hit[2]
+        return None
+
+    def put(self, tensor: torch.Tensor, key: Any, value: Any) -> None:
+        """Keep ``value`` for ``tensor`` (held weakly) and ``key``."""
+        entry_key, entries = (id(tensor), key), self._entries
+        entries[entry_key] = (weakref.ref(tensor, lambda _: entries.pop(entry_key, None)), tensor._version, value)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def refuse_double_backward(through: str, why: str, remedy: str) -> None:
+    """Raise when the backward running now records a graph (``create_graph=True``): a tensor
+    rebuilt from a compressed form has lost its autograd history, so a second backward through
+    it would be silently wrong. ``through`` names the tensor, ``why`` and ``remedy`` complete it.
+
+    >>> with torch.no_grad():  # a plain backward runs with grad mode off
+    ...     refuse_double_backward("a tensor", "it is rebuilt", "Do not")
+    >>> refuse_double_backward("a tensor", "it is rebuilt", "Do not")
+    Traceback (most recent call last):
+    actcomp.errors.ActcompError: double backward (create_graph=True) through a tensor is not supported: it is rebuilt. Do not
+    """
+    if torch.is_grad_enabled():
+        raise ActcompError(f"double backward (create_graph=True) through {through} is not supported: {why}. {remedy}")
 
 
 @contextlib.contextmanager

@@ -1,9 +1,9 @@
 """The thin module layer: a compressed twin of Linear / Conv1d/2d/3d / GPT-2 Conv1D.
 
 Conversion swaps a module's class for a subclass of its own class that adds only a
-``forward``: parameters stay the same objects, state_dict keys and values are unchanged,
-and ``isinstance(m, nn.Linear)`` still holds. The subclass is created once per base class;
-pickling records the base class, so a pickled model loads wherever actcomp is importable.
+``forward`` (:mod:`actcomp.graph.module_surgery`, shared with whole-model mode): parameters stay the
+same objects, state_dict keys and values are unchanged, and ``isinstance(m, nn.Linear)`` still
+holds.
 
 >>> import torch, actcomp
 >>> layer = torch.nn.Linear(4, 2)
@@ -16,16 +16,17 @@ CompressedLinear(in_features=4, out_features=2, bias=True, compress='mink0.5')
 
 from __future__ import annotations
 
-import warnings
+import functools
 
 import torch
 from torch import nn
 
 from actcomp.core.pipeline import Pipeline
-from actcomp.errors import ActcompError
+from actcomp.errors import ActcompError, warn_once
+from actcomp.graph.module_surgery import SwappedModule, rebuild_swapped, swap_class, unswap_class
 from actcomp.graph.model_inputs import is_model_input
 from actcomp.layers.function import compressed_apply
-from actcomp.layers.ops import ConvOp, GPT2Conv1DOp, LinearOp, conv_op
+from actcomp.layers.ops import ConvOp, GPT2Conv1DOp, LinearOp, Op, conv_op
 from actcomp.layers.own_forward import OwnForwardMode
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -48,7 +49,7 @@ def is_supported(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, *_CONVS)) or is_gpt2_conv1d(module)
 
 
-def _has_own_forward(base: type) -> bool:
+def _has_own_forward(base: type[nn.Module]) -> bool:
     """Whether ``base`` overrides the forward of the layer it derives from (timm's
     ``StdConv2d``, ``Conv2dSame``, QAT layers, a user's subclass)."""
     for plain in (nn.Linear, *_CONVS):
@@ -59,11 +60,12 @@ def _has_own_forward(base: type) -> bool:
     return base.forward is not conv1d.forward
 
 
-class CompressedLayer:
+class CompressedLayer(SwappedModule):
     """Mixin placed in front of the original class; see :func:`compress_layer`."""
 
+    weight: torch.Tensor
+    bias: torch.Tensor | None
     actcomp_pipeline: Pipeline
-    actcomp_base: type
     actcomp_own_forward: bool
     # Set by to_compressed: the qualified name (for errors) and whether a call that receives
     # the model's own input runs plain (first_layer="auto").
@@ -77,15 +79,15 @@ class CompressedLayer:
         # Meta tensors (deferred init, shape inference) hold no values to compress: the plain op
         # gives the same shapes and saves nothing of size.
         if x.is_meta or not (self.training and torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
-            return super().forward(x)  # type: ignore[misc]
+            return super().forward(x)
         return _compressed_forward(self, x)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, compress={self.actcomp_pipeline.spec!r}"  # type: ignore[misc]
+        return f"{super().extra_repr()}, compress={self.actcomp_pipeline.spec!r}"
 
-    def __reduce_ex__(self, protocol):
-        # Pickle as the plain base class plus state; unpickling re-applies the subclass.
-        return _rebuild_compressed, (type(self).actcomp_base,), self.__getstate__()
+    @classmethod
+    def swapped_attributes(cls, base: type[nn.Module]) -> dict[str, bool]:
+        return {"actcomp_own_forward": _has_own_forward(base)}
 
 
 def _skip_forward_frame_under_compile() -> None:
@@ -106,18 +108,19 @@ _skip_forward_frame_under_compile()
 
 
 @torch.compiler.disable
-def _compressed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _compressed_forward(module: CompressedLayer, x: torch.Tensor) -> torch.Tensor:
     # Compression has data-dependent sizes (how many values a sparsifier keeps), so under
     # torch.compile this is one graph break per compressed layer; the rest still compiles.
-    pipeline = module.actcomp_pipeline
+    pipeline: Pipeline | None = module.actcomp_pipeline
     if module.actcomp_plain_on_model_input and is_model_input(x):
         if x.requires_grad or not autocast_casts(x):
-            return super(CompressedLayer, module).forward(x)  # type: ignore[misc]
+            return super(CompressedLayer, module).forward(x)
         # Plain autocast would keep its low-precision copy of the caller's data; keep the data
         # itself (the caller does anyway) and cast it again in backward: exact, and no copy kept.
         pipeline = None
     if module.actcomp_own_forward:
         return _own_forward(module, x, pipeline)
+    op: Op
     if isinstance(module, _CONVS):
         op = conv_op(module.kernel_size, module.stride, module.padding, module.dilation, module.groups,
                      module.padding_mode, module._reversed_padding_repeated_twice)
@@ -135,38 +138,29 @@ def autocast_casts(x: torch.Tensor) -> bool:
             and x.is_floating_point() and x.dtype != torch.get_autocast_dtype(device_type))
 
 
-def _own_forward(module: nn.Module, x: torch.Tensor, pipeline: Pipeline | None) -> torch.Tensor:
+def _own_forward(module: CompressedLayer, x: torch.Tensor, pipeline: Pipeline | None) -> torch.Tensor:
     """Run the layer's own forward; its weight's linear/conv calls go through :func:`_apply`."""
     mode = OwnForwardMode(module, lambda op, x, weight, bias: _apply(module, op, x, weight, bias, pipeline))
     with mode:
-        out = super(CompressedLayer, module).forward(x)  # type: ignore[misc]
+        out = super(CompressedLayer, module).forward(x)
     # A frozen weight hides where it came from (no autograd graph), so only the weight itself is
     # matched then; nothing is lost by not compressing: correctness never depends on it.
     if mode.calls == 0 and module.weight.requires_grad:
-        _warn_uncompressed(module)
+        warn_once(
+            ("uncompressed own forward", type(module), module.actcomp_name),
+            f"layer {_describe(module)} has its own forward, and it made no linear/conv call on a weight "
+            "computed from the layer's (trainable) weight: it ran unchanged and nothing was compressed",
+            stacklevel=3,
+        )
     return out
 
 
-def _warn_uncompressed(module: nn.Module) -> None:
-    key = (type(module), module.actcomp_name)
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(
-            f"layer {_describe(module)} has its own forward, and it made no linear/conv call on a weight "
-            "computed from the layer's (trainable) weight: it ran unchanged and nothing was compressed",
-            stacklevel=4,
-        )
-
-
-_WARNED: set = set()
-
-
-def _describe(module: nn.Module) -> str:
+def _describe(module: CompressedLayer) -> str:
     kind = type(module).actcomp_base.__qualname__
     return f"{module.actcomp_name!r} ({kind})" if module.actcomp_name else f"of type {kind}"
 
 
-def _apply(module: nn.Module, op, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def _apply(module: CompressedLayer, op: Op, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            pipeline: Pipeline | None) -> torch.Tensor:
     """Run ``op`` through the compressed Function, as autocast would run it; errors name the layer.
     ``pipeline=None`` keeps ``x`` itself (the caller's data, under autocast)."""
@@ -188,36 +182,18 @@ def _apply(module: nn.Module, op, x: torch.Tensor, weight: torch.Tensor, bias: t
         raise ActcompError(f"in layer {where}, input of shape {tuple(x.shape)} {x.dtype}: {error}") from None
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
-def compressed_class(base: type) -> type:
-    """The (cached) compressed subclass of ``base``."""
-    if base not in _SUBCLASSES:
-        namespace = {"__module__": __name__, "actcomp_base": base, "actcomp_own_forward": _has_own_forward(base)}
-        _SUBCLASSES[base] = type(f"Compressed{base.__name__}", (CompressedLayer, base), namespace)
-    return _SUBCLASSES[base]
-
-
 def compress_layer(module: nn.Module, pipeline: Pipeline) -> None:
     """Make ``module`` (a supported layer) save ``pipeline``-compressed inputs, in place.
 
     A module that is already compressed just gets the new pipeline.
     """
-    if not isinstance(module, CompressedLayer):
-        module.__class__ = compressed_class(type(module))
-    module.actcomp_pipeline = pipeline
+    swap_class(module, CompressedLayer).actcomp_pipeline = pipeline
 
 
 def uncompress_layer(module: nn.Module) -> None:
     """Undo :func:`compress_layer`."""
-    if isinstance(module, CompressedLayer):
-        module.__class__ = type(module).actcomp_base
-        for attribute in ("actcomp_pipeline", "actcomp_name", "actcomp_plain_on_model_input"):
-            module.__dict__.pop(attribute, None)
+    unswap_class(module, CompressedLayer, ("actcomp_pipeline", "actcomp_name", "actcomp_plain_on_model_input"))
 
 
-def _rebuild_compressed(base: type) -> nn.Module:
-    module = base.__new__(base)
-    module.__class__ = compressed_class(base)
-    return module
+# Pickles made before the class swap was shared name this (with the base class as argument).
+_rebuild_compressed = functools.partial(rebuild_swapped, CompressedLayer)

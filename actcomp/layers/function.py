@@ -27,38 +27,56 @@ True
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch.autograd.function import FunctionCtx
 
+from actcomp.core.packed import PackedLayout
 from actcomp.core.pipeline import Packed, Pipeline
 from actcomp.errors import ActcompError
-from actcomp.graph.saved_tensors import saving_compressed_layer
+from actcomp.graph.saved_tensors import TensorCache, refuse_double_backward, saving_compressed_layer
 from actcomp.kernels.layouts import unbroadcast, with_layout_of
+from actcomp.layers.ops import Op
 
 # Layers that read one tensor with one pipeline (a ResNet block input read by conv1 and the
-# downsample conv; BERT's query, key and value projections) share one compressed copy. Keyed by
-# the id of the (uncast) input, held only while that tensor lives, checked by its version.
-_SHARED: dict[tuple, tuple[weakref.ref, int, Packed]] = {}
+# downsample conv; BERT's query, key and value projections) share one compressed copy of the
+# (uncast) input, held only while that tensor lives unmodified.
+_SHARED = TensorCache()
 
 
 def _compress_once(pipeline: Pipeline, uncast: torch.Tensor, x: torch.Tensor, channel_dim: int | None) -> Packed:
     """``pipeline.compress(x)``, reusing the packed copy made for the same input and spec."""
     if any(stage.draws_global_random for stage in pipeline.stages) or any(s is not None for s in pipeline.states):
         return pipeline.compress(x, channel_dim=channel_dim)
-    key = (id(uncast), pipeline.spec, x.dtype, channel_dim)
-    hit = _SHARED.get(key)
-    if hit is not None and hit[0]() is uncast and hit[1] == uncast._version:
-        return hit[2]
-    packed = pipeline.compress(x, channel_dim=channel_dim)
-    _SHARED[key] = (weakref.ref(uncast, lambda _: _SHARED.pop(key, None)), uncast._version, packed)
+    key = (pipeline.spec, x.dtype, channel_dim)
+    packed = _SHARED.get(uncast, key)
+    if packed is None:
+        packed = pipeline.compress(x, channel_dim=channel_dim)
+        _SHARED.put(uncast, key, packed)
     return packed
+
+
+class _Context(FunctionCtx):
+    """What the Function keeps on its autograd context (for type checking: autograd makes the
+    context, this class only names its attributes)."""
+
+    needs_input_grad: tuple[bool, ...]
+    saved_tensors: tuple[torch.Tensor, ...]
+    op: Op
+    pipeline: Pipeline | None
+    x_dtype: torch.dtype
+    compute_dtype: torch.dtype | None
+    where: str
+    x_like: torch.Tensor
+    # The input's packed layout; None when no packed copy is kept (no weight gradient, or recast).
+    layout: PackedLayout | None
+    # Whether the uncast input itself is kept, to be cast again in backward.
+    recast: bool
 
 
 class CompressedInputFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x, weight, bias, op, pipeline: Pipeline | None, compute_dtype, where):  # type: ignore[override]
+    def forward(ctx: _Context, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: Op,
+                pipeline: Pipeline | None, compute_dtype: torch.dtype | None, where: str) -> torch.Tensor:
         ctx.op, ctx.pipeline, ctx.x_dtype, ctx.where = op, pipeline, x.dtype, where
         ctx.compute_dtype = compute_dtype
         uncast = x
@@ -71,16 +89,16 @@ class CompressedInputFunction(torch.autograd.Function):
         ctx.x_like = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
         out = op.forward(x, weight, bias)
         needs_weight = ctx.needs_input_grad[1]
-        ctx.layout = None
+        ctx.layout, ctx.recast = None, False
         # The weight is a parameter (or autocast's cached cast of it): saving it costs nothing
         # extra, and convolution backward needs it even for the weight gradient alone.
         saved = [weight]
         if needs_weight and pipeline is None:
             # Recast mode: ``uncast`` is data the caller keeps anyway (the model's input); keeping
             # it costs nothing, and casting it again in backward gives autocast's copy exactly.
-            ctx.layout = "recast"
+            ctx.recast = True
             saved.append(uncast)
-        elif needs_weight:
+        elif needs_weight and pipeline is not None:
             packed = _compress_once(pipeline, uncast, unbroadcast(x), op.channel_dim)
             ctx.layout = packed.layout
             saved.extend(packed.tensors)
@@ -88,19 +106,16 @@ class CompressedInputFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        if torch.is_grad_enabled():
-            raise ActcompError(
-                "double backward (create_graph=True) through a compressed layer is not supported: its "
-                "weight gradient comes from a lossy copy of the input. Convert the model back with "
-                "actcomp.from_compressed(model), or leave this layer out of to_compressed"
-            )
+    def backward(ctx: _Context, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        refuse_double_backward("a compressed layer", "its weight gradient comes from a lossy copy of the input",
+                               "Convert the model back with actcomp.from_compressed(model), or leave this layer out "
+                               "of to_compressed")
         needs = ctx.needs_input_grad[:3]
         weight, *packed_tensors = ctx.saved_tensors
         x = None
-        if ctx.layout == "recast":
+        if ctx.recast:
             x = packed_tensors[0].to(ctx.compute_dtype)
-        elif ctx.layout is not None:
+        elif ctx.layout is not None and ctx.pipeline is not None:
             try:
                 x = ctx.pipeline.decompress(Packed(tuple(packed_tensors), ctx.layout))
             except ActcompError as error:
@@ -110,7 +125,7 @@ class CompressedInputFunction(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
-def compressed_apply(op, pipeline: Pipeline | None, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def compressed_apply(op: Op, pipeline: Pipeline | None, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      compute_dtype: torch.dtype | None = None, where: str = "(unnamed)"):
     """Apply ``op`` to ``(x, weight, bias)`` keeping only a compressed copy of ``x``.
 

@@ -195,6 +195,10 @@ class ConvOp:
         return grad_input
 
 
+# Every op the compressed Function runs.
+Op = LinearOp | GPT2Conv1DOp | ConvOp
+
+
 def _per_axis(value: int | Sequence[int], dims: int) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, Sequence) else (value,) * dims
 
@@ -212,7 +216,8 @@ def conv_op(kernel_size: Sequence[int], stride, padding, dilation, groups: int, 
     """
     dims = len(kernel_size)
     stride, dilation = _per_axis(stride, dims), _per_axis(dilation, dims)
-    pre_pad, pre_pad_mode = (), "constant"
+    pre_pad: tuple[int, ...] = ()
+    pre_pad_mode = "constant"
     if padding_mode != "zeros":
         pre_pad, pre_pad_mode = tuple(reversed_padding), padding_mode
         padding = (0,) * dims

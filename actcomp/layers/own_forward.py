@@ -44,7 +44,7 @@ def derives_from(tensor: torch.Tensor, parameter: torch.Tensor) -> bool:
     """
     if tensor is parameter:
         return True
-    pending, seen = [tensor.grad_fn], set()
+    pending, seen = [tensor.grad_fn], set[object]()
     while pending and len(seen) < _MAX_WEIGHT_NODES:
         node = pending.pop()
         if node is None or node in seen:

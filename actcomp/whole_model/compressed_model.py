@@ -62,43 +62,49 @@ import functools
 import inspect
 import threading
 import types
-import warnings
+from typing import Any
 
 import torch
 from torch import nn
 
-from actcomp.errors import ActcompError
+from actcomp.errors import WARNED, ActcompError, warn_once
+from actcomp.graph.module_surgery import (
+    SwappedModule,
+    rebuild_swapped,
+    remove_forward_hooks,
+    swap_class,
+    unswap_class,
+)
 from actcomp.graph.model_inputs import record_model_inputs, tensors_in
 from actcomp.graph.saved_tensors import (
     checkpoint_hooks_on_top,
     enter_running_module,
+    top_saved_tensors_hooks,
     tracking_scopes,
 )
 from actcomp.whole_model.policy import RestPolicy
 from actcomp.whole_model.session import _Session, _unpack
 
-_WARNED_FOREIGN: set = set()
 
-
-class CompressedModel:
+class CompressedModel(SwappedModule):
     """Mixin placed in front of the root model's class; see :func:`compress_whole_model`."""
 
     actcomp_rest: RestPolicy
-    actcomp_base: type
 
     def forward(self, *args, **kwargs):
         if not (self.training and torch.is_grad_enabled()):
             # Eval and no_grad save nothing: the plain forward, no saved-tensor hooks.
-            return super().forward(*args, **kwargs)  # type: ignore[misc]
+            return super().forward(*args, **kwargs)
         return _whole_model_forward(self, args, kwargs)
 
     def extra_repr(self) -> str:
-        base = super().extra_repr()  # type: ignore[misc]
+        base = super().extra_repr()
         rest = f"rest={str(self.actcomp_rest)!r}"
         return f"{base}, {rest}" if base else rest
 
-    def __reduce_ex__(self, protocol):
-        return _rebuild_compressed_model, (type(self).actcomp_base,), self.__getstate__()
+    @classmethod
+    def swapped_attributes(cls, base: type[nn.Module]) -> dict[str, Any]:
+        return {"forward": _forward_like(base)}
 
 
 class _Running(threading.local):
@@ -118,8 +124,8 @@ _RUNNING = _Running()
 # Storage keys, saved-tensor hooks and the op-kind mode are not traceable: under torch.compile a
 # whole-model forward runs eagerly (one graph break at the model's entry).
 @torch.compiler.disable
-def _whole_model_forward(module: nn.Module, args: tuple, kwargs: dict):
-    forward = super(CompressedModel, module).forward  # type: ignore[misc]
+def _whole_model_forward(module: CompressedModel, args: tuple, kwargs: dict):
+    forward = super(CompressedModel, module).forward
     if _RUNNING.owner is not None:
         return forward(*args, **kwargs)  # a whole-model inside another: the outer one's hooks decide
     try:
@@ -137,9 +143,15 @@ def _start(owner: nn.Module, policy: RestPolicy, excluded: list, model_class: ty
     _RUNNING.owner, _RUNNING.reentered = owner, 0
     if checkpoint_hooks_on_top():
         return  # checkpoint recomputes these tensors: nothing is stored
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    top = top_saved_tensors_hooks()
     if top is not None and not getattr(top[0], "actcomp_observer", False):
-        _warn_foreign_hooks(model_class, top[0])
+        warn_once(
+            ("foreign saved-tensor hooks", model_class),
+            f"whole-model compression is off for this forward: other saved-tensor hooks "
+            f"({getattr(top[0], '__qualname__', top[0])}) are active and would be overridden; Linear/Conv layers "
+            "are still compressed",
+            stacklevel=3,
+        )
         return
     session = _Session(policy, excluded)
     close = contextlib.ExitStack()
@@ -162,16 +174,6 @@ def _finish() -> None:
         close.close()
 
 
-def _warn_foreign_hooks(model_class: type, pack) -> None:
-    if model_class not in _WARNED_FOREIGN:
-        _WARNED_FOREIGN.add(model_class)
-        warnings.warn(
-            f"whole-model compression is off for this forward: other saved-tensor hooks ({getattr(pack, '__qualname__', pack)}) "
-            "are active and would be overridden; Linear/Conv layers are still compressed",
-            stacklevel=4,
-        )
-
-
 # Entry points other than the root's forward. A converted model's submodules can be called from
 # outside it: timm's ``model.forward_head(model.forward_features(x))``, a wrapper calling
 # ``model.blocks(...)``, ``model.blocks[0](x)``. Each submodule carries a pre-hook that starts a
@@ -184,7 +186,7 @@ def _enter_submodule(policy: RestPolicy, model_class: type, module: nn.Module, a
     if torch.compiler.is_compiling():
         # Dynamo traces module hooks into the graph, where no session can run: an eval forward
         # compiles as before; a compiled training call that enters here is told once.
-        if module.training and torch.is_grad_enabled() and not _COMPILED_ENTRY_WARNED:
+        if module.training and torch.is_grad_enabled() and _COMPILED_ENTRY not in WARNED:
             _warn_compiled_entry(model_class)
         return
     owner = _RUNNING.owner
@@ -222,17 +224,16 @@ def _leave_submodule(module: nn.Module, args: tuple, output) -> None:
     _finish()
 
 
-# Read by the traced pre-hook: dynamo guards on its value, so after the one warning (and one
-# recompilation) compiled code calls the warning no more; a call each time would be a graph break
-# at every submodule.
-_COMPILED_ENTRY_WARNED = False
+# Read by the traced pre-hook: dynamo guards on whether the key is in the set, so after the one
+# warning (and one recompilation) compiled code calls the warning no more; a call each time would
+# be a graph break at every submodule.
+_COMPILED_ENTRY = "whole-model entry under torch.compile"
 
 
 @torch.compiler.disable
 def _warn_compiled_entry(model_class: type) -> None:
-    global _COMPILED_ENTRY_WARNED
-    _COMPILED_ENTRY_WARNED = True
-    warnings.warn(
+    warn_once(
+        _COMPILED_ENTRY,
         f"whole-model compression is off for a {model_class.__name__} submodule called inside torch.compile: "
         "only the model's own forward runs whole-model mode there (eagerly); Linear/Conv layers are still "
         "compressed",
@@ -240,18 +241,7 @@ def _warn_compiled_entry(model_class: type) -> None:
     )
 
 
-_MODEL_CLASSES: dict[type, type] = {}
-
-
-def compressed_model_class(base: type) -> type:
-    """The (cached) whole-model subclass of ``base``."""
-    if base not in _MODEL_CLASSES:
-        namespace = {"__module__": __name__, "actcomp_base": base, "forward": _forward_like(base)}
-        _MODEL_CLASSES[base] = type(f"Compressed{base.__name__}", (CompressedModel, base), namespace)
-    return _MODEL_CLASSES[base]
-
-
-def _forward_like(base: type):
+def _forward_like(base: type[nn.Module]):
     """:meth:`CompressedModel.forward` with ``base.forward``'s docstring and signature.
 
     Callers read the signature: Hugging Face's Trainer passes on only the batch keys that
@@ -283,11 +273,10 @@ def compress_whole_model(model: nn.Module, policy: RestPolicy) -> None:
     """Make ``model``'s training forward compress every saved tensor per ``policy``, in place,
     and its submodules' too when they are called from outside it."""
     check_whole_model_root(model)
-    if not isinstance(model, CompressedModel):
-        model.__class__ = compressed_model_class(type(model))
-    model.actcomp_rest = policy
+    root = swap_class(model, CompressedModel)
+    root.actcomp_rest = policy
     _remove_entry_hooks(model)  # a root was maybe a submodule of another converted model
-    enter = functools.partial(_enter_submodule, policy, type(model).actcomp_base)
+    enter = functools.partial(_enter_submodule, policy, type(root).actcomp_base)
     for module in _entry_modules(model):
         _remove_entry_hooks(module)  # converting again replaces the policy, never adds hooks
         module.register_forward_pre_hook(enter, with_kwargs=True)
@@ -300,8 +289,7 @@ def uncompress_whole_model(model: nn.Module) -> None:
     if isinstance(model, CompressedModel):
         for module in _entry_modules(model):
             _remove_entry_hooks(module)
-        model.__class__ = type(model).actcomp_base
-        model.__dict__.pop("actcomp_rest", None)
+    unswap_class(model, CompressedModel, ("actcomp_rest",))
 
 
 def _entry_modules(model: nn.Module):
@@ -314,19 +302,12 @@ def _entry_modules(model: nn.Module):
 
 
 def _remove_entry_hooks(module: nn.Module) -> None:
-    # Found by identity rather than through kept handles: handles do not follow the model through
-    # deepcopy or pickle, the hooks themselves do.
-    for hook_id, hook in list(module._forward_pre_hooks.items()):
-        if getattr(hook, "func", None) is _enter_submodule:
-            del module._forward_pre_hooks[hook_id]
-            module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
-    for hook_id, hook in list(module._forward_hooks.items()):
-        if hook is _leave_submodule:
-            del module._forward_hooks[hook_id]
-            module._forward_hooks_always_called.pop(hook_id, None)
+    remove_forward_hooks(module, _is_entry_hook)
 
 
-def _rebuild_compressed_model(base: type) -> nn.Module:
-    module = base.__new__(base)
-    module.__class__ = compressed_model_class(base)
-    return module
+def _is_entry_hook(hook) -> bool:
+    return hook is _leave_submodule or getattr(hook, "func", None) is _enter_submodule
+
+
+# Pickles made before the class swap was shared name this (with the base class as argument).
+_rebuild_compressed_model = functools.partial(rebuild_swapped, CompressedModel)
