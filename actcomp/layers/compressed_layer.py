@@ -23,8 +23,8 @@ from torch import nn
 
 from actcomp.core.pipeline import Pipeline
 from actcomp.errors import ActcompError, warn_once
-from actcomp.graph.module_surgery import SwappedModule, rebuild_swapped, swap_class, unswap_class
 from actcomp.graph.model_inputs import is_model_input
+from actcomp.graph.module_surgery import SwappedModule, rebuild_swapped, swap_class, unswap_class
 from actcomp.layers.function import compressed_apply
 from actcomp.layers.ops import ConvOp, GPT2Conv1DOp, LinearOp, Op, conv_op
 from actcomp.layers.own_forward import OwnForwardMode

@@ -68,6 +68,7 @@ import torch
 from torch import nn
 
 from actcomp.errors import WARNED, ActcompError, warn_once
+from actcomp.graph.model_inputs import record_model_inputs, tensors_in
 from actcomp.graph.module_surgery import (
     SwappedModule,
     rebuild_swapped,
@@ -75,7 +76,6 @@ from actcomp.graph.module_surgery import (
     swap_class,
     unswap_class,
 )
-from actcomp.graph.model_inputs import record_model_inputs, tensors_in
 from actcomp.graph.saved_tensors import (
     checkpoint_hooks_on_top,
     enter_running_module,

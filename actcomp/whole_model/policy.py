@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from actcomp.core.pipeline import Pipeline, parse
+from actcomp.core.pipeline import Pipeline, as_pipeline, parse
 from actcomp.errors import ActcompError
 
 LOSSY_KINDS = ("activation", "normalization", "attention", "other")
@@ -158,12 +158,7 @@ def _rest_pipeline(rest: str | Pipeline) -> Pipeline:
 
 
 def _lossy_pipeline(spec: str | Pipeline, where: str) -> Pipeline:
-    if isinstance(spec, Pipeline):
-        pipeline = spec
-    elif isinstance(spec, str):
-        pipeline = parse(spec)
-    else:
-        raise ActcompError(f"{where}: expected a spec string, a Pipeline or None, got {type(spec).__name__}: {spec!r}")
+    pipeline = as_pipeline(spec, where, "a spec string, a Pipeline or None")
     # Stochastic rounding has generators of its own; a stage drawing from the global one would
     # shift every later random op of the forward (dropout masks) away from plain PyTorch's.
     random = [stage.name for stage in pipeline.stages if stage.draws_global_random]

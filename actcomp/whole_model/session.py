@@ -13,7 +13,6 @@ registered codec plus one :func:`register_op_codec` call, from the library or fr
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple
@@ -26,14 +25,16 @@ from actcomp.core.registry import codec_class
 from actcomp.errors import ActcompError
 from actcomp.graph.op_kinds import register_function, unregister_function
 from actcomp.graph.saved_tensors import (
-    Scope,
     SavedEvent,
+    Scope,
+    TensorCache,
     announce,
     in_compressed_layer,
     innermost_kind,
     is_parameter,
     is_parameter_copy,
     listened,
+    refuse_double_backward,
 )
 from actcomp.kernels.layouts import dense_strides_like, local_part, storage_key
 from actcomp.whole_model.derivative_codes import DerivativeCode
@@ -93,10 +94,9 @@ class _Session:
         # Buffers and the caller's data stay alive anyway: a compressed copy would only add bytes.
         self.excluded = {storage_key(t) for t in excluded}
         self.excluded.discard(None)
-        # (id of the saved tensor, codec choice) -> (weak reference, version, compressed form):
-        # one tensor saved twice under one choice (RMSNorm's input, by pow and by mul) is
-        # compressed once.
-        self.cache: dict[tuple[int, CodecChoice], tuple[weakref.ref, int, _Compressed]] = {}
+        # (saved tensor, codec choice) -> compressed form: one tensor saved twice under one
+        # choice (RMSNorm's input, by pow and by mul) is compressed once.
+        self.cache = TensorCache()
 
     def close(self) -> None:
         """Forget the forward's tensors: the saved variables alone now decide what stays alive."""
@@ -133,13 +133,11 @@ class _Session:
         # The key is everything the codec reads besides the tensor's values (its settings: a
         # clamp's range, GELU's approximation, a pool's geometry, a norm's unit), so two saves
         # of one tensor under one op with other arguments never share a code.
-        key = (id(tensor), choice)
-        hit = self.cache.get(key)
-        if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
-            return hit[2]
-        kept = choice.encode(tensor)
-        if kept is not None:
-            self.cache[key] = (weakref.ref(tensor), tensor._version, kept)
+        kept = self.cache.get(tensor, choice)
+        if kept is None:
+            kept = choice.encode(tensor)
+            if kept is not None:
+                self.cache.put(tensor, choice, kept)
         return kept
 
 
@@ -420,12 +418,9 @@ def _grouped_by_rows(pipeline: Pipeline, row: int) -> Pipeline | None:
 def _unpack(holder) -> torch.Tensor:
     if isinstance(holder, _AsIs):
         return holder.unpack()
-    if torch.is_grad_enabled():
-        raise ActcompError(
-            "double backward (create_graph=True) through a whole-model compressed tensor is not supported: the "
-            "saved tensor is rebuilt from its compressed form, without its autograd history. Convert the model "
-            "back with actcomp.from_compressed(model) for this computation"
-        )
+    refuse_double_backward("a whole-model compressed tensor",
+                           "the saved tensor is rebuilt from its compressed form, without its autograd history",
+                           "Convert the model back with actcomp.from_compressed(model) for this computation")
     return holder.unpack()
 
 
