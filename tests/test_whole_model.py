@@ -1186,3 +1186,33 @@ def test_large_tensors_are_quantized_in_chunks_with_the_same_groups(monkeypatch)
 def test_a_bad_rest_string_names_the_presets(rest, message):
     with pytest.raises(actcomp.ActcompError, match=message):
         actcomp.to_compressed(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), "int8", rest=rest)
+
+
+@pytest.mark.parametrize("rest", ["8bit", None])
+def test_hook_ids_from_another_process_do_not_misroute_the_global_scope_hooks(rest):
+    # Hook ids live in a module's dicts; a pickled model keeps the ids of the process that made
+    # it. torch calls a *global* module hook with kwargs when its id is in the module's
+    # with-kwargs set: a loaded model's entry hooks (or a user's own kwargs hook) then met
+    # actcomp's scope hooks as "_enter_module() takes 2 positional arguments but 3 were given".
+    from torch.utils.hooks import RemovableHandle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    model = actcomp.to_compressed(model, "mink0.9+int8", **({} if rest is None else {"rest": rest}))
+    for module in model.modules():
+        module.register_forward_pre_hook(lambda module, args, kwargs: None, with_kwargs=True)
+        module.register_forward_hook(lambda module, args, kwargs, output: None, with_kwargs=True)
+        # The ids the next registrations (the global scope hooks) will get, as a loaded pickle may hold.
+        for hooks, with_kwargs in ((module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs),
+                                   (module._forward_hooks, module._forward_hooks_with_kwargs)):
+            for offset, hook_id in enumerate(list(hooks)):
+                hooks[RemovableHandle.next_id + offset] = hooks.pop(hook_id)
+                if hook_id in with_kwargs:
+                    with_kwargs[RemovableHandle.next_id + offset] = with_kwargs.pop(hook_id)
+    model.train()
+    x = torch.randn(2, 3, 8, 8)
+    if rest is None:
+        assert actcomp.memory_report(model, x).rows
+    else:
+        model(x).sum().backward()
+        assert all(parameter.grad is not None for parameter in model.parameters())

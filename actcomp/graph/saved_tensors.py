@@ -99,12 +99,15 @@ def _largest_numel(values) -> int:
     return max((tensor.numel() for tensor in tensors_in(values)), default=0)
 
 
-def _enter_module(module: nn.Module, args: tuple) -> None:
+# The global hooks take what a with-kwargs hook is given too: torch passes it to a global hook
+# whose id a module's own with-kwargs hooks also use (ids come from one counter per process,
+# and a module unpickled from another process keeps that process's ids).
+def _enter_module(module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
     if _STATE.tracking:
         _STATE.scopes.append(Scope(module_kind(module), module=module, reference=_largest_numel(args)))
 
 
-def _leave_module(module: nn.Module, args: tuple, output: Any) -> None:
+def _leave_module(module: nn.Module, args: tuple, *kwargs_and_output: Any) -> None:
     if not _STATE.tracking:
         return
     scopes = _STATE.scopes
