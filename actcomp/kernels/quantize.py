@@ -67,9 +67,10 @@ def quantize_affine(x: torch.Tensor, bits: int, group: int,
     offset = low.to(x.dtype)
     step = scale.float().unsqueeze(1)
     inverse_step = 1 / torch.where(step > 0, step, 1.0)
-    # codes = floor((x - min) / step + u): one fused multiply-add onto the noise, and the
-    # uint8 cast truncates, which is floor for the clamped, non-negative values.
-    codes = torch.addcmul(noise, values - low.unsqueeze(1), inverse_step).clamp_(0, levels)
+    # codes = floor((x - min) / step + u); the uint8 cast truncates, which is floor for the
+    # clamped, non-negative values. A multiply then an add, each rounded, never a fused
+    # multiply-add: eager addcmul fuses, compiled code does not, and a code could differ.
+    codes = (values - low.unsqueeze(1)).mul_(inverse_step).add_(noise).clamp_(0, levels)
     # Through int16: float -> uint8 is not vectorized on CPU, float -> int16 -> uint8 is (4x).
     return pack_codes(codes.view(-1)[:count].to(torch.int16).to(torch.uint8), bits), offset, scale
 
@@ -82,6 +83,8 @@ def dequantize_affine(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Te
     unpacked = unpack_codes(codes, bits, count).float()
     if count % group:
         unpacked = torch.cat([unpacked, unpacked.new_zeros(groups * group - count)])
+    # The product of an 8-bit code and a bf16 scale is exact in float32, so fused or not,
+    # eager or compiled, the sum is rounded once.
     values = torch.addcmul(offset.float().unsqueeze(1), unpacked.view(groups, group), scale.float().unsqueeze(1))
     # The rounded-up scale can step past the dtype's largest value; saturate.
     limit = torch.finfo(dtype).max
