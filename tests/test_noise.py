@@ -127,11 +127,11 @@ def test_the_noise_is_uniform_on_0_1_with_mean_one_half_and_variance_one_twelfth
 @pytest.mark.parametrize("lag", [1, 2, 8, 256, 384, 197 * 384, PERIOD - 1, PERIOD, PERIOD + 1, 3 * PERIOD])
 def test_no_pattern_follows_the_shape(lag):
     # Elements a channel, a token, an image or a period apart: uncorrelated noise (std of the
-    # correlation over n pairs ~ 1/sqrt(n)), and almost never the very same draw.
+    # correlation ~ 1/sqrt(n), n = PERIOD distinct draws), and almost never the very same draw.
     noise = RoundingNoise(torch.randn(1000)).slice(0, 16 * PERIOD)
     first, second = noise[:-lag], noise[lag:]
 
-    assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 5 / first.numel() ** 0.5
+    assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 5 / PERIOD**0.5
     assert float((first == second).double().mean()) < 0.001
 
 

@@ -55,27 +55,36 @@ PERIOD = 2**16
 # Elements of the values read to seed the noise: enough that any change of the values
 # a training step makes shows up, few enough to cost nothing.
 FINGERPRINT_SAMPLE = 1024
-ROTATION_KEY = 0x9E3779B9
+# Below 2**31, so it fits an int32 index too.
+ROTATION_KEY = 0x1E3779B9
 
 _LOW32 = 2**32 - 1
 # Same-size integer views of float dtypes: their bit patterns sum exactly.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def lowbias32(value):
-    """Chris Wellons' lowbias32 finaliser of a 32-bit value held in a Python int or an int64 tensor.
+def lowbias32_(value):
+    """Chris Wellons' lowbias32 finaliser of 32 bits, held in a Python int, an int64 tensor
+    (values in [0, 2**32)) or an int32 tensor (the same bits, half the bytes); tensors are
+    hashed in place.
 
-    Written so it never overflows int64: shifts see non-negative values, and the second
-    multiplier is used as its negative 32-bit twin, whose product agrees modulo 2**32.
+    Never overflows int64: shifts are masked to be logical, and the second multiplier is used
+    as its negative 32-bit twin, whose product agrees modulo 2**32. int32 products wrap.
 
-    >>> lowbias32(1), int(lowbias32(torch.tensor(1)))
-    (1753845952, 1753845952)
+    >>> lowbias32_(1), int(lowbias32_(torch.tensor(1))), int(lowbias32_(torch.tensor(1, dtype=torch.int32)))
+    (1753845952, 1753845952, 1753845952)
     """
-    value = value ^ (value >> 16)
-    value = (value * 0x7FEB352D) & _LOW32
-    value = value ^ (value >> 15)
-    value = (value * (0x846CA68B - 2**32)) & _LOW32
-    return value ^ (value >> 16)
+    wide = not (isinstance(value, torch.Tensor) and value.dtype == torch.int32)
+    value ^= (value >> 16) & 0xFFFF
+    value *= 0x7FEB352D
+    if wide:
+        value &= _LOW32
+    value ^= (value >> 15) & 0x1FFFF
+    value *= 0x846CA68B - 2**32
+    if wide:
+        value &= _LOW32
+    value ^= (value >> 16) & 0xFFFF
+    return value
 
 
 def _fold32(value):
@@ -91,18 +100,19 @@ def noise_seed(x: torch.Tensor) -> torch.Tensor:
     >>> bool(noise_seed(x) == noise_seed(x.clone())), bool(noise_seed(x) == noise_seed(x + 1))
     (True, False)
     """
-    mixed = lowbias32(_fold32(_fingerprint(x)) ^ _initial_seed_bits(x.device))
-    return lowbias32((mixed + x.numel()) & _LOW32)
+    return lowbias32_(_fold32(_fingerprint(x)) ^ _seed_and_size_bits(x.device, x.numel()))
 
 
 def noise_at(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The noise of the flat elements at ``index`` (int64, below 2**48): float32 in [0, 1), one
-    element at a time, as a compiled kernel computes it.
+    """The noise of the flat elements at ``index`` (int32, or int64 below 2**48): float32 in
+    [0, 1), one element at a time, as a compiled kernel computes it. int32 gives the same values
+    with half the bytes per lane.
 
-    >>> noise_at(torch.tensor(7), torch.arange(3))
-    tensor([0.0999, 0.9785, 0.9585])
+    >>> wide = noise_at(torch.tensor(7), torch.arange(3))
+    >>> wide, torch.equal(noise_at(torch.tensor(7), torch.arange(3, dtype=torch.int32)), wide)
+    (tensor([0.4046, 0.2081, 0.5993]), True)
     """
-    return _to_unit(lowbias32(((index + _rotation(index >> 16)) & (PERIOD - 1)) ^ seed))
+    return _seeded_round(seed, ((index & (PERIOD - 1)) + _rotation(index >> 16)) & (PERIOD - 1))
 
 
 class RoundingNoise:
@@ -116,40 +126,51 @@ class RoundingNoise:
 
     def __init__(self, x: torch.Tensor):
         self.seed = noise_seed(x)
-        self._doubled_table: torch.Tensor | None = None
+        self._seeded_round: torch.Tensor | None = None
 
     def slice(self, start: int, count: int) -> torch.Tensor:
         """The noise of flat elements ``start`` to ``start + count``."""
         if torch.compiler.is_compiling():
             # In the kernel, per element: no table, no loop over a symbolic number of periods.
-            return noise_at(self.seed, torch.arange(start, start + count, device=self.seed.device))
+            dtype = torch.int32 if start + count <= 2**31 else torch.int64
+            return noise_at(self.seed, torch.arange(start, start + count, dtype=dtype, device=self.seed.device))
         table = self._table()
         pieces = []
         position, stop = start, start + count
         while position < stop:
             period, within = divmod(position, PERIOD)
-            length = min(PERIOD - within, stop - position)
-            begin = _rotation(period) + within
+            begin = (_rotation(period) + within) % PERIOD
+            # Up to the end of the period or of the table, whichever comes first.
+            length = min(PERIOD - within, PERIOD - begin, stop - position)
             pieces.append(table[begin:begin + length])
             position += length
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _table(self) -> torch.Tensor:
-        """The seeded round over one period, twice over, so any rotation of it is one slice."""
-        if self._doubled_table is None:
-            table = _to_unit(lowbias32(torch.arange(PERIOD, device=self.seed.device) ^ self.seed))
-            self._doubled_table = torch.cat([table, table])
-        return self._doubled_table
+        """The seeded round over one period, made on first use."""
+        if self._seeded_round is None:
+            # In int32: half the bytes of int64, and this is the eager path's one hash.
+            indices = torch.arange(PERIOD, dtype=torch.int32, device=self.seed.device)
+            self._seeded_round = _seeded_round(self.seed, indices)
+        return self._seeded_round
+
+
+def _seeded_round(seed: torch.Tensor, rotated: torch.Tensor) -> torch.Tensor:
+    """The noise at places ``rotated`` (int32 or int64, below :data:`PERIOD`) of the table."""
+    # An int64 seed of 2**31 or more wraps to the int32 with the same 32 bits.
+    return _to_unit(lowbias32_(rotated ^ seed.to(rotated.dtype)))
 
 
 def _rotation(period):
-    """Where period number ``period`` (an int, or an int64 tensor) starts reading the seeded round."""
-    return lowbias32((period & _LOW32) ^ ROTATION_KEY) & (PERIOD - 1)
+    """Where period number ``period`` (an int or an int tensor, below 2**32) starts reading the table."""
+    return lowbias32_(period ^ ROTATION_KEY) & (PERIOD - 1)
 
 
 def _to_unit(hashed: torch.Tensor) -> torch.Tensor:
     """The top 24 of 32 hashed bits as float32 in [0, 1): every value exact, steps of 2**-24."""
-    return (hashed >> 8).to(torch.float32) * 2**-24
+    hashed >>= 8
+    hashed &= 0xFFFFFF  # an int32's shift drags its sign along
+    return hashed.to(torch.float32).mul_(2**-24)
 
 
 def _fingerprint(x: torch.Tensor) -> torch.Tensor:
@@ -166,20 +187,24 @@ def _fingerprint(x: torch.Tensor) -> torch.Tensor:
     return sample.view(_BITS[x.element_size()]).sum(dtype=torch.int64)
 
 
-def _initial_seed_bits(device: torch.device) -> int | torch.Tensor:
-    """``torch.initial_seed()`` mixed to 32 bits: a Python int in eager code; in compiled code
-    the output of a custom op, which reads the seed each time the graph runs (the compiler
-    cannot trace the read, and would freeze a constant at its value when compiling)."""
+def _seed_and_size_bits(device: torch.device, count: int) -> int | torch.Tensor:
+    """``torch.initial_seed()`` and a tensor's size mixed to 32 bits: a Python int in eager code;
+    in compiled code the output of a custom op, which reads the seed each time the graph runs
+    (the compiler cannot trace the read, and would freeze a constant at its value when compiling)."""
     if torch.compiler.is_compiling():
-        return _initial_seed_tensor(device)
-    return lowbias32(_fold32(torch.initial_seed()))
+        return _seed_and_size_tensor(device, count)
+    return _mix_seed_and_size(count)
 
 
-@torch.library.custom_op("actcomp::initial_seed_bits", mutates_args=())
-def _initial_seed_tensor(device: torch.device) -> torch.Tensor:
-    return torch.tensor(lowbias32(_fold32(torch.initial_seed())), dtype=torch.int64, device=device)
+def _mix_seed_and_size(count: int) -> int:
+    return lowbias32_(_fold32(torch.initial_seed()) ^ lowbias32_(_fold32(count)))
 
 
-@_initial_seed_tensor.register_fake
-def _(device: torch.device) -> torch.Tensor:
+@torch.library.custom_op("actcomp::seed_and_size_bits", mutates_args=())
+def _seed_and_size_tensor(device: torch.device, count: int) -> torch.Tensor:
+    return torch.tensor(_mix_seed_and_size(count), dtype=torch.int64, device=device)
+
+
+@_seed_and_size_tensor.register_fake
+def _(device: torch.device, count: int) -> torch.Tensor:
     return torch.empty((), dtype=torch.int64, device=device)
