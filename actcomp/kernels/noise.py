@@ -139,19 +139,19 @@ class RoundingNoise:
         position, stop = start, start + count
         while position < stop:
             period, within = divmod(position, PERIOD)
-            begin = (_rotation(period) + within) % PERIOD
-            # Up to the end of the period or of the table, whichever comes first.
-            length = min(PERIOD - within, PERIOD - begin, stop - position)
+            begin = _rotation(period) + within
+            length = min(PERIOD - within, stop - position)
             pieces.append(table[begin:begin + length])
             position += length
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _table(self) -> torch.Tensor:
-        """The seeded round over one period, made on first use."""
+        """The seeded round over one period, twice over so any rotation of it is one slice; made on first use."""
         if self._seeded_round is None:
             # In int32: half the bytes of int64, and this is the eager path's one hash.
             indices = torch.arange(PERIOD, dtype=torch.int32, device=self.seed.device)
-            self._seeded_round = _seeded_round(self.seed, indices)
+            table = _seeded_round(self.seed, indices)
+            self._seeded_round = torch.cat([table, table])
         return self._seeded_round
 
 
