@@ -8,8 +8,10 @@ CPU a chunk of :data:`CPU_CHUNK` elements stays in cache between the few operati
 so a chunked stage reads the tensor from memory about once.
 
 On CUDA, each operation is a kernel launch, so chunks are larger: at least :data:`CUDA_CHUNK`
-elements and at most an eighth of the tensor, so the temporaries stay a small share of it. Compiled code runs one chunk, the whole tensor:
-Inductor fuses the operations into kernels that keep no temporaries.
+elements and at most an eighth of the tensor, so the temporaries stay a small share of it.
+
+Compiled code runs the whole tensor as one chunk: Inductor fuses the operations into kernels
+that keep no temporaries.
 
 >>> list(spans(10, 4))
 [(0, 4), (4, 8), (8, 10)]

@@ -30,9 +30,10 @@ The seeded round sees only 16 varying bits, so eager code evaluates it once per 
 table of :data:`PERIOD` values and reads each period as one slice of the table rotated by an
 offset computed in Python: hashing every element costs as much as the whole rounding (9x a
 ``clone``), a table slice costs nothing. Compiled code hashes each element in the kernel.
-Every element gets a U[0, 1) draw, so rounding stays unbiased; two elements share a draw only
-when their periods' rotations happen to line them up, never in a pattern that follows the
-tensor's shape (a channel, a token, a repeated image).
+Every element gets a U[0, 1) draw, so rounding stays unbiased. A tensor's noise takes
+:data:`PERIOD` distinct values, each period a rotation of them, as the table of random draws
+before it did; two elements share a draw only when their periods' rotations happen to line
+them up, never in a pattern that follows the tensor's shape (a channel, a token, an image).
 
 >>> import torch
 >>> x = torch.randn(1000)
@@ -126,7 +127,7 @@ class RoundingNoise:
 
     def __init__(self, x: torch.Tensor):
         self.seed = noise_seed(x)
-        self._seeded_round: torch.Tensor | None = None
+        self._doubled_table: torch.Tensor | None = None
 
     def slice(self, start: int, count: int) -> torch.Tensor:
         """The noise of flat elements ``start`` to ``start + count``."""
@@ -146,13 +147,13 @@ class RoundingNoise:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _table(self) -> torch.Tensor:
-        """The seeded round over one period, twice over so any rotation of it is one slice; made on first use."""
-        if self._seeded_round is None:
+        """The seeded round over one period, twice over so that any rotation of it is one slice."""
+        if self._doubled_table is None:
             # In int32: half the bytes of int64, and this is the eager path's one hash.
             indices = torch.arange(PERIOD, dtype=torch.int32, device=self.seed.device)
             table = _seeded_round(self.seed, indices)
-            self._seeded_round = torch.cat([table, table])
-        return self._seeded_round
+            self._doubled_table = torch.cat([table, table])
+        return self._doubled_table
 
 
 def _seeded_round(seed: torch.Tensor, rotated: torch.Tensor) -> torch.Tensor:
