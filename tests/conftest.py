@@ -48,6 +48,7 @@ FULL_TIER = {
     "test_codecs.py::test_codec_encode_and_decode_compile_to_the_eager_codes": "torch.compile",
     "test_entry_points.py::test_torch_compile_traces_the_hooks_away_and_warns_once_for_a_compiled_training_entry":
         "torch.compile",
+    "test_quantizers.py::test_encode_and_decode_compile_to_the_eager_codes": "torch.compile",
 }
 
 # Sweeps over the zoo: the default tier runs them on the models in zoo.FAST_ZOO_IDS only. Tests

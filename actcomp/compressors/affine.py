@@ -39,74 +39,85 @@ from actcomp.kernels.noise import RoundingNoise
 from actcomp.kernels.quantize import dequantize_affine, grouped_shape, quantize_affine
 
 
+@dataclass(frozen=True)
 class GroupQuant(Compressor):
-    """Shared implementation; the registered stages are :class:`Int8`, :class:`Int4`, :class:`Int2`.
+    """Per-group affine codes of ``bits`` bits; the registered widths are :class:`Int8`,
+    :class:`Int4` and :class:`Int2`, each a name bound to a width.
 
     Encodes and decodes a chunk at a time (:mod:`~actcomp.kernels.chunks`), in whole
     groups and bytes: the groups, codes and noise are those of one whole-tensor call.
+
+    >>> packed = Int2(group=4).compress(torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    >>> packed.tensors[-1], Int2(group=4).decompress(packed)
+    (tensor([228], dtype=torch.uint8), tensor([0., 1., 2., 3.]))
     """
 
     kind = "quantizer"
-    bits: ClassVar[int] = 8
+    bits: ClassVar[int]
+    group: int = setting(256, minimum=1)
 
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
-        group = self.group  # type: ignore[attr-defined]
+        group, bits = self.group, self.bits
         flat = x.reshape(-1)
         count = flat.numel()
-        noise = RoundingNoise(flat, group)
-        length = aligned_length(flat.device, count, noise.period, 8)
-        codes = torch.empty(packed_size(count, self.bits), dtype=torch.uint8, device=flat.device)
+        noise = RoundingNoise(flat)
+        codes = torch.empty(packed_size(count, bits), dtype=torch.uint8, device=flat.device)
         groups = grouped_shape(count, group)[0]
         offset = torch.empty(groups, dtype=flat.dtype, device=flat.device)
         scale = torch.empty(groups, dtype=torch.bfloat16, device=flat.device)
-        for start, stop in spans(count, length):
+        for start, stop in spans(count, aligned_length(flat.device, count, group, 8)):
             shape = grouped_shape(stop - start, group)
             part_noise = noise.slice(start, shape[0] * group).view(shape)
-            part_codes, part_offset, part_scale = quantize_affine(flat[start:stop], self.bits, group, part_noise)
-            first = start * self.bits // 8
+            part_codes, part_offset, part_scale = quantize_affine(flat[start:stop], bits, group, part_noise)
+            first, first_group = start * bits // 8, start // group
             codes[first:first + part_codes.numel()] = part_codes
-            offset[start // group:start // group + shape[0]] = part_offset
-            scale[start // group:start // group + shape[0]] = part_scale
+            offset[first_group:first_group + shape[0]] = part_offset
+            scale[first_group:first_group + shape[0]] = part_scale
         return Encoded(codes, (offset, scale), (x.shape, x.dtype))
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
         shape, dtype = meta
         offset, scale = saved
-        group, bits, count = self.group, self.bits, shape.numel()  # type: ignore[attr-defined]
+        group, bits, count = self.group, self.bits, shape.numel()
         out = torch.empty(count, dtype=dtype, device=payload.device)
         for start, stop in spans(count, aligned_length(payload.device, count, group, 8)):
-            first, groups = start * bits // 8, grouped_shape(stop - start, group)[0]
+            first, first_group, groups = start * bits // 8, start // group, grouped_shape(stop - start, group)[0]
             out[start:stop] = dequantize_affine(
-                payload[first:first + packed_size(stop - start, bits)], offset[start // group:start // group + groups],
-                scale[start // group:start // group + groups], bits, group, torch.Size([stop - start]), dtype)
+                payload[first:first + packed_size(stop - start, bits)], offset[first_group:first_group + groups],
+                scale[first_group:first_group + groups], bits, group, torch.Size([stop - start]), dtype)
         return out.view(shape)
 
 
+# The registered widths: a name and a width each, all behaviour in GroupQuant. They are classes,
+# so `Int4(group=64)`, `isinstance(stage, Int8)` and pickles that name `affine.Int8` keep working.
 @register_compressor
-@dataclass(frozen=True)
 class Int8(GroupQuant):
-    """8-bit per-group quantization (1 byte per value)."""
+    """``int8``: 1 byte per value.
 
-    name = "int8"
-    bits = 8
-    group: int = setting(256, minimum=1)
+    >>> Int8(group=64)
+    Int8(group=64)
+    """
+
+    name, bits = "int8", 8
 
 
 @register_compressor
-@dataclass(frozen=True)
 class Int4(GroupQuant):
-    """4-bit per-group quantization (2 values per byte)."""
+    """``int4``: 2 values per byte.
 
-    name = "int4"
-    bits = 4
-    group: int = setting(256, minimum=1)
+    >>> str(Int4(group=64))
+    'int4:group=64'
+    """
+
+    name, bits = "int4", 4
 
 
 @register_compressor
-@dataclass(frozen=True)
 class Int2(GroupQuant):
-    """2-bit per-group quantization (4 values per byte)."""
+    """``int2``: 4 values per byte.
 
-    name = "int2"
-    bits = 2
-    group: int = setting(256, minimum=1)
+    >>> Int2().compress(torch.zeros(8)).nbytes  # 2 bytes of codes, a 4-byte offset, a 2-byte scale
+    8
+    """
+
+    name, bits = "int2", 2

@@ -114,7 +114,9 @@ class Mesa8(Compressor):
         low, scale = saved
         grouped, _ = self._grouped(payload, channel_dim)
         low_b, scale_b = low.view(1, -1, 1, 1), scale.view(1, -1, 1, 1)
-        values = _map_rows(grouped, dtype, lambda part: torch.addcmul(low_b, part.float(), scale_b))
+        # A multiply then an add, never a fused multiply-add (eager addcmul's): the compiled
+        # decode, which does not fuse, then gives the same values.
+        values = _map_rows(grouped, dtype, lambda part: part.float().mul_(scale_b).add_(low_b))
         return values.view(payload.shape)
 
 

@@ -10,6 +10,9 @@ so a chunked stage reads the tensor from memory about once.
 On CUDA, each operation is a kernel launch, so chunks are larger: at least :data:`CUDA_CHUNK`
 elements and at most an eighth of the tensor, so the temporaries stay a small share of it.
 
+Compiled code runs the whole tensor as one chunk: Inductor fuses the operations into kernels
+that keep no temporaries.
+
 >>> list(spans(10, 4))
 [(0, 4), (4, 8), (8, 10)]
 >>> aligned_length(torch.device("cpu"), 10**6, 256, 8) % 256
@@ -29,13 +32,22 @@ CUDA_CHUNK = 2**22
 
 def spans(count: int, length: int) -> Iterator[tuple[int, int]]:
     """``(start, stop)`` of consecutive slices of ``length`` covering ``range(count)``."""
+    if count <= length:
+        # Without a loop: compiled code runs a symbolic size as one slice, and a loop over it
+        # would make one graph per size.
+        if count:
+            yield 0, count
+        return
     for start in range(0, count, length):
         yield start, min(start + length, count)
 
 
 def aligned_length(device: torch.device, count: int, *multiples: int) -> int:
     """The chunk length for ``count`` elements on ``device``: a multiple of every one of
-    ``multiples`` (group sizes, 8 for bit packing), near the device's chunk size."""
+    ``multiples`` (group sizes, 8 for bit packing), near the device's chunk size; all of
+    ``count`` while ``torch.compile`` traces."""
+    if torch.compiler.is_compiling():
+        return count
     target = CPU_CHUNK if device.type == "cpu" else max(CUDA_CHUNK, count // 8)
     step = math.lcm(*multiples) if multiples else 1
     return max(step, target // step * step)

@@ -14,10 +14,15 @@ _MAX_FINITE_BF16_BITS = 0x7F7F
 
 
 def round_up_to_bf16(values: torch.Tensor) -> torch.Tensor:
-    """Non-negative fp32 values rounded up to the next bf16 (saturating at bf16's max)."""
+    """Non-negative fp32 values rounded up to the next bf16 (saturating at bf16's max), as fp32:
+    exact in bf16, and read back without a bf16 bit cast, which a compiled kernel cannot vectorize.
+
+    >>> round_up_to_bf16(torch.tensor([1.0, 1.001, 3e38])).tolist()
+    [1.0, 1.0078125, 3.00405527047391e+38]
+    """
     bits = values.contiguous().view(torch.int32)
     upper = ((bits + 0xFFFF) >> 16).clamp_(max=_MAX_FINITE_BF16_BITS)
-    return upper.to(torch.int16).view(torch.bfloat16)
+    return (upper << 16).view(torch.float32)
 
 
 def grouped_shape(count: int, group: int) -> tuple[int, int]:
@@ -62,16 +67,19 @@ def quantize_affine(x: torch.Tensor, bits: int, group: int,
     low, high = values.amin(dim=1), values.amax(dim=1)
     levels = 2**bits - 1
     # max/levels - min/levels cannot overflow where (max - min) could.
-    scale = round_up_to_bf16(high / levels - low / levels)
+    step = round_up_to_bf16(high / levels - low / levels).unsqueeze(1)
     # Offsets in the input dtype are exact: every value, the minimum too, came from it.
     offset = low.to(x.dtype)
-    step = scale.float().unsqueeze(1)
     inverse_step = 1 / torch.where(step > 0, step, 1.0)
-    # codes = floor((x - min) / step + u): one fused multiply-add onto the noise, and the
-    # uint8 cast truncates, which is floor for the clamped, non-negative values.
-    codes = torch.addcmul(noise, values - low.unsqueeze(1), inverse_step).clamp_(0, levels)
-    # Through int16: float -> uint8 is not vectorized on CPU, float -> int16 -> uint8 is (4x).
-    return pack_codes(codes.view(-1)[:count].to(torch.int16).to(torch.uint8), bits), offset, scale
+    # codes = floor((x - min) / step + u); the uint8 cast truncates, which is floor for the
+    # clamped, non-negative values. A multiply then an add, each rounded, never a fused
+    # multiply-add: eager addcmul fuses, compiled code does not, and a code could differ.
+    codes = (values - low.unsqueeze(1)).mul_(inverse_step).add_(noise).clamp_(0, levels)
+    # float -> uint8 is not vectorized on CPU; eager, float -> int16 -> uint8 is (4x faster), and
+    # compiled, float -> int32 -> uint8 is (int16 makes Inductor's loop scalar: 3x slower).
+    through = torch.int32 if torch.compiler.is_compiling() else torch.int16
+    codes = codes.view(-1)[:count].to(through).to(torch.uint8)
+    return pack_codes(codes, bits), offset, step.view(-1).to(torch.bfloat16)
 
 
 def dequantize_affine(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, bits: int, group: int,
@@ -82,6 +90,8 @@ def dequantize_affine(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Te
     unpacked = unpack_codes(codes, bits, count).float()
     if count % group:
         unpacked = torch.cat([unpacked, unpacked.new_zeros(groups * group - count)])
+    # The product of an 8-bit code and a bf16 scale is exact in float32, so fused or not,
+    # eager or compiled, the sum is rounded once.
     values = torch.addcmul(offset.float().unsqueeze(1), unpacked.view(groups, group), scale.float().unsqueeze(1))
     # The rounded-up scale can step past the dtype's largest value; saturate.
     limit = torch.finfo(dtype).max

@@ -1,0 +1,64 @@
+"""The quantizers: int8/int4/int2 are one class at three widths, and every quantizer's encode and
+decode compile to the eager codes."""
+
+import pickle
+
+import pytest
+import torch
+
+import actcomp
+from actcomp.compressors import GroupQuant, Int2, Int4, Int8
+from actcomp.core.packed import Hints
+from actcomp.core.registry import compressor_class
+
+QUANTIZERS = ["int8", "int4", "int2", "fp16", "bf16", "fp8", "mesa8"]
+
+
+@pytest.mark.parametrize("cls, name, bits", [(Int8, "int8", 8), (Int4, "int4", 4), (Int2, "int2", 2)])
+def test_each_width_is_group_quant_under_its_registry_name(cls, name, bits):
+    stage = cls(group=64)
+
+    assert compressor_class(name) is cls and issubclass(cls, GroupQuant)
+    assert (stage.name, stage.bits, stage.group, str(stage), repr(stage)) == (
+        name, bits, 64, f"{name}:group=64", f"{cls.__name__}(group=64)")
+    assert actcomp.parse(f"{name}:group=64").stages == (stage,) and str(cls()) == name
+    assert pickle.loads(pickle.dumps(stage)) == stage and stage != cls(group=65)
+    assert len({Int8(), Int4(), Int2()}) == 3  # equal settings, different widths: different stages
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_each_width_keeps_bits_codes_per_value(bits):
+    x = torch.randn(4, 512)
+
+    packed = compressor_class(f"int{bits}")().compress(x)
+
+    assert packed.tensors[-1].numel() == x.numel() * bits // 8
+
+
+def _encode(stage, x: torch.Tensor, state):
+    hints = Hints(channel_dim=1)
+    return stage.encode(x, hints) if state is None else stage.encode(x, hints, state)
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_encode_and_decode_compile_to_the_eager_codes(name):
+    # fullgraph: no host read (.item(), int(t), bool(t)) and no graph break; dynamic: one graph
+    # serves several shapes. Sizes large enough that a fused multiply-add in one of the two
+    # would change some code. A stateful stage (mesa8) updates its state in both the same way.
+    torch._dynamo.reset()  # each stage compiles afresh, not against earlier tests' graphs
+    stage = compressor_class(name)()
+    encode = torch.compile(_encode, fullgraph=True, dynamic=True)
+    decode = torch.compile(stage.decode, fullgraph=True, dynamic=True)
+    eager_state, compiled_state = stage.initial_state(), stage.initial_state()
+    for seed, shape in enumerate([(64, 3000), (3, 40, 1001), (2, 6, 5, 77)]):
+        torch.manual_seed(seed)
+        x = torch.randn(shape) * torch.rand(shape[-1]) * 10
+
+        eager = _encode(stage, x, eager_state)
+        compiled = encode(stage, x, compiled_state)
+
+        assert compiled.meta == eager.meta
+        assert all(torch.equal(a, b) for a, b in zip((compiled.payload, *compiled.saved), (eager.payload, *eager.saved)))
+        assert torch.equal(decode(*compiled), stage.decode(*eager))
+        if eager_state is not None:
+            assert torch.equal(compiled_state.low, eager_state.low) and torch.equal(compiled_state.high, eager_state.high)
