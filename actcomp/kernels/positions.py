@@ -274,7 +274,9 @@ class _EliasFanoWriter:
         slot = torch.arange(self.form.capacity, device=kept.device)
         empty = slot >= kept
         self._put(empty, torch.where(empty, slot, self.form.capacity), torch.full_like(slot, self.form.count))
-        return (pack_bits(self.high[:-1]), pack_codes(self.low[:-1], self.form.low_bits)), self.form
+        # Codes of 3, 5, 6 or 7 bits pack in runs of 8: cut to size, they would keep the run's end.
+        low = pack_codes(self.low[:-1], self.form.low_bits).clone()
+        return (pack_bits(self.high[:-1]), low), self.form
 
 
 class _IndicesWriter:

@@ -110,9 +110,9 @@ def select_threshold(keys_of: Callable[[int, int], torch.Tensor], count: int, ke
         histogram = torch.zeros(2**width + 1, dtype=torch.int64, device=device)
         for start, stop in spans(count, length):
             keys = keys_of(start, stop)
-            digit = (keys >> shift) & (2**width - 1)
+            digit = ((keys >> shift) & (2**width - 1)).long()
             # Keys outside the prefix land in the extra last bin.
-            bins = torch.where((keys >> (shift + width)) == prefix, digit, 2**width).long()
+            bins = torch.where((keys >> (shift + width)) == prefix, digit, 2**width)
             histogram.index_add_(0, bins, torch.ones_like(bins))
         counts = histogram[:-1]
         at_or_above = counts.flip(0).cumsum(0).flip(0)
