@@ -61,9 +61,9 @@ class _ElementSparsifier(Compressor):
         """What to keep in each slice of ``flat``, ``kept`` overall."""
         raise NotImplementedError
 
-    def slice_multiple(self) -> int:
-        """Slices are a multiple of this many elements (and of 8, for the bitmask)."""
-        return 1
+    def chunk_length(self, device: torch.device, count: int) -> int:
+        """Elements per slice: a multiple of 8, for the bitmask."""
+        return aligned_length(device, count, 8)
 
     def position_form(self, count: int, kept: int, length: int) -> PositionForm:
         rice = getattr(self, "rice", 0)
@@ -73,7 +73,7 @@ class _ElementSparsifier(Compressor):
         flat = x.reshape(-1)
         count = flat.numel()
         kept = self.kept_count(count)
-        length = aligned_length(flat.device, count, self.slice_multiple(), 8)
+        length = self.chunk_length(flat.device, count)
         form = self.position_form(count, kept, length)
         select = self.selector(flat, kept) if kept < count else None
         return Encoded(*encode_kept(flat, select, form, length))
@@ -147,8 +147,11 @@ class ParallelMinK(_ElementSparsifier):
     block: int = setting(2**14, minimum=1)
     rice: int = setting(0, minimum=0, below=2)
 
-    def slice_multiple(self) -> int:
-        return self.block
+    def chunk_length(self, device: torch.device, count: int) -> int:
+        # Whole blocks and whole bytes of a bitmask; not aligned_length's lcm, which does not
+        # take the symbolic ints torch.compile makes of the settings.
+        step = 8 * self.block
+        return step * max(1, aligned_length(device, count) // step)
 
     def selector(self, flat: torch.Tensor, kept: int) -> Selector:
         block, row_kept = self.block, super().kept_count(self.block)
@@ -169,8 +172,8 @@ class ParallelMinK(_ElementSparsifier):
         return select
 
     def kept_count(self, count: int) -> int:
-        full_blocks, tail = divmod(count, self.block)
-        return full_blocks * super().kept_count(self.block) + super().kept_count(tail)
+        # Not divmod: it does not take the symbolic counts of torch.compile.
+        return count // self.block * super().kept_count(self.block) + super().kept_count(count % self.block)
 
 
 @register_compressor

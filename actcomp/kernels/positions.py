@@ -184,8 +184,13 @@ def static_form(count: int, capacity: int) -> Dense | Bitmask | EliasFano:
     """
     if capacity >= count:
         return Dense(count)
-    best = min((EliasFano(count, capacity, bits) for bits in range(1, _MAX_LOW_BITS + 1)), key=EliasFano.nbytes)
-    return best if best.nbytes() < packed_size(count, 1) else Bitmask(count, capacity)
+    best: Dense | Bitmask | EliasFano = Bitmask(count, capacity)
+    size = packed_size(count, 1)
+    for bits in range(1, _MAX_LOW_BITS + 1):
+        candidate = EliasFano(count, capacity, bits)
+        if candidate.nbytes() < size:
+            best, size = candidate, candidate.nbytes()
+    return best
 
 
 def rice_form(count: int, capacity: int, length: int) -> Dense | Rice:

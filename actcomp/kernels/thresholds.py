@@ -114,10 +114,11 @@ def select_threshold(keys_of: Callable[[int, int], torch.Tensor], count: int, ke
             # Keys outside the prefix land in the extra last bin.
             bins = torch.where((keys >> (shift + width)) == prefix, digit, 2**width)
             histogram.index_add_(0, bins, torch.ones_like(bins))
-        counts = histogram[:-1]
-        at_or_above = counts.flip(0).cumsum(0).flip(0)
+        at_or_above = histogram[:-1].flip(0).cumsum(0).flip(0)  # non-increasing in the digit
         digit = (at_or_above >= wanted).sum() - 1
-        wanted = wanted - (at_or_above[digit] - counts[digit])
+        # Above the digit found: the largest count that falls short (no read of one element,
+        # which would be a host read under torch.compile).
+        wanted = wanted - torch.where(at_or_above < wanted, at_or_above, 0).max()
         prefix = (prefix << width) | digit
     return Threshold(prefix, wanted)
 
