@@ -195,7 +195,10 @@ def static_form(count: int, capacity: int) -> Dense | Bitmask | EliasFano:
 
 def rice_form(count: int, capacity: int, length: int) -> Dense | Rice:
     """Rice coding for ``capacity`` kept of ``count``, in chunks of ``length`` (a multiple of 8),
-    with the ``r`` of fewest expected bits for randomly spread positions."""
+    with the ``r`` of fewest expected bits for randomly spread positions. Eager only."""
+    if torch.compiler.is_compiling():
+        raise ActcompError("Rice-coded positions (rice=1) have a size that depends on the data and "
+                           "cannot be compiled; leave rice unset for the static form")
     return Dense(count) if capacity >= count else Rice(count, capacity, rice_parameter(count, capacity), length)
 
 
@@ -317,9 +320,6 @@ class _RiceWriter:
     """Rice-codes each chunk's kept positions as it comes; reads counts back to Python."""
 
     def __init__(self, form: Rice, device: torch.device):
-        if torch.compiler.is_compiling():
-            raise ActcompError("Rice-coded positions (rice=1) have a size that depends on the data and "
-                               "cannot be compiled; leave rice unset for the static form")
         self.form, self.device = form, device
         self.kept: list[int] = []
         self.unary: list[int] = []
