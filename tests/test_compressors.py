@@ -517,7 +517,7 @@ def encode_index(index: torch.Tensor, count: int, form):
     """Values 1, 2, ... kept at the sorted positions ``index`` among ``count``, through ``form``."""
     mask = torch.zeros(count, dtype=torch.bool).index_fill_(0, index, True)
     flat = torch.zeros(count).index_put_((index,), torch.arange(1.0, index.numel() + 1))
-    return flat, encode_kept(flat, lambda part, start: mask[start:start + part.numel()], form)
+    return flat, encode_kept(flat, lambda part, start: mask[start:start + part.numel()], index.numel(), form)
 
 
 @pytest.mark.parametrize("count, kept, form", [

@@ -32,6 +32,7 @@ tensor([[ 0., -3.],
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ import torch
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
 from actcomp.kernels.chunks import aligned_length, spans
-from actcomp.kernels.positions import Indices, PositionForm, Selector, encode_kept, expand_kept, rice_form, static_form
+from actcomp.kernels.positions import Dense, Indices, PositionForm, Selector, encode_kept, expand_kept, rice_form, static_form
 from actcomp.kernels.thresholds import (
     RANDOM_KEY_BITS, SAMPLE, Threshold, ThresholdSelector, exact_threshold, kept_count, magnitude_keys, random_keys,
     sampled_threshold, select_threshold,
@@ -76,7 +77,7 @@ class _ElementSparsifier(Compressor):
         length = self.chunk_length(flat.device, count)
         form = self.position_form(count, kept, length)
         select = self.selector(flat, kept) if kept < count else None
-        return Encoded(*encode_kept(flat, select, form, length))
+        return Encoded(*encode_kept(flat, select, kept, form, length))
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: PositionForm) -> torch.Tensor:
         return meta.scatter(payload, saved)
@@ -197,25 +198,25 @@ class RandomDrop(_ElementSparsifier):
         if kept == count:
             return Encoded(flat, (), static_form(count, kept))
         seed = torch.randint(0, 2**31, (1,), device=flat.device)
-        keys = self._keys(seed, count, kept)
-        values, _, _ = encode_kept(flat, lambda part, start: keys(start, start + part.numel()), None)
-        return Encoded(values[:kept].clone(), (seed,), Seeded(count, kept))
+        kept_mask = self._kept_mask(seed, count, kept)
+        values, _, _ = encode_kept(flat, lambda part, start: kept_mask(start, start + part.numel()), kept)
+        return Encoded(values, (seed,), Seeded(count, kept))
 
     @staticmethod
-    def _keys(seed: torch.Tensor, count: int, kept: int):
-        """(start, stop) -> whether each of those positions is kept."""
+    def _kept_mask(seed: torch.Tensor, count: int, kept: int) -> Callable[[int, int], torch.Tensor]:
+        """``(start, stop) ->`` which of those positions are kept, chunk after chunk."""
         def keys_of(start: int, stop: int) -> torch.Tensor:
             return random_keys(seed, start, stop)
 
         select = ThresholdSelector(select_threshold(keys_of, count, kept, RANDOM_KEY_BITS, seed.device))
         return lambda start, stop: select(keys_of(start, stop))
 
-    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
-        if not saved:
-            return meta.scatter(payload, saved)
-        keys = self._keys(saved[0], meta.count, meta.kept)
-        spans_ = spans(meta.count, aligned_length(payload.device, meta.count, 8))
-        return expand_kept(payload, meta.count, ((start, stop, keys(start, stop)) for start, stop in spans_))
+    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Seeded | Dense) -> torch.Tensor:
+        if isinstance(meta, Dense):
+            return payload
+        kept_mask = self._kept_mask(saved[0], meta.count, meta.kept)
+        chunks = spans(meta.count, aligned_length(payload.device, meta.count, 8))
+        return expand_kept(payload, meta.count, ((start, stop, kept_mask(start, stop)) for start, stop in chunks))
 
 
 @dataclass(frozen=True)

@@ -6,17 +6,14 @@ gathers the kept values into ``capacity`` slots in position order (slots left ov
 zeros) and hands each chunk's kept positions to the writer of a *form*, a small frozen
 dataclass that is also the metadata decoding needs (:meth:`scatter` puts the values back):
 
-===============  =============================================  ===================================
-form             stored                                         bytes
-===============  =============================================  ===================================
-:class:`Dense`   nothing (every element kept)                   0
-:class:`Bitmask` 1 bit per element                              ceil(n / 8)
-:class:`EliasFano`  per kept position its low ``b`` bits, and      ceil(k b / 8) + ceil((k + (n >> b) + 1) / 8)
-                 its high part in unary (a bit per kept value
-                 plus one per bucket of ``2**b`` positions)
-:class:`Indices` int32 positions (DropIT's released format)      4 k
-:class:`Rice`    the gaps, Golomb-Rice coded (eager only)       ceil(k r / 8) + ceil(u / 8), u = k + sum(gap >> r)
-===============  =============================================  ===================================
+- :class:`Dense`: every element kept, nothing stored (0 bytes);
+- :class:`Bitmask`: a bit per element, ``ceil(n / 8)`` bytes;
+- :class:`EliasFano`: per kept position its low ``b`` bits, and its high part in unary (a bit
+  per slot plus one per bucket of ``2**b`` positions), ``ceil(k b / 8) + ceil((k + (n >> b) + 1) / 8)``
+  bytes;
+- :class:`Indices`: int32 positions (DropIT's released format), ``4 k`` bytes;
+- :class:`Rice`: the gaps, Golomb-Rice coded with ``r`` low bits, ``ceil(k r / 8) + ceil(u / 8)``
+  bytes where ``u = k + sum(gap >> r)`` depends on the data (eager only).
 
 The static forms' sizes follow from ``n`` and ``k`` alone, so :func:`static_form` picks the
 smaller of a bitmask and the best Elias-Fano width before any value is seen, and every shape
@@ -31,7 +28,7 @@ past the end, and no bit in a bitmask.
 >>> import torch
 >>> mask = torch.tensor([False, True, True, False, False, False, False, True] * 4)
 >>> form = static_form(32, 12)
->>> values, saved, form = encode_kept(torch.arange(1.0, 33.0), lambda part, start: mask[start:start + part.numel()], form)
+>>> values, saved, form = encode_kept(torch.arange(1.0, 33.0), lambda part, start: mask[start:start + part.numel()], 12, form)
 >>> form, values[:4].tolist()
 (Bitmask(count=32, capacity=12), [2.0, 3.0, 8.0, 10.0])
 >>> torch.equal(form.scatter(values, saved), torch.arange(1.0, 33.0) * mask)
@@ -104,7 +101,7 @@ class EliasFano:
 
     def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
         high, low = saved
-        low_codes = unpack_codes(low, self.low_bits, self.capacity).long()
+        low_codes = unpack_codes(low, self.low_bits, self.capacity)
         # One slot past the end takes the empty slots and the bits that are not set.
         out = values.new_zeros(self.count + 1)
         kept = torch.zeros((), dtype=torch.int64, device=values.device)
@@ -202,17 +199,16 @@ def rice_form(count: int, capacity: int, length: int) -> Dense | Rice:
     return Dense(count) if capacity >= count else Rice(count, capacity, rice_parameter(count, capacity), length)
 
 
-def encode_kept(flat: torch.Tensor, select: Selector, form: PositionForm | None,
+def encode_kept(flat: torch.Tensor, select: Selector, capacity: int, form: PositionForm | None = None,
                 length: int | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], PositionForm | None]:
-    """The kept values of ``flat`` (1-D), in ``capacity`` slots in position order, what
-    ``form`` stores of their positions, and the form to decode them with. ``select`` chooses a
-    chunk's elements (chunks of ``length``, a multiple of 8); past ``capacity`` kept, later
-    ones are dropped. With ``form`` None only the values are gathered (``capacity`` from
-    ``flat``'s length): the caller knows the positions another way."""
+    """The kept values of ``flat`` (1-D) in ``capacity`` slots, in position order, what ``form``
+    stores of their positions, and the form to decode them with (None, with nothing stored,
+    when ``form`` is: the caller knows the positions another way). ``select`` chooses a chunk's
+    elements (chunks of ``length``, a multiple of 8); past ``capacity`` kept, later ones are
+    dropped."""
     count = flat.numel()
     if isinstance(form, Dense):
         return flat, (), form
-    capacity = count if form is None else form.capacity
     length = length or aligned_length(flat.device, count, 8)
     writer = None if form is None else form.writer(flat.device)
     values = flat.new_zeros(capacity + 1)  # the last slot takes every element not kept
@@ -227,9 +223,7 @@ def encode_kept(flat: torch.Tensor, select: Selector, form: PositionForm | None,
         if writer is not None:
             writer.add(kept_here, slot, start)
         kept = rank[-1] + 1
-    if writer is None:
-        return values[:capacity].clone(), (), None
-    saved, form = writer.finish(kept.clamp(max=capacity))
+    saved, form = ((), None) if writer is None else writer.finish(kept.clamp(max=capacity))
     return values[:capacity].clone(), saved, form
 
 
@@ -264,8 +258,10 @@ class _BitmaskWriter:
 class _EliasFanoWriter:
     def __init__(self, form: EliasFano, device: torch.device):
         self.form = form
-        # One spare element each, at the end, takes what is not kept.
-        self.high = torch.zeros(form.high_length + 1, dtype=torch.bool, device=device)
+        # The high bits packed as they are set, a bit at most once each, so that adding a
+        # byte's bits is or-ing them: a bool per bit would cost 8 times the bytes. One spare
+        # byte (and code) at the end takes what is not kept.
+        self.high = torch.zeros(packed_size(form.high_length, 1) + 1, dtype=torch.uint8, device=device)
         self.low = torch.zeros(form.capacity + 1, dtype=torch.uint8, device=device)
 
     def add(self, kept: torch.Tensor, slot: torch.Tensor, start: int) -> None:
@@ -274,7 +270,9 @@ class _EliasFanoWriter:
 
     def _put(self, kept: torch.Tensor, slot: torch.Tensor, position: torch.Tensor) -> None:
         bits = self.form.low_bits
-        self.high.scatter_(0, torch.where(kept, (position >> bits) + slot, self.form.high_length), True)
+        bit = (position >> bits) + slot
+        byte = torch.where(kept, bit >> 3, self.high.numel() - 1)
+        self.high.scatter_add_(0, byte, (1 << (bit & 7)).to(torch.uint8))
         self.low.scatter_(0, slot, (position & (2**bits - 1)).to(torch.uint8))
 
     def finish(self, kept: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], EliasFano]:
@@ -284,7 +282,7 @@ class _EliasFanoWriter:
         self._put(empty, torch.where(empty, slot, self.form.capacity), torch.full_like(slot, self.form.count))
         # Codes of 3, 5, 6 or 7 bits pack in runs of 8: cut to size, they would keep the run's end.
         low = pack_codes(self.low[:-1], self.form.low_bits).clone()
-        return (pack_bits(self.high[:-1]), low), self.form
+        return (self.high[:-1].clone(), low), self.form
 
 
 class _IndicesWriter:
