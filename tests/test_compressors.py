@@ -18,9 +18,8 @@ from actcomp import ActcompError, Packed, Pipeline, parse
 from actcomp.compressors import Bf16, Fp16, Mesa8, drop_count
 from actcomp.compressors.casts import saturating_cast
 from actcomp.core.registry import compressor_class
-from actcomp.kernels.chunks import aligned_length
 from actcomp.kernels.bitpack import pack_bits, pack_codes, packed_size, unpack_bits, unpack_codes
-from actcomp.kernels.positions import EliasFano, Rice, encode_kept, rice_form, static_form
+from actcomp.kernels.positions import EliasFano, Rice, encode_kept, index_chunk_length, rice_form, static_form
 from actcomp.kernels.quantize import dequantize_affine, grouped_shape, quantize_affine
 
 ALL = actcomp.list_compressors()
@@ -514,7 +513,8 @@ def test_random_is_reproducible_from_the_global_seed():
 
 
 def encode_index(index: torch.Tensor, count: int, form):
-    """Values 1, 2, ... kept at the sorted positions ``index`` among ``count``, through ``form``."""
+    """Values 1, 2, ... kept at the sorted positions ``index`` among ``count``, through ``form``
+    (in encode_kept's default chunks, which a Rice form must be made with)."""
     mask = torch.zeros(count, dtype=torch.bool).index_fill_(0, index, True)
     flat = torch.zeros(count).index_put_((index,), torch.arange(1.0, index.numel() + 1))
     return flat, encode_kept(flat, lambda part, start: mask[start:start + part.numel()], index.numel(), form)
@@ -547,7 +547,7 @@ def test_positions_use_the_smaller_static_form_and_decode_exactly(count, kept, f
 def test_positions_survive_adjacent_positions_huge_gaps_and_both_ends(form):
     count = 3 * 2**20 + 5
     index = torch.tensor([0, 1, 2, 32767, 32768, 40000, 65535, 2 * 65536, 2**21 + 7, count - 2, count - 1])
-    chosen = static_form(count, 11) if form == "static" else rice_form(count, 11, 2**18)
+    chosen = static_form(count, 11) if form == "static" else rice_form(count, 11, index_chunk_length(torch.device("cpu"), count))
 
     flat, (values, saved, meta) = encode_index(index, count, chosen)
 
@@ -560,7 +560,7 @@ def test_rice_stores_the_gaps_in_the_bytes_the_formula_says(count, kept):
     generator = torch.Generator().manual_seed(count + kept)
     index = torch.randperm(count, generator=generator)[:kept].sort().values
 
-    flat, (values, saved, meta) = encode_index(index, count, rice_form(count, kept, aligned_length(torch.device("cpu"), count, 8)))
+    flat, (values, saved, meta) = encode_index(index, count, rice_form(count, kept, index_chunk_length(torch.device("cpu"), count)))
 
     assert tensor_bytes(saved) == rice_bytes(index, count)
     assert torch.equal(meta.scatter(values, saved), flat)

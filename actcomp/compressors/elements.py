@@ -39,8 +39,10 @@ import torch
 
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
-from actcomp.kernels.chunks import aligned_length, spans
-from actcomp.kernels.positions import Dense, Indices, PositionForm, Selector, encode_kept, expand_kept, rice_form, static_form
+from actcomp.kernels.chunks import spans
+from actcomp.kernels.positions import (
+    Dense, Indices, PositionForm, Selector, encode_kept, expand_kept, index_chunk_length, rice_form, static_form,
+)
 from actcomp.kernels.thresholds import (
     RANDOM_KEY_BITS, SAMPLE, Threshold, ThresholdSelector, exact_threshold, kept_count, magnitude_keys, random_keys,
     sampled_threshold, select_threshold,
@@ -64,7 +66,7 @@ class _ElementSparsifier(Compressor):
 
     def chunk_length(self, device: torch.device, count: int) -> int:
         """Elements per slice: a multiple of 8, for the bitmask."""
-        return aligned_length(device, count, 8)
+        return index_chunk_length(device, count)
 
     def position_form(self, count: int, kept: int, length: int) -> PositionForm:
         rice = getattr(self, "rice", 0)
@@ -149,10 +151,10 @@ class ParallelMinK(_ElementSparsifier):
     rice: int = setting(0, minimum=0, below=2)
 
     def chunk_length(self, device: torch.device, count: int) -> int:
-        # Whole blocks and whole bytes of a bitmask; not aligned_length's lcm, which does not
-        # take the symbolic ints torch.compile makes of the settings.
-        step = 8 * self.block
-        return step * max(1, aligned_length(device, count) // step)
+        # Whole blocks and whole bytes of a bitmask (not aligned_length(..., block, 8): its lcm
+        # does not take the symbolic ints torch.compile makes of the settings).
+        step = self.block if self.block % 8 == 0 else 8 * self.block
+        return step * max(1, index_chunk_length(device, count) // step)
 
     def selector(self, flat: torch.Tensor, kept: int) -> Selector:
         block, row_kept = self.block, super().kept_count(self.block)
@@ -215,7 +217,7 @@ class RandomDrop(_ElementSparsifier):
         if isinstance(meta, Dense):
             return payload
         kept_mask = self._kept_mask(saved[0], meta.count, meta.kept)
-        chunks = spans(meta.count, aligned_length(payload.device, meta.count, 8))
+        chunks = spans(meta.count, index_chunk_length(payload.device, meta.count))
         return expand_kept(payload, meta.count, ((start, stop, kept_mask(start, stop)) for start, stop in chunks))
 
 

@@ -44,11 +44,12 @@ from dataclasses import dataclass
 import torch
 
 from actcomp.errors import ActcompError
-from actcomp.kernels.bitpack import pack_bits, pack_codes, packed_size, unpack_bits, unpack_codes
+from actcomp.kernels.bitpack import pack_bits, packed_size, unpack_bits
 from actcomp.kernels.chunks import aligned_length, spans
 
 # Which elements of a chunk to keep: (chunk, its start) -> bool mask.
 Selector = Callable[[torch.Tensor, int], torch.Tensor]
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_LOW_BITS = 8  # Elias-Fano's low bits are packed as codes of at most a byte
 
 
@@ -73,7 +74,7 @@ class Bitmask:
         return _BitmaskWriter(self, device)
 
     def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        length = aligned_length(values.device, self.count, 8)
+        length = index_chunk_length(values.device, self.count)
         masks = ((start, stop, unpack_bits(saved[0][start // 8:packed_size(stop, 1)], stop - start))
                  for start, stop in spans(self.count, length))
         return expand_kept(values, self.count, masks)
@@ -101,17 +102,16 @@ class EliasFano:
 
     def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
         high, low = saved
-        low_codes = unpack_codes(low, self.low_bits, self.capacity)
         # One slot past the end takes the empty slots and the bits that are not set.
         out = values.new_zeros(self.count + 1)
         kept = torch.zeros((), dtype=torch.int64, device=values.device)
-        for start, stop in spans(self.high_length, aligned_length(values.device, self.high_length, 8)):
+        for start, stop in spans(self.high_length, index_chunk_length(values.device, self.high_length)):
             bits = unpack_bits(high[start // 8:packed_size(stop, 1)], stop - start)
             rank = torch.cumsum(bits, 0) + (kept - 1)
             slot = rank.clamp(0, self.capacity - 1)
             bucket = torch.arange(start, stop, device=values.device) - rank
-            position = (bucket << self.low_bits) | low_codes[slot]
-            out.scatter_(0, torch.where(bits, position, self.count), values[slot])
+            position = (bucket << self.low_bits) | _read_codes(low, slot * self.low_bits, self.low_bits)
+            _bits_of(out).scatter_(0, torch.where(bits, position, self.count), _bits_of(values)[slot])
             kept = rank[-1] + 1
         return out[:self.count]
 
@@ -127,7 +127,9 @@ class Indices:
         return _IndicesWriter(self, device)
 
     def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return values.new_zeros(self.count).index_copy_(0, saved[0].long(), values)
+        out = values.new_zeros(self.count)
+        _bits_of(out).index_copy_(0, saved[0].long(), _bits_of(values))
+        return out
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,17 @@ class Rice:
 PositionForm = Dense | Bitmask | EliasFano | Indices | Rice
 
 
+def index_chunk_length(device: torch.device, count: int) -> int:
+    """Elements per chunk of a pass that holds several int64 temporaries per element (ranks,
+    slots, positions): an eighth of :func:`~actcomp.kernels.chunks.aligned_length`'s, a
+    multiple of 8, so that they weigh what a chunk of the values would.
+
+    >>> index_chunk_length(torch.device("cpu"), 10**7)
+    32768
+    """
+    return max(8, aligned_length(device, count, 8) // 64 * 8)
+
+
 def static_form(count: int, capacity: int) -> Dense | Bitmask | EliasFano:
     """The smaller static form for ``capacity`` kept of ``count``: a bitmask, or Elias-Fano with
     the low-bit width of fewest bytes (a bitmask on a tie).
@@ -209,7 +222,7 @@ def encode_kept(flat: torch.Tensor, select: Selector, capacity: int, form: Posit
     count = flat.numel()
     if isinstance(form, Dense):
         return flat, (), form
-    length = length or aligned_length(flat.device, count, 8)
+    length = length or index_chunk_length(flat.device, count)
     writer = None if form is None else form.writer(flat.device)
     values = flat.new_zeros(capacity + 1)  # the last slot takes every element not kept
     kept = torch.zeros((), dtype=torch.int64, device=flat.device)
@@ -219,12 +232,18 @@ def encode_kept(flat: torch.Tensor, select: Selector, capacity: int, form: Posit
         rank = torch.cumsum(mask, 0) + (kept - 1)
         kept_here = mask & (rank < capacity)
         slot = torch.where(kept_here, rank, capacity)
-        values.scatter_(0, slot, part)
+        _bits_of(values).scatter_(0, slot, _bits_of(part))
         if writer is not None:
             writer.add(kept_here, slot, start)
         kept = rank[-1] + 1
     saved, form = ((), None) if writer is None else writer.finish(kept.clamp(max=capacity))
     return values[:capacity].clone(), saved, form
+
+
+def _bits_of(values: torch.Tensor) -> torch.Tensor:
+    """``values`` viewed as integers of their width: moved bit for bit, and on CPU a scatter of
+    fp16 or bf16 would otherwise work on an fp32 copy of the whole tensor."""
+    return values.view(_INT_OF_WIDTH[values.element_size()])
 
 
 def expand_kept(values: torch.Tensor, count: int, masks: Iterable[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
@@ -256,33 +275,44 @@ class _BitmaskWriter:
 
 
 class _EliasFanoWriter:
+    """Sets Elias-Fano's bits straight into packed bytes. A bit is set at most once, so adding
+    bits into a byte or-s them (a bool per bit, or a byte per code, would cost several times
+    the bytes kept); each stream has a spare byte at its end that takes what is not kept."""
+
     def __init__(self, form: EliasFano, device: torch.device):
         self.form = form
-        # The high bits packed as they are set, a bit at most once each, so that adding a
-        # byte's bits is or-ing them: a bool per bit would cost 8 times the bytes. One spare
-        # byte (and code) at the end takes what is not kept.
         self.high = torch.zeros(packed_size(form.high_length, 1) + 1, dtype=torch.uint8, device=device)
-        self.low = torch.zeros(form.capacity + 1, dtype=torch.uint8, device=device)
+        # And one more for the low stream: a code may spill into the byte after its first.
+        self.low = torch.zeros(packed_size(form.capacity, form.low_bits) + 2, dtype=torch.uint8, device=device)
 
     def add(self, kept: torch.Tensor, slot: torch.Tensor, start: int) -> None:
-        position = torch.arange(start, start + kept.numel(), device=kept.device)
-        self._put(kept, slot, position)
+        self._put(kept, slot, torch.arange(start, start + kept.numel(), device=kept.device))
 
     def _put(self, kept: torch.Tensor, slot: torch.Tensor, position: torch.Tensor) -> None:
         bits = self.form.low_bits
-        bit = (position >> bits) + slot
-        byte = torch.where(kept, bit >> 3, self.high.numel() - 1)
-        self.high.scatter_add_(0, byte, (1 << (bit & 7)).to(torch.uint8))
-        self.low.scatter_(0, slot, (position & (2**bits - 1)).to(torch.uint8))
+        _add_bits(self.high, kept, (position >> bits) + slot, torch.ones_like(position), 1)
+        _add_bits(self.low, kept, slot * bits, position & (2**bits - 1), bits)
 
     def finish(self, kept: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], EliasFano]:
-        # Slots left empty hold the position past the end.
-        slot = torch.arange(self.form.capacity, device=kept.device)
-        empty = slot >= kept
-        self._put(empty, torch.where(empty, slot, self.form.capacity), torch.full_like(slot, self.form.count))
-        # Codes of 3, 5, 6 or 7 bits pack in runs of 8: cut to size, they would keep the run's end.
-        low = pack_codes(self.low[:-1], self.form.low_bits).clone()
+        # Slots left empty hold the position past the end; a chunk at a time, as ever.
+        capacity = self.form.capacity
+        for start, stop in spans(capacity, index_chunk_length(kept.device, capacity)):
+            slot = torch.arange(start, stop, device=kept.device)
+            self._put(slot >= kept, slot, torch.full_like(slot, self.form.count))
+        low = self.low[:packed_size(capacity, self.form.low_bits)].clone()
         return (self.high[:-1].clone(), low), self.form
+
+
+def _add_bits(stream: torch.Tensor, kept: torch.Tensor, first_bit: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
+    """Add ``bits``-bit ``codes`` (int64) at bit ``first_bit`` of the little-endian bit stream
+    ``stream`` (the layout of :func:`~actcomp.kernels.bitpack.pack_codes`), where ``kept``;
+    the others go to the stream's last byte."""
+    spare = stream.numel() - 1
+    byte = torch.where(kept, first_bit >> 3, spare)
+    shifted = codes << (first_bit & 7)
+    stream.scatter_add_(0, byte, (shifted & 0xFF).to(torch.uint8))
+    if bits > 1:  # a code of 2 to 8 bits may reach into the next byte
+        stream.scatter_add_(0, torch.where(kept, byte + 1, spare), (shifted >> 8).to(torch.uint8))
 
 
 class _IndicesWriter:
@@ -369,6 +399,14 @@ class _BitStream:
         if not self.parts:
             return torch.zeros(0, dtype=torch.uint8, device=self.pending.device)
         return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+
+
+def _read_codes(stream: torch.Tensor, first_bit: torch.Tensor, bits: int) -> torch.Tensor:
+    """The ``bits``-bit codes at bits ``first_bit`` of a little-endian bit stream (int64): two
+    bytes read per code, so nothing the size of the whole stream is unpacked."""
+    byte = first_bit >> 3
+    pair = stream[byte].long() | (stream[(byte + 1).clamp(max=stream.numel() - 1)].long() << 8)
+    return (pair >> (first_bit & 7)) & (2**bits - 1)
 
 
 def _bit_range(packed: torch.Tensor, start: int, count: int) -> torch.Tensor:

@@ -28,7 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from actcomp.kernels.chunks import aligned_length, spans
+from actcomp.kernels.chunks import spans
+from actcomp.kernels.positions import index_chunk_length
 
 SAMPLE = 2**16
 # How far (in standard deviations of a sample quantile) smink raises its threshold above the
@@ -102,7 +103,7 @@ def select_threshold(keys_of: Callable[[int, int], torch.Tensor], count: int, ke
     prefix = torch.zeros((), dtype=torch.int64, device=device)  # the key's leading bits found so far
     # The rank from the top, among the keys sharing the prefix, of the key sought.
     wanted = torch.full((), kept, dtype=torch.int64, device=device)
-    length = aligned_length(device, count)
+    length = index_chunk_length(device, count)
     shift = bits
     while shift > 0:
         width = min(_DIGIT_BITS, shift)
@@ -142,7 +143,7 @@ def sampled_threshold(flat: torch.Tensor, kept: int, size: int = SAMPLE) -> Thre
     rank = min(max(math.floor(share * sample.numel() - margin), 1), sample.numel())
     key = torch.topk(sample, rank, sorted=False).values.min().long()
     above = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start, stop in spans(count, aligned_length(flat.device, count)):
+    for start, stop in spans(count, index_chunk_length(flat.device, count)):
         above += (magnitude_keys(flat[start:stop]) > key).sum()
     ties = torch.where(key > 0, (kept - above).clamp(min=0), 0)
     return Threshold(key, ties)
