@@ -49,6 +49,8 @@ FULL_TIER = {
     "test_entry_points.py::test_torch_compile_traces_the_hooks_away_and_warns_once_for_a_compiled_training_entry":
         "torch.compile",
     "test_quantizers.py::test_encode_and_decode_compile_to_the_eager_codes": "torch.compile",
+    "test_positions.py::test_every_sparsifier_compiles_to_its_eager_codes": "torch.compile",
+    "test_positions.py::test_rice_refuses_to_compile_and_says_why": "torch.compile",
 }
 
 # Sweeps over the zoo: the default tier runs them on the models in zoo.FAST_ZOO_IDS only. Tests

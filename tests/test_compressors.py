@@ -19,7 +19,7 @@ from actcomp.compressors import Bf16, Fp16, Mesa8, drop_count
 from actcomp.compressors.casts import saturating_cast
 from actcomp.core.registry import compressor_class
 from actcomp.kernels.bitpack import pack_bits, pack_codes, packed_size, unpack_bits, unpack_codes
-from actcomp.kernels.positions import encode_positions, scatter_kept
+from actcomp.kernels.positions import EliasFano, Rice, encode_kept, index_chunk_length, rice_form, static_form
 from actcomp.kernels.quantize import dequantize_affine, grouped_shape, quantize_affine
 
 ALL = actcomp.list_compressors()
@@ -84,29 +84,24 @@ def expected_bits(count: int, kept: int, r: int) -> float:
     return r + 1 + sum(q ** (j * 2**r) for j in range(1, 10_000))
 
 
-def rule(count: int, kept: int) -> tuple[str, int]:
-    """The positions module's choice, recomputed by brute force: the r of fewest expected bits,
-    Rice if that beats a bitmask."""
-    r = min(range(41), key=lambda r: expected_bits(count, kept, r))
-    return ("rice", r) if kept * expected_bits(count, kept, r) < count else ("bitmask", 0)
-
-
-def encoding_bytes(index, count: int) -> dict[str, int]:
-    """Bytes of each encoding of the sorted kept positions ``index`` among ``count``, recomputed
-    in plain Python (Rice: gaps as r low bits plus a unary high part, r from :func:`rule`)."""
+def rice_bytes(index, count: int) -> int:
+    """Bytes of the Rice-coded sorted positions ``index`` among ``count``, recomputed in plain
+    Python: gaps as r low bits plus a unary high part, r the one of fewest expected bits."""
     index = [int(i) for i in index]
     if len(index) == count:
-        return {"dense": 0}
+        return 0
     gaps = [b - a - 1 for a, b in zip([-1] + index, index)]
-    r = rule(count, len(index))[1] if index else 0
-    rice = math.ceil(len(gaps) * r / 8) + math.ceil(sum((g >> r) + 1 for g in gaps) / 8)
-    return {"bitmask": math.ceil(count / 8), "rice": rice}
+    r = min(range(41), key=lambda r: expected_bits(count, len(index), r)) if index else 0
+    return math.ceil(len(gaps) * r / 8) + math.ceil(sum((g >> r) + 1 for g in gaps) / 8)
 
 
-def position_bytes(index, count: int) -> int:
-    """What a sparsifier pays for positions: the encoding the rule picks."""
-    sizes = encoding_bytes(index, count)
-    return sizes["dense"] if "dense" in sizes else sizes[rule(count, len(index))[0]]
+def position_bytes(kept: int, count: int) -> int:
+    """What the static form of ``kept`` positions among ``count`` costs, recomputed: nothing when
+    all are kept, else the smaller of a bitmask and Elias-Fano with its best low-bit width."""
+    if kept == count:
+        return 0
+    elias_fano = min(math.ceil(kept * b / 8) + math.ceil((kept + (count >> b) + 1) / 8) for b in range(1, 9))
+    return min(math.ceil(count / 8), elias_fano)
 
 
 def kept_positions(spec: str, x: torch.Tensor) -> torch.Tensor:
@@ -206,8 +201,8 @@ def test_printing_packed_data_shows_what_is_kept_not_the_values(million):
 
     assert text == repr(packed)
     assert len(text) < 250 and "\n" not in text and "tensor" not in text
-    assert text.startswith(f"Packed('mink0.9+int8', float32[1000, 1000] on cpu, {packed.nbytes:,} of 4,000,000 bytes (4.0%): ")
-    # Positions (two Rice-coded byte streams), then int8's offsets, scales and codes.
+    assert text.startswith(f"Packed('mink0.9+int8', float32[1000, 1000] on cpu, {packed.nbytes:,} of 4,000,000 bytes (4.2%): ")
+    # Positions (Elias-Fano's high and low bits), then int8's offsets, scales and codes.
     assert text.endswith(", float32[391], bfloat16[391], uint8[100000])")
     assert text.count("uint8[") == 3
 
@@ -499,8 +494,8 @@ def test_random_keeps_the_right_fraction_uniformly(drop_rate):
     tenth = count // 10
     for part in kept.view(10, tenth):
         assert abs(part.sum().item() - keep_rate * tenth) <= 5 * math.sqrt(tenth * keep_rate * drop_rate)
-    # The positions come from a seed: only the kept values are stored.
-    assert packed.nbytes == 4 * kept.sum().item()
+    # The positions come from a seed: only the kept values and the seed (one int64) are stored.
+    assert packed.nbytes == 4 * kept.sum().item() + 8
 
 
 def test_random_is_reproducible_from_the_global_seed():
@@ -517,58 +512,80 @@ def test_random_is_reproducible_from_the_global_seed():
 # --- positions of kept elements ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("count, kept, encoding", [
-    (1000, 1000, "dense"),
-    (1000, 500, "bitmask"),
-    (1000, 400, "bitmask"),
-    (1000, 300, "rice"),  # Rice wins below roughly a third of the elements
-    (1000, 100, "rice"),  # ~0.5 bit per element against 1
-    (70_000, 70, "rice"),
-    (2**20, 31, "rice"),
-    (1000, 1, "rice"),
+def encode_index(index: torch.Tensor, count: int, form):
+    """Values 1, 2, ... kept at the sorted positions ``index`` among ``count``, through ``form``
+    (in encode_kept's default chunks, which a Rice form must be made with)."""
+    mask = torch.zeros(count, dtype=torch.bool).index_fill_(0, index, True)
+    flat = torch.zeros(count).index_put_((index,), torch.arange(1.0, index.numel() + 1))
+    return flat, encode_kept(flat, lambda part, start: mask[start:start + part.numel()], index.numel(), form)
+
+
+@pytest.mark.parametrize("count, kept, form", [
+    (1000, 1000, "Dense"),
+    (1000, 500, "Bitmask"),
+    (1000, 250, "Bitmask"),
+    (1000, 240, "EliasFano"),  # Elias-Fano wins below about a quarter of the elements
+    (1000, 100, "EliasFano"),  # 0.525 bit per element against 1
+    (70_000, 70, "EliasFano"),
+    (2**20, 31, "EliasFano"),
+    (1000, 1, "EliasFano"),
 ])
-def test_positions_use_the_encoding_the_rule_picks_and_decode_exactly(count, kept, encoding):
+def test_positions_use_the_smaller_static_form_and_decode_exactly(count, kept, form):
     generator = torch.Generator().manual_seed(count + kept)
     index = torch.randperm(count, generator=generator)[:kept].sort().values
-    values = torch.randn(kept, generator=generator)
 
-    saved, meta = encode_positions(index, count)
+    flat, (values, saved, meta) = encode_index(index, count, static_form(count, kept))
 
-    assert meta[0] == encoding
-    assert tensor_bytes(saved) == encoding_bytes(index, count)[encoding] == position_bytes(index, count)
+    assert type(meta).__name__ == form
+    assert tensor_bytes(saved) == position_bytes(kept, count)
     assert all(t.dtype == torch.uint8 for t in saved)
-    expected = torch.zeros(count).index_put_((index,), values)
-    assert torch.equal(scatter_kept(values, saved, meta), expected)
+    assert torch.equal(values, flat[index])
+    assert torch.equal(meta.scatter(values, saved), flat)
 
 
-def test_rice_survives_adjacent_positions_huge_gaps_and_both_ends():
+@pytest.mark.parametrize("form", ["static", "rice"])
+def test_positions_survive_adjacent_positions_huge_gaps_and_both_ends(form):
     count = 3 * 2**20 + 5
     index = torch.tensor([0, 1, 2, 32767, 32768, 40000, 65535, 2 * 65536, 2**21 + 7, count - 2, count - 1])
-    values = torch.arange(1.0, 12.0)
+    chosen = static_form(count, 11) if form == "static" else rice_form(count, 11, index_chunk_length(torch.device("cpu"), count))
 
-    saved, meta = encode_positions(index, count)
+    flat, (values, saved, meta) = encode_index(index, count, chosen)
 
-    assert meta[0] == "rice"
-    out = scatter_kept(values, saved, meta)
-    assert torch.equal(out.nonzero().view(-1), index)
-    assert torch.equal(out[index], values)
+    assert isinstance(meta, EliasFano if form == "static" else Rice)
+    assert torch.equal(meta.scatter(values, saved), flat)
 
 
-@pytest.mark.parametrize("count, drop_rate, encoding", [
-    (100, 0.0, "dense"),
-    (1000, 0.5, "bitmask"),
-    (70_000, 0.9, "rice"),
-    (70_000, 0.99999, "rice"),  # 1 kept
+@pytest.mark.parametrize("count, kept", [(1000, 300), (1000, 100), (70_000, 70), (1000, 1)])
+def test_rice_stores_the_gaps_in_the_bytes_the_formula_says(count, kept):
+    generator = torch.Generator().manual_seed(count + kept)
+    index = torch.randperm(count, generator=generator)[:kept].sort().values
+
+    flat, (values, saved, meta) = encode_index(index, count, rice_form(count, kept, index_chunk_length(torch.device("cpu"), count)))
+
+    assert tensor_bytes(saved) == rice_bytes(index, count)
+    assert torch.equal(meta.scatter(values, saved), flat)
+
+
+@pytest.mark.parametrize("count, drop_rate, form", [
+    (100, 0.0, "Dense"),
+    (1000, 0.5, "Bitmask"),
+    (70_000, 0.9, "EliasFano"),
+    (70_000, 0.99999, "EliasFano"),  # 1 kept
 ])
-def test_mink_stores_the_encoding_the_table_picks(count, drop_rate, encoding):
+@pytest.mark.parametrize("rice", [0, 1])
+def test_mink_stores_the_form_the_sizes_pick(count, drop_rate, form, rice):
     x = distinct_magnitudes(count)
     kept = count - math.floor(drop_rate * count)
 
-    packed, y = round_trip(f"mink{drop_rate}", x)
+    packed, y = round_trip(f"mink{drop_rate}" + (":rice=1" if rice else ""), x)
 
     assert torch.equal(kept_mask(x, y), topk_mask(x.abs(), kept))
+    meta = packed.layout.stages[0][1]
     index = kept_mask(x, y).reshape(-1).nonzero().view(-1)
-    assert packed.nbytes == 4 * kept + encoding_bytes(index, count)[encoding] == 4 * kept + position_bytes(index, count)
+    if rice and form != "Dense":
+        assert isinstance(meta, Rice) and packed.nbytes == 4 * kept + rice_bytes(index, count)
+    else:
+        assert type(meta).__name__ == form and packed.nbytes == 4 * kept + position_bytes(kept, count)
     assert all(t.dtype != torch.int64 for t in packed.tensors)
 
 
@@ -1111,7 +1128,7 @@ def int_bytes(count: int, bits: int, element_size: int, group: int = 256) -> int
 
 
 # x is (8, 16, 32) with channels on dim 1: n = 4096, 16 channels of 256 elements.
-# Element sparsifiers' formulas take the kept positions (Rice bytes depend on the gaps).
+# Element sparsifiers' formulas take the kept count (their static positions' size depends on it alone).
 @pytest.mark.parametrize("spec, formula", [
     ("mink0.75", lambda n, size, kept: 1024 * size + position_bytes(kept, n)),
     ("mink0.99", lambda n, size, kept: 41 * size + position_bytes(kept, n)),
@@ -1135,7 +1152,7 @@ def int_bytes(count: int, bits: int, element_size: int, group: int = 256) -> int
 def test_stored_bytes_match_the_formulas(spec, formula, dtype):
     torch.manual_seed(0)
     x = torch.randn(8, 16, 32).to(dtype)
-    kept = kept_positions(spec, x) if spec.startswith(("mink", "pmink")) else None
+    kept = kept_positions(spec, x).numel() if spec.startswith(("mink", "pmink")) else None
 
     packed = parse(spec).compress(x, channel_dim=1)
 
@@ -1163,8 +1180,8 @@ def test_million_element_targets(million, spec, dtype, budget):
     assert packed.nbytes <= budget * dense
     kept = 100_000
     values = kept * 4 if spec == "mink0.9" else int_bytes(kept, 8, x.element_size())
-    assert packed.nbytes == values + position_bytes(kept_positions(spec, x), x.numel())
-    assert packed.nbytes - values < 0.5 * math.ceil(x.numel() / 8)  # positions: under half a bitmask
+    assert packed.nbytes == values + position_bytes(kept, x.numel())
+    assert packed.nbytes - values < 0.53 * math.ceil(x.numel() / 8)  # Elias-Fano: 0.525 bit per element
 
 
 @pytest.mark.parametrize("dtype, share", [(torch.float32, Fraction(1, 5)), (torch.float16, Fraction(3, 10))])

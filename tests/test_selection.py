@@ -6,9 +6,8 @@ import pytest
 import torch
 
 import actcomp
-from actcomp.kernels import thresholds
 from actcomp.kernels.chunks import CPU_CHUNK
-from actcomp.kernels.thresholds import SAMPLE, exact_threshold
+from actcomp.kernels.thresholds import SAMPLE, exact_threshold, magnitude_keys
 
 # smink's documented tolerance on the kept fraction.
 TOLERANCE = 0.01
@@ -46,7 +45,7 @@ def test_mink_keeps_exactly_k_and_only_the_largest(name, count):
     packed = stage.compress(x)
     y = stage.decompress(packed)
     # Exactly k positions kept (zeros among them come back as zeros, so count positions).
-    assert packed.layout.stages[0][1][2] == kept_target
+    assert packed.layout.stages[0][1].capacity == kept_target
     kept = y != 0
     assert torch.equal(y[kept], x[kept])
     magnitude = x.abs().float()
@@ -62,20 +61,19 @@ def test_mink_breaks_ties_by_position():
     assert y.tolist() == [0.0, 2.0, 2.0, 2.0, 0.0, 0.0, 3.0, 0.0]
 
 
-def test_a_misleading_sample_widens_the_bracket_and_stays_exact(monkeypatch):
-    # A sample of other, much smaller values: every bracket it gives lies below the threshold
-    # until the bracket has widened to take everything in.
-    monkeypatch.setattr(thresholds, "magnitude_sample", lambda flat: torch.rand(SAMPLE) * 0.01)
-    calls = []
-    original = thresholds._threshold_in
-    monkeypatch.setattr(thresholds, "_threshold_in", lambda *args: calls.append(args[2:]) or original(*args))
-    x = torch.randn(4 * SAMPLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("kept", [1, 999, 1000, 70_000, 4 * SAMPLE])
+def test_radix_select_finds_the_kept_th_largest_magnitude_and_its_ties(kept, dtype):
+    x = torch.randn(4 * SAMPLE, generator=torch.Generator().manual_seed(kept)).to(dtype)
+    x[::7] = x[3]  # a mass of ties
 
-    found = exact_threshold(x, 1000)
+    found = exact_threshold(x, kept)
 
-    assert len(calls) >= 2  # at least one widening
-    assert int((x.abs() > found.value).sum()) + found.ties == 1000
-    assert found.value == float(torch.topk(x.abs(), 1000).values[-1])
+    magnitude = x.abs().double()
+    expected = torch.topk(magnitude, kept).values[-1]
+    assert magnitude_keys(x)[magnitude == expected].unique().tolist() == [int(found.key)]
+    assert int((magnitude > expected).sum() + found.ties) == kept
+    assert 1 <= int(found.ties) <= int((magnitude == expected).sum())
 
 
 @pytest.mark.parametrize("name", ["gaussian", "heavy tail", "bf16 ties", "channel scales", "sorted"])

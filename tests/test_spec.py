@@ -317,7 +317,7 @@ def underlined(message: str, spec: str) -> str:
     ("mink0.9x", "0.9x", "a drop rate is a number in [0, 1)"),
     ("mink 0.9", " 0.9", "a drop rate is a number in [0, 1)"),
     ("int8:foo=1", "foo=1", "valid options: group"),
-    ("mink0.9:block=4096", "block=4096", "valid options: none"),
+    ("mink0.9:block=4096", "block=4096", "valid options: rice"),
     ("pmink0.9:block=abc", "block=abc", "block of 'pmink' must be an integer >= 1, got 'abc'"),
     ("pmink0.9:block=0", "block=0", "must be an integer >= 1, got 0"),
     ("int8:group=-4", "group=-4", "group of 'int8' must be an integer >= 1, got -4"),

@@ -17,40 +17,51 @@ from dataclasses import dataclass
 
 import torch
 
-from actcomp.core.codec import Compressor, Encoded, Hints, drop_count
+from actcomp.core.codec import Compressor, Encoded, Hints
 from actcomp.core.registry import register_compressor
 from actcomp.errors import ActcompError
 from actcomp.kernels.chunks import aligned_length, spans
+from actcomp.kernels.thresholds import kept_count
 
 
+@dataclass(frozen=True)
 class _ChannelSparsifier(Compressor):
     kind = "sparsifier"
     takes_rate = True
+    drop_rate: float = 0.9
+    dim: int | None = None
 
     def choose(self, x: torch.Tensor, dim: int, kept: int) -> torch.Tensor:
         raise NotImplementedError
 
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
-        dim = self.dim if self.dim is not None else hints.channel_dim  # type: ignore[attr-defined]
+        dim = self.dim if self.dim is not None else hints.channel_dim
         if dim is None:
             raise ActcompError(
                 f"{self.name!r} needs to know the channel axis of a tensor of shape {tuple(x.shape)}: "
-                f"set it in the spec ('{self.name}{self.drop_rate}:dim=1') or pass channel_dim="  # type: ignore[attr-defined]
+                f"set it in the spec ('{self.name}{self.drop_rate}:dim=1') or pass channel_dim="
             )
         if not -x.dim() <= dim < x.dim():
             raise ActcompError(f"channel dim {dim} is out of range for a tensor of shape {tuple(x.shape)}")
         dim %= x.dim()
         channels = x.shape[dim]
-        kept = channels - drop_count(channels, self.drop_rate)  # type: ignore[attr-defined]
+        kept = kept_count(channels, self.drop_rate)
         ids = self.choose(x, dim, kept).sort().values
         id_dtype = torch.int16 if channels <= 2**15 else torch.int32
-        return Encoded(x.index_select(dim, ids), (ids.to(id_dtype),), (dim, channels))
+        return Encoded(x.index_select(dim, ids), (ids.to(id_dtype),), KeptChannels(dim, channels))
 
-    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
-        dim, channels = meta
+    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: KeptChannels) -> torch.Tensor:
         shape = list(payload.shape)
-        shape[dim] = channels
-        return payload.new_zeros(shape).index_copy_(dim, saved[0].long(), payload)
+        shape[meta.dim] = meta.channels
+        return payload.new_zeros(shape).index_copy_(meta.dim, saved[0].long(), payload)
+
+
+@dataclass(frozen=True)
+class KeptChannels:
+    """A channel sparsifier's metadata: the channel axis and its length before dropping."""
+
+    dim: int
+    channels: int
 
 
 @register_compressor
@@ -59,8 +70,6 @@ class ChannelMinK(_ChannelSparsifier):
     """Drops the channels with the smallest L2 norm (norms accumulated in fp32)."""
 
     name = "channel"
-    drop_rate: float = 0.9
-    dim: int | None = None
 
     def choose(self, x: torch.Tensor, dim: int, kept: int) -> torch.Tensor:
         return torch.topk(channel_norms(x, dim), kept, sorted=False).indices
@@ -92,8 +101,6 @@ class RandomChannels(_ChannelSparsifier):
 
     name = "rchannel"
     draws_global_random = True
-    drop_rate: float = 0.9
-    dim: int | None = None
 
     def choose(self, x: torch.Tensor, dim: int, kept: int) -> torch.Tensor:
         return torch.randperm(x.shape[dim], device=x.device)[:kept]

@@ -48,7 +48,8 @@ def unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
     words += _NON_ZERO
     words >>= 7
     words &= _SPREAD
-    return words.view(torch.uint8).view(torch.bool)[:count]
+    # A compare, not a bitcast view as bool: inductor cannot vectorize the cast of such a view.
+    return words.view(torch.uint8)[:count] != 0
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -1,45 +1,331 @@
-"""Compact storage of *which* elements a sparsifier kept, written and read a chunk at a time.
+"""Storage of *which* elements a sparsifier kept, and the chunked pass that gathers them.
 
-For ``k`` kept positions out of ``n`` each tensor gets one of:
+A sparsifier keeps at most ``capacity`` elements of ``count`` (min-k: exactly
+``ceil((1 - rate) count)``), chosen a chunk at a time by a bool mask. :func:`encode_kept`
+gathers the kept values into ``capacity`` slots in position order (slots left over hold
+zeros) and hands each chunk's kept positions to the writer of a *form*, a small frozen
+dataclass that is also the metadata decoding needs (:meth:`scatter` puts the values back):
 
-===========  ==================================================  ==========================
-encoding     stored                                              bytes
-===========  ==================================================  ==========================
-``dense``    nothing (every element kept)                        0
-``bitmask``  1 bit per element                                   ceil(n / 8)
-``rice``     the gaps between kept positions, Golomb-Rice coded  ceil(k r / 8) + ceil(u / 8)
-             with ``r`` low bits each plus a unary high part
-             (``u`` = k + sum(gap >> r) bits)
-===========  ==================================================  ==========================
+- :class:`Dense`: every element kept, nothing stored (0 bytes);
+- :class:`Bitmask`: a bit per element, ``ceil(n / 8)`` bytes;
+- :class:`EliasFano`: per kept position its low ``b`` bits, and its high part in unary (a bit
+  per slot plus one per bucket of ``2**b`` positions), ``ceil(k b / 8) + ceil((k + (n >> b) + 1) / 8)``
+  bytes;
+- :class:`Indices`: int32 positions (DropIT's released format), ``4 k`` bytes;
+- :class:`Rice`: the gaps, Golomb-Rice coded with ``r`` low bits, ``ceil(k r / 8) + ceil(u / 8)``
+  bytes where ``u = k + sum(gap >> r)`` depends on the data (eager only).
 
-A sparsifier hands the positions over chunk by chunk, as bool masks of consecutive slices
-(:class:`PositionWriter`), so the encoding is chosen before any position is seen, from ``n``
-and the expected ``k`` alone: Rice with the ``r`` that is cheapest for randomly spread
-positions (geometric gaps), whenever that is expected to be smaller than a bitmask. Other
-placements cannot cost much more: the unary parts sum to at most ``k + n / 2**r`` bits,
-however the positions cluster. At DropIT's 90% drop rate Rice needs about 0.48 bit per
-element, half a bitmask. The bit streams run on across chunk
-boundaries; the metadata records each chunk's kept count and unary length, so
-:func:`scatter_kept` reads them back a chunk at a time too. Never int64 in what is stored.
+The static forms' sizes follow from ``n`` and ``k`` alone, so :func:`static_form` picks the
+smaller of a bitmask and the best Elias-Fano width before any value is seen, and every shape
+is known before the data are: no read back to Python, and the same code compiles. Elias-Fano
+needs about 0.525 bit per element at k = n / 10 (b = 3), a bitmask 1, Rice 0.48 but a size
+that depends on the gaps, so :class:`Rice` reads counts back to Python (free on a CPU in eager
+mode, a stall of the launch queue on a GPU, impossible in a compiled graph); it is asked for
+explicitly (``mink0.9:rice=1``) and refuses to run under ``torch.compile``. Slots a sparsifier
+leaves empty (``smink``, whose count is not fixed) take the position ``n`` in Elias-Fano,
+past the end, and no bit in a bitmask.
 
 >>> import torch
->>> index = torch.tensor([3, 40, 41, 97])
->>> saved, meta = encode_positions(index, 100)
->>> meta[:4], sum(t.numel() for t in saved)  # gaps 3, 36, 0, 55 with r = 4: 16 + 9 bits
-(('rice', 100, 4, 4), 4)
->>> scatter_kept(torch.tensor([1.0, 2.0, 3.0, 4.0]), saved, meta).nonzero().view(-1).tolist()
-[3, 40, 41, 97]
+>>> mask = torch.tensor([False, True, True, False, False, False, False, True] * 4)
+>>> form = static_form(32, 12)
+>>> values, saved, form = encode_kept(torch.arange(1.0, 33.0), lambda part, start: mask[start:start + part.numel()], 12, form)
+>>> form, values[:4].tolist()
+(Bitmask(count=32, capacity=12), [2.0, 3.0, 8.0, 10.0])
+>>> torch.equal(form.scatter(values, saved), torch.arange(1.0, 33.0) * mask)
+True
 """
 
 from __future__ import annotations
 
-import itertools
 import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
+from actcomp.errors import ActcompError
 from actcomp.kernels.bitpack import pack_bits, packed_size, unpack_bits
 from actcomp.kernels.chunks import aligned_length, spans
+
+# Which elements of a chunk to keep: (chunk, its start) -> bool mask.
+Selector = Callable[[torch.Tensor, int], torch.Tensor]
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MAX_LOW_BITS = 8  # Elias-Fano's low bits are packed as codes of at most a byte
+
+
+@dataclass(frozen=True)
+class Dense:
+    """Every element kept: the values are the tensor, nothing else is stored."""
+
+    count: int
+
+    def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return values
+
+
+@dataclass(frozen=True)
+class Bitmask:
+    """A bit per element, set where a value was kept."""
+
+    count: int
+    capacity: int
+
+    def writer(self, device: torch.device) -> _BitmaskWriter:
+        return _BitmaskWriter(self, device)
+
+    def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        length = index_chunk_length(values.device, self.count)
+        masks = ((start, stop, unpack_bits(saved[0][start // 8:packed_size(stop, 1)], stop - start))
+                 for start, stop in spans(self.count, length))
+        return expand_kept(values, self.count, masks)
+
+
+@dataclass(frozen=True)
+class EliasFano:
+    """Elias-Fano coding of the ascending kept positions: the ``j``-th one's low ``low_bits``
+    bits as a code, and a bit set at ``(position >> low_bits) + j`` of a bit vector of
+    ``capacity + (count >> low_bits) + 1`` bits. Empty slots hold the position ``count``."""
+
+    count: int
+    capacity: int
+    low_bits: int
+
+    @property
+    def high_length(self) -> int:
+        return self.capacity + (self.count >> self.low_bits) + 1
+
+    def nbytes(self) -> int:
+        return packed_size(self.capacity, self.low_bits) + packed_size(self.high_length, 1)
+
+    def writer(self, device: torch.device) -> _EliasFanoWriter:
+        return _EliasFanoWriter(self, device)
+
+    def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        high, low = saved
+        # One slot past the end takes the empty slots and the bits that are not set.
+        out = values.new_zeros(self.count + 1)
+        kept = torch.zeros((), dtype=torch.int64, device=values.device)
+        for start, stop in spans(self.high_length, index_chunk_length(values.device, self.high_length)):
+            bits = unpack_bits(high[start // 8:packed_size(stop, 1)], stop - start)
+            rank = torch.cumsum(bits, 0) + (kept - 1)
+            slot = rank.clamp(0, self.capacity - 1)
+            bucket = torch.arange(start, stop, device=values.device) - rank
+            position = (bucket << self.low_bits) | _read_codes(low, slot * self.low_bits, self.low_bits)
+            _bits_of(out).scatter_(0, torch.where(bits, position, self.count), _bits_of(values)[slot])
+            kept = rank[-1] + 1
+        return out[:self.count]
+
+
+@dataclass(frozen=True)
+class Indices:
+    """The kept positions as int32 (int64 beyond 2**31 elements), ascending."""
+
+    count: int
+    capacity: int
+
+    def writer(self, device: torch.device) -> _IndicesWriter:
+        return _IndicesWriter(self, device)
+
+    def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        out = values.new_zeros(self.count)
+        _bits_of(out).index_copy_(0, saved[0].long(), _bits_of(values))
+        return out
+
+
+@dataclass(frozen=True)
+class Rice:
+    """Golomb-Rice coded gaps between kept positions, with ``low_bits`` low bits each and a unary
+    high part; the streams run on across chunks of ``length``, whose kept counts and unary
+    lengths the metadata record. Eager only: its size depends on the gaps."""
+
+    count: int
+    capacity: int
+    low_bits: int
+    length: int
+    chunk_kept: tuple[int, ...] = ()
+    chunk_unary: tuple[int, ...] = ()
+
+    def writer(self, device: torch.device) -> _RiceWriter:
+        return _RiceWriter(self, device)
+
+    def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        high_stream, low_stream = saved
+        out = values.new_empty(self.count)
+        first = unary_start = 0
+        last = -1
+        for (start, stop), kept, unary in zip(spans(self.count, self.length), self.chunk_kept, self.chunk_unary):
+            part = out[start:stop].zero_()
+            if not kept:
+                continue
+            ones = _bit_range(high_stream, unary_start, unary).nonzero().view(-1)
+            gaps = (torch.diff(ones, prepend=ones.new_full((1,), -1)) - 1) << self.low_bits
+            if self.low_bits:
+                shifts = torch.arange(self.low_bits, device=values.device)
+                low = _bit_range(low_stream, first * self.low_bits, kept * self.low_bits)
+                gaps |= (low.view(kept, self.low_bits).long() << shifts).sum(1)
+            index = torch.cumsum(gaps + 1, 0) + (last - start)
+            last = start + int(index[-1])
+            part.index_put_((index,), values[first:first + kept])
+            first += kept
+            unary_start += unary
+        return out
+
+
+PositionForm = Dense | Bitmask | EliasFano | Indices | Rice
+
+
+def index_chunk_length(device: torch.device, count: int) -> int:
+    """Elements per chunk of a pass that holds several int64 temporaries per element (ranks,
+    slots, positions): an eighth of :func:`~actcomp.kernels.chunks.aligned_length`'s, a
+    multiple of 8, so that they weigh what a chunk of the values would.
+
+    >>> index_chunk_length(torch.device("cpu"), 10**7)
+    32768
+    """
+    return max(8, aligned_length(device, count, 8) // 64 * 8)
+
+
+def static_form(count: int, capacity: int) -> Dense | Bitmask | EliasFano:
+    """The smaller static form for ``capacity`` kept of ``count``: a bitmask, or Elias-Fano with
+    the low-bit width of fewest bytes (a bitmask on a tie).
+
+    >>> static_form(1000, 1000), static_form(1000, 500), static_form(1000, 100)
+    (Dense(count=1000), Bitmask(count=1000, capacity=500), EliasFano(count=1000, capacity=100, low_bits=3))
+    """
+    if capacity >= count:
+        return Dense(count)
+    best: Dense | Bitmask | EliasFano = Bitmask(count, capacity)
+    size = packed_size(count, 1)
+    for bits in range(1, _MAX_LOW_BITS + 1):
+        candidate = EliasFano(count, capacity, bits)
+        if candidate.nbytes() < size:
+            best, size = candidate, candidate.nbytes()
+    return best
+
+
+def rice_form(count: int, capacity: int, length: int) -> Dense | Rice:
+    """Rice coding for ``capacity`` kept of ``count``, in chunks of ``length`` (a multiple of 8),
+    with the ``r`` of fewest expected bits for randomly spread positions. Eager only."""
+    if torch.compiler.is_compiling():
+        raise ActcompError("Rice-coded positions (rice=1) have a size that depends on the data and "
+                           "cannot be compiled; leave rice unset for the static form")
+    return Dense(count) if capacity >= count else Rice(count, capacity, rice_parameter(count, capacity), length)
+
+
+def encode_kept(flat: torch.Tensor, select: Selector, capacity: int, form: PositionForm | None = None,
+                length: int | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], PositionForm | None]:
+    """The kept values of ``flat`` (1-D) in ``capacity`` slots, in position order, what ``form``
+    stores of their positions, and the form to decode them with (None, with nothing stored,
+    when ``form`` is: the caller knows the positions another way). ``select`` chooses a chunk's
+    elements (chunks of ``length``, a multiple of 8); past ``capacity`` kept, later ones are
+    dropped."""
+    count = flat.numel()
+    if isinstance(form, Dense):
+        return flat, (), form
+    length = length or index_chunk_length(flat.device, count)
+    writer = None if form is None else form.writer(flat.device)
+    values = flat.new_zeros(capacity + 1)  # the last slot takes every element not kept
+    kept = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start, stop in spans(count, length):
+        part = flat[start:stop]
+        mask = select(part, start)
+        rank = torch.cumsum(mask, 0) + (kept - 1)
+        kept_here = mask & (rank < capacity)
+        slot = torch.where(kept_here, rank, capacity)
+        _bits_of(values).scatter_(0, slot, _bits_of(part))
+        if writer is not None:
+            writer.add(kept_here, slot, start)
+        kept = rank[-1] + 1
+    saved, form = ((), None) if writer is None else writer.finish(kept.clamp(max=capacity))
+    return values[:capacity].clone(), saved, form
+
+
+def _bits_of(values: torch.Tensor) -> torch.Tensor:
+    """``values`` viewed as integers of their width: moved bit for bit, and on CPU a scatter of
+    fp16 or bf16 would otherwise work on an fp32 copy of the whole tensor."""
+    return values.view(_INT_OF_WIDTH[values.element_size()])
+
+
+def expand_kept(values: torch.Tensor, count: int, masks: Iterable[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+    """A flat tensor of ``count`` zeros with ``values`` put, in order, where the bool masks of
+    consecutive chunks ``(start, stop, mask)`` are set.
+
+    >>> expand_kept(torch.tensor([5.0, 6.0]), 4, [(0, 4, torch.tensor([False, True, False, True]))])
+    tensor([0., 5., 0., 6.])
+    """
+    out = values.new_empty(count)
+    kept = torch.zeros((), dtype=torch.int64, device=values.device)
+    for start, stop, mask in masks:
+        rank = torch.cumsum(mask, 0) + (kept - 1)
+        out[start:stop] = torch.where(mask, values[rank.clamp(0, values.numel() - 1)], 0)
+        kept = rank[-1] + 1
+    return out
+
+
+class _BitmaskWriter:
+    def __init__(self, form: Bitmask, device: torch.device):
+        self.form = form
+        self.packed = torch.empty(packed_size(form.count, 1), dtype=torch.uint8, device=device)
+
+    def add(self, kept: torch.Tensor, slot: torch.Tensor, start: int) -> None:
+        self.packed[start // 8:start // 8 + packed_size(kept.numel(), 1)] = pack_bits(kept)
+
+    def finish(self, kept: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Bitmask]:
+        return (self.packed,), self.form
+
+
+class _EliasFanoWriter:
+    """Sets Elias-Fano's bits straight into packed bytes. A bit is set at most once, so adding
+    bits into a byte or-s them (a bool per bit, or a byte per code, would cost several times
+    the bytes kept); each stream has a spare byte at its end that takes what is not kept."""
+
+    def __init__(self, form: EliasFano, device: torch.device):
+        self.form = form
+        self.high = torch.zeros(packed_size(form.high_length, 1) + 1, dtype=torch.uint8, device=device)
+        # And one more for the low stream: a code may spill into the byte after its first.
+        self.low = torch.zeros(packed_size(form.capacity, form.low_bits) + 2, dtype=torch.uint8, device=device)
+
+    def add(self, kept: torch.Tensor, slot: torch.Tensor, start: int) -> None:
+        self._put(kept, slot, torch.arange(start, start + kept.numel(), device=kept.device))
+
+    def _put(self, kept: torch.Tensor, slot: torch.Tensor, position: torch.Tensor) -> None:
+        bits = self.form.low_bits
+        _add_bits(self.high, kept, (position >> bits) + slot, torch.ones_like(position), 1)
+        _add_bits(self.low, kept, slot * bits, position & (2**bits - 1), bits)
+
+    def finish(self, kept: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], EliasFano]:
+        # Slots left empty hold the position past the end; a chunk at a time, as ever.
+        capacity = self.form.capacity
+        for start, stop in spans(capacity, index_chunk_length(kept.device, capacity)):
+            slot = torch.arange(start, stop, device=kept.device)
+            self._put(slot >= kept, slot, torch.full_like(slot, self.form.count))
+        low = self.low[:packed_size(capacity, self.form.low_bits)].clone()
+        return (self.high[:-1].clone(), low), self.form
+
+
+def _add_bits(stream: torch.Tensor, kept: torch.Tensor, first_bit: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
+    """Add ``bits``-bit ``codes`` (int64) at bit ``first_bit`` of the little-endian bit stream
+    ``stream`` (the layout of :func:`~actcomp.kernels.bitpack.pack_codes`), where ``kept``;
+    the others go to the stream's last byte."""
+    spare = stream.numel() - 1
+    byte = torch.where(kept, first_bit >> 3, spare)
+    shifted = codes << (first_bit & 7)
+    stream.scatter_add_(0, byte, (shifted & 0xFF).to(torch.uint8))
+    if bits > 1:  # a code of 2 to 8 bits may reach into the next byte
+        stream.scatter_add_(0, torch.where(kept, byte + 1, spare), (shifted >> 8).to(torch.uint8))
+
+
+class _IndicesWriter:
+    def __init__(self, form: Indices, device: torch.device):
+        self.form = form
+        self.dtype = torch.int32 if form.count <= 2**31 else torch.int64
+        self.index = torch.zeros(form.capacity + 1, dtype=self.dtype, device=device)
+
+    def add(self, kept: torch.Tensor, slot: torch.Tensor, start: int) -> None:
+        self.index.scatter_(0, slot, torch.arange(start, start + kept.numel(), dtype=self.dtype, device=kept.device))
+
+    def finish(self, kept: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Indices]:
+        return (self.index[:-1].clone(),), self.form
 
 
 def expected_rice_bits(count: int, kept: int, low_bits: int) -> float:
@@ -58,15 +344,38 @@ def rice_parameter(count: int, kept: int) -> int:
     return min(range(max(0, guess - 1), guess + 3), key=lambda r: expected_rice_bits(count, kept, r))
 
 
-def choose_encoding(count: int, kept: int) -> tuple[str, int]:
-    """``(encoding, r)`` for ``kept`` (expected) positions among ``count``: Rice when its expected
-    size is below a bitmask's, else the bitmask."""
-    if kept >= count:
-        return "dense", 0
-    if kept <= 0:
-        return "rice", rice_parameter(count, 1)
-    low_bits = rice_parameter(count, kept)
-    return ("rice", low_bits) if kept * expected_rice_bits(count, kept, low_bits) < count else ("bitmask", 0)
+class _RiceWriter:
+    """Rice-codes each chunk's kept positions as it comes; reads counts back to Python."""
+
+    def __init__(self, form: Rice, device: torch.device):
+        self.form, self.device = form, device
+        self.kept: list[int] = []
+        self.unary: list[int] = []
+        self.high_stream, self.low_stream = _BitStream(device), _BitStream(device)
+        self.last = -1  # the last kept position so far: gaps run on across chunks
+
+    def add(self, kept: torch.Tensor, slot: torch.Tensor, start: int) -> None:
+        index = kept.nonzero().view(-1) + start
+        self.kept.append(index.numel())
+        if not index.numel():
+            self.unary.append(0)
+            return
+        low_bits = self.form.low_bits
+        gaps = torch.diff(index, prepend=index.new_full((1,), self.last)) - 1
+        self.last = int(index[-1])
+        ones = torch.cumsum((gaps >> low_bits) + 1, 0) - 1
+        unary = torch.zeros(int(ones[-1]) + 1, dtype=torch.bool, device=self.device)
+        unary[ones] = True
+        self.unary.append(unary.numel())
+        self.high_stream.append(unary)
+        if low_bits:
+            shifts = torch.arange(low_bits, device=self.device)
+            self.low_stream.append(((gaps.unsqueeze(1) >> shifts) & 1).view(-1).bool())
+
+    def finish(self, kept: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Rice]:
+        form = Rice(self.form.count, self.form.capacity, self.form.low_bits, self.form.length,
+                    tuple(self.kept), tuple(self.unary))
+        return (self.high_stream.finish(), self.low_stream.finish()), form
 
 
 class _BitStream:
@@ -92,83 +401,12 @@ class _BitStream:
         return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
 
 
-class PositionWriter:
-    """Encodes kept positions given as bool masks of consecutive slices of ``length`` elements
-    (a multiple of 8), ``expected`` of ``count`` kept overall.
-
-    >>> writer = PositionWriter(64, expected=2, length=32, device=torch.device("cpu"))
-    >>> for position in (2, 63):  # one kept in each slice of 32: gaps 2 and 60
-    ...     mask = torch.zeros(32, dtype=torch.bool)
-    ...     mask[position % 32] = True
-    ...     writer.add(mask)
-    >>> saved, meta = writer.finish()
-    >>> meta  # r = 4: unary parts 0b1 (gap 2 >> 4 = 0) and 0b0001 (60 >> 4 = 3)
-    ('rice', 64, 2, 4, 32, (1, 1), (1, 4))
-    """
-
-    def __init__(self, count: int, expected: int, length: int, device: torch.device):
-        self.count, self.length, self.device = count, length, device
-        self.encoding, self.low_bits = choose_encoding(count, expected)
-        self.kept: list[int] = []
-        self.unary: list[int] = []
-        self.bitmask: list[torch.Tensor] = []
-        self.high_stream, self.low_stream = _BitStream(device), _BitStream(device)
-        self.start = 0
-        self.last = -1  # the last kept position so far: gaps run on across chunks
-
-    def add(self, mask: torch.Tensor | None = None, index: torch.Tensor | None = None, length: int | None = None) -> None:
-        """The next slice's kept positions: its bool ``mask``, or the ascending positions
-        ``index`` in it and its ``length``, or both; every slice but the last is ``length`` long."""
-        if mask is not None:
-            length = mask.numel()
-        if self.encoding == "bitmask":
-            if mask is None:
-                mask = torch.zeros(length, dtype=torch.bool, device=self.device).index_fill_(0, index, True)
-            self.bitmask.append(pack_bits(mask))
-            self.kept.append(int(mask.sum()) if index is None else index.numel())
-        elif self.encoding == "rice":
-            index = mask.nonzero().view(-1) if index is None else index
-            kept = index.numel()
-            self.kept.append(kept)
-            if kept:
-                index = index + self.start
-                gaps = torch.diff(index, prepend=index.new_full((1,), self.last)) - 1
-                self.last = int(index[-1])
-                high = gaps >> self.low_bits
-                ones = torch.cumsum(high + 1, 0) - 1
-                unary = torch.zeros(int(ones[-1]) + 1, dtype=torch.bool, device=self.device)
-                unary[ones] = True
-                self.unary.append(unary.numel())
-                self.high_stream.append(unary)
-                if self.low_bits:
-                    shifts = torch.arange(self.low_bits, device=self.device)
-                    self.low_stream.append(((gaps.unsqueeze(1) >> shifts) & 1).view(-1).bool())
-            else:
-                self.unary.append(0)
-        else:
-            self.kept.append(length)
-        self.start += length
-
-    def finish(self) -> tuple[tuple[torch.Tensor, ...], tuple]:
-        """``(tensors, meta)`` to store; ``meta`` starts ``(encoding, count, kept)``."""
-        kept = sum(self.kept)
-        if kept == self.count:
-            return (), ("dense", self.count, kept)
-        if self.encoding == "rice":
-            return ((self.high_stream.finish(), self.low_stream.finish()),
-                    ("rice", self.count, kept, self.low_bits, self.length, tuple(self.kept), tuple(self.unary)))
-        packed = self.bitmask[0] if len(self.bitmask) == 1 else torch.cat(self.bitmask)
-        return (packed,), ("bitmask", self.count, kept, self.length, tuple(self.kept))
-
-
-def encode_positions(index: torch.Tensor, count: int) -> tuple[tuple[torch.Tensor, ...], tuple]:
-    """Encode sorted, distinct flat positions ``index`` among ``count``; returns (tensors, meta)."""
-    length = aligned_length(index.device, count, 8)
-    writer = PositionWriter(count, index.numel(), length, index.device)
-    bounds = torch.searchsorted(index, torch.arange(0, count + length, length, device=index.device)).tolist()
-    for (start, stop), first, last in zip(spans(count, length), bounds, bounds[1:]):
-        writer.add(index=index[first:last] - start, length=stop - start)
-    return writer.finish()
+def _read_codes(stream: torch.Tensor, first_bit: torch.Tensor, bits: int) -> torch.Tensor:
+    """The ``bits``-bit codes at bits ``first_bit`` of a little-endian bit stream (int64): two
+    bytes read per code, so nothing the size of the whole stream is unpacked."""
+    byte = first_bit >> 3
+    pair = stream[byte].long() | (stream[(byte + 1).clamp(max=stream.numel() - 1)].long() << 8)
+    return (pair >> (first_bit & 7)) & (2**bits - 1)
 
 
 def _bit_range(packed: torch.Tensor, start: int, count: int) -> torch.Tensor:
@@ -176,44 +414,3 @@ def _bit_range(packed: torch.Tensor, start: int, count: int) -> torch.Tensor:
     first = start // 8
     bits = unpack_bits(packed[first:packed_size(start + count, 1)], packed_size(start + count, 1) * 8 - first * 8)
     return bits[start - first * 8:start - first * 8 + count]
-
-
-def scatter_kept(values: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: tuple) -> torch.Tensor:
-    """Place kept ``values`` (ascending position order) into a flat zero tensor, a chunk at a time."""
-    encoding, count = meta[:2]
-    if encoding == "dense":
-        return values
-    out = torch.empty(count, dtype=values.dtype, device=values.device)
-    if encoding == "bitmask":
-        _, _, _, length, chunk_kept = meta
-        value_starts = itertools.accumulate(chunk_kept, initial=0)
-        for (start, stop), first, kept in zip(spans(count, length), value_starts, chunk_kept):
-            part = out[start:stop].zero_()
-            if kept:
-                part.masked_scatter_(unpack_bits(packed_slice(saved[0], start, stop), stop - start),
-                                     values[first:first + kept])
-        return out
-    _, _, _, low_bits, length, chunk_kept, chunk_unary = meta
-    high_stream, low_stream = saved
-    first = unary_start = 0
-    last = -1
-    for (start, stop), kept, unary in zip(spans(count, length), chunk_kept, chunk_unary):
-        part = out[start:stop].zero_()
-        if not kept:
-            continue
-        ones = _bit_range(high_stream, unary_start, unary).nonzero().view(-1)
-        gaps = (torch.diff(ones, prepend=ones.new_full((1,), -1)) - 1) << low_bits
-        if low_bits:
-            shifts = torch.arange(low_bits, device=values.device)
-            gaps |= (_bit_range(low_stream, first * low_bits, kept * low_bits).view(kept, low_bits).long() << shifts).sum(1)
-        index = torch.cumsum(gaps + 1, 0) + (last - start)
-        last = start + int(index[-1])
-        part.index_put_((index,), values[first:first + kept])
-        first += kept
-        unary_start += unary
-    return out
-
-
-def packed_slice(packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """The bytes of a bitmask holding elements ``start`` (a multiple of 8) to ``stop``."""
-    return packed[start // 8:packed_size(stop, 1)]

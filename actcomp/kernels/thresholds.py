@@ -1,130 +1,180 @@
-"""Magnitude thresholds for min-k selection, without sorting the tensor.
+"""Thresholds for min-k selection, as tensor functions: no sort, no read back to Python.
 
-A global ``topk`` over a large tensor allocates several times its bytes and is the slowest
-step of DropIT's compression. Min-k only needs the *threshold*: the ``kept``-th largest
-magnitude ``t``. Keeping every ``|x| > t`` and the first ``|x| == t`` in position order then
-keeps exactly ``kept`` elements, in one compare-and-pack pass.
+A magnitude's *key* is its bit pattern with the sign bit cleared, read as an integer of the
+same width (int16 for fp16 and bf16, int32 for fp32, int64 for fp64): finite magnitudes order
+as their keys do, so selecting on keys selects on ``|x|`` without an fp32 copy. A
+:class:`Threshold` is a key and a tie count (0-d tensors on the data's device): keep every key
+above it and the first ``ties`` keys equal to it, in position order (:class:`ThresholdSelector`).
 
-- :func:`exact_threshold` brackets ``t`` between two quantiles of an evenly spaced sample,
-  counts the elements above the bracket and gathers the few inside it in one chunked pass,
-  and picks ``t`` among those: the exact threshold from about one read of the tensor and
-  temporaries of about 1% of it. Should the sample mislead (a bracket that misses ``t``,
-  about once in a million for unstructured values), the bracket widens and the pass runs again.
-- :func:`sampled_threshold` takes ``t`` from the sample alone, for the one-pass ``smink``
-  stage: no pass over the tensor at all, and a kept fraction within sampling error.
+- :func:`exact_threshold` finds the ``kept``-th largest key by radix select, 16 bits a pass
+  (one pass for 2-byte floats, two for fp32, four for fp64): each pass counts, a chunk at a
+  time, the keys that share the prefix found so far into a 65,536-bin histogram. Temporaries
+  are a chunk's, the time a few reads of the tensor whatever its values.
+- :func:`sampled_threshold` takes the key from an evenly spaced sample, for the one-pass
+  ``smink`` stage, and counts once what lies above it.
 
 >>> import torch
->>> x = torch.randn(10**6)
->>> t = exact_threshold(x, 100_000)
->>> int((x.abs() > t.value).sum()) + t.ties == 100_000
-True
+>>> x = torch.randn(10**5)
+>>> t = exact_threshold(x, 10_000)
+>>> int((magnitude_keys(x) > t.key).sum() + t.ties)
+10000
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from actcomp.kernels.chunks import aligned_length, spans
+from actcomp.kernels.chunks import spans
+from actcomp.kernels.positions import index_chunk_length
 
 SAMPLE = 2**16
-# Half-width of the bracket in standard deviations of a sample quantile.
-_MARGIN_SIGMAS = 5.0
+# How far (in standard deviations of a sample quantile) smink raises its threshold above the
+# sample's estimate, so that more than its capacity lies above it only once in ~30,000 calls.
+_MARGIN_SIGMAS = 4.0
+_DIGIT_BITS = 16
+_KEY_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Keys of random selection: 31 bits, as fp32 magnitudes have.
+RANDOM_KEY_BITS = 31
 
 
 class Threshold(NamedTuple):
-    """Keep every ``|x| > value`` and the first ``ties`` elements with ``|x| == value``."""
+    """Keep every key ``> key`` and the first ``ties`` keys ``== key`` (both 0-d tensors)."""
 
-    value: float
-    ties: int
-
-
-def magnitude_sample(flat: torch.Tensor, size: int = SAMPLE) -> torch.Tensor:
-    """``|x|`` of about ``size`` evenly spaced elements of ``flat`` (all of them when fewer),
-    in float32 (float64 for float64). The stride is odd and not a multiple of 3, 5 or 7, so the sample does not
-    alias with channel or token periods (384 = 2**7 3, 3136 = 2**6 7**2)."""
-    count = flat.numel()
-    step = max(1, count // size)
-    while step > 1 and any(step % p == 0 for p in (2, 3, 5, 7)):
-        step -= 1
-    return _wide(flat[::step].abs())
+    key: torch.Tensor
+    ties: torch.Tensor
 
 
-def _wide(values: torch.Tensor) -> torch.Tensor:
-    """float32 (float64 for float64 values): every magnitude of the input dtype, exactly."""
-    return values.double() if values.dtype == torch.float64 else values.float()
+def kept_count(count: int, drop_rate: float) -> int:
+    """How many of ``count`` elements a drop rate keeps: ``ceil((1 - rate) count)`` with the rate
+    read as the decimal it prints as (as :func:`~actcomp.core.codec.drop_count`), at least one
+    of a non-empty tensor; integer arithmetic, so a symbolic count traces under torch.compile.
+
+    >>> kept_count(100, 0.29), kept_count(10, 0.95), kept_count(10**8, 0.29), kept_count(0, 0.5)
+    (71, 1, 71000000, 0)
+    """
+    numerator, denominator = _decimal_ratio(drop_rate)
+    return count - min(numerator * count // denominator, max(count - 1, 0))
 
 
-def _rank(sample: torch.Tensor, fraction: float) -> float:
-    """The sample's value at ``fraction`` of its sorted order (clamped to its ends)."""
-    count = sample.numel()
-    index = min(max(int(fraction * count), 0), count - 1)
-    # A partial top-k from the nearer end: three times faster than kthvalue on CPU.
-    if count - index <= count // 2:
-        return float(torch.topk(sample, count - index, sorted=False).values.min())
-    return float(torch.topk(sample, index + 1, largest=False, sorted=False).values.max())
+def _decimal_ratio(rate: float) -> tuple[int, int]:
+    """The shortest decimal fraction that reads back as ``rate``, as ``(numerator, 10**digits)``."""
+    denominator = 1
+    while round(rate * denominator) / denominator != rate:
+        denominator *= 10
+    return round(rate * denominator), denominator
 
 
-def sampled_threshold(flat: torch.Tensor, kept: int, size: int = SAMPLE) -> tuple[float, float]:
-    """``(t, tie_share)``: ``t`` is the estimate, from a sample of about ``size``, of the
-    ``kept``-th largest ``|x|``; keeping every ``|x| > t`` and a ``tie_share`` of the
-    ``|x| == t`` keeps about ``kept``."""
-    sample = magnitude_sample(flat, size)
-    size, count = sample.numel(), flat.numel()
-    value = _rank(sample, 1 - kept / count)
-    above = int((sample > value).sum())
-    equal = int((sample == value).sum())
-    wanted = kept / count * size - above
-    # A value drawn once is no evidence of a mass of ties (fp32 values rarely repeat), and
-    # looking for ties costs a pass: only a repeated value (bf16, zeros, clamps) is split.
-    share = min(max(wanted / equal, 0.0), 1.0) if equal > 1 else 0.0
-    return value, share
+def key_bits(dtype: torch.dtype) -> int:
+    """Bits of a magnitude key of ``dtype``: all but the sign."""
+    return 8 * dtype.itemsize - 1
+
+
+def magnitude_keys(values: torch.Tensor) -> torch.Tensor:
+    """``|values|`` as integer keys of the same width (see the module docstring)."""
+    keys = values.view(_KEY_DTYPES[values.element_size()])
+    return keys & (2 ** key_bits(values.dtype) - 1)
+
+
+def random_keys(seed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """31-bit keys of flat positions ``start`` to ``stop``: a counter-based hash of (``seed``, a
+    1-element int64 tensor, position), the same in eager and compiled code.
+
+    >>> seed = torch.tensor([7])
+    >>> torch.equal(random_keys(seed, 0, 10)[4:], random_keys(seed, 4, 10))
+    True
+    """
+    # A 32-bit integer hash (two multiply-xorshift rounds) of position and seed, in int64 so
+    # that no product overflows.
+    mask = 2**32 - 1
+    state = (torch.arange(start, stop, device=seed.device) * 0x9E3779B1 + seed) & mask
+    for _ in range(2):
+        state = ((state ^ (state >> 16)) * 0x45D9F3B) & mask
+    return (state ^ (state >> 16)) >> 1
+
+
+def select_threshold(keys_of: Callable[[int, int], torch.Tensor], count: int, kept: int, bits: int,
+                     device: torch.device) -> Threshold:
+    """The :class:`Threshold` keeping ``kept`` (1 to ``count``) of ``count`` non-negative keys of
+    ``bits`` bits, which ``keys_of(start, stop)`` gives a chunk at a time: radix select."""
+    prefix = torch.zeros((), dtype=torch.int64, device=device)  # the key's leading bits found so far
+    # The rank from the top, among the keys sharing the prefix, of the key sought.
+    wanted = torch.full((), kept, dtype=torch.int64, device=device)
+    length = index_chunk_length(device, count)
+    shift = bits
+    while shift > 0:
+        width = min(_DIGIT_BITS, shift)
+        shift -= width
+        histogram = torch.zeros(2**width + 1, dtype=torch.int64, device=device)
+        for start, stop in spans(count, length):
+            keys = keys_of(start, stop)
+            digit = ((keys >> shift) & (2**width - 1)).long()
+            # Keys outside the prefix land in the extra last bin.
+            bins = torch.where((keys >> (shift + width)) == prefix, digit, 2**width)
+            histogram.index_add_(0, bins, torch.ones_like(bins))
+        at_or_above = histogram[:-1].flip(0).cumsum(0).flip(0)  # non-increasing in the digit
+        digit = (at_or_above >= wanted).sum() - 1
+        # Above the digit found: the largest count that falls short (no read of one element,
+        # which would be a host read under torch.compile).
+        wanted = wanted - torch.where(at_or_above < wanted, at_or_above, 0).max()
+        prefix = (prefix << width) | digit
+    return Threshold(prefix, wanted)
 
 
 def exact_threshold(flat: torch.Tensor, kept: int) -> Threshold:
-    """The exact threshold keeping ``kept`` (1 to numel - 1) elements of ``flat`` (1-D, finite)."""
-    count = flat.numel()
-    if count <= SAMPLE:
-        magnitude = flat.abs()
-        value = torch.kthvalue(_wide(magnitude), count - kept + 1).values
-        return Threshold(float(value), kept - int((magnitude > value).sum()))
-    sample = magnitude_sample(flat)
-    dropped = 1 - kept / count
-    margin = _MARGIN_SIGMAS * math.sqrt(max(dropped * (1 - dropped), 1 / count) / sample.numel()) + 2 / sample.numel()
-    while True:
-        low = _rank(sample, dropped - margin) if dropped - margin > 0 else -1.0
-        high = _rank(sample, dropped + margin) if dropped + margin < 1 else math.inf
-        found = _threshold_in(flat, kept, low, high)
-        if found is not None:
-            return found
-        margin *= 4  # the sample misled: widen the bracket and look again
+    """The threshold keeping exactly ``kept`` (1 to numel) elements of ``flat`` (1-D, finite):
+    the largest magnitudes, ties kept in position order."""
+    return select_threshold(lambda start, stop: magnitude_keys(flat[start:stop]), flat.numel(), kept,
+                            key_bits(flat.dtype), flat.device)
 
 
-def _threshold_in(flat: torch.Tensor, kept: int, low: float, high: float) -> Threshold | None:
-    """The threshold if it lies in ``[low, high]``, else None. One chunked pass counts the
-    elements above ``high`` and at either end, and gathers the magnitudes strictly between."""
+def sampled_threshold(flat: torch.Tensor, kept: int, size: int = SAMPLE) -> Threshold:
+    """A threshold keeping at most ``kept`` elements of ``flat``, its key estimated from a sample
+    of about ``size`` and raised by 4 standard deviations of a sample quantile; ties fill what
+    the elements above it leave of ``kept``, none when the key is zero (dropping a zero loses
+    nothing). One pass counts the elements above the key."""
     count = flat.numel()
-    above = at_high = at_low = 0
-    inside = []
-    for start, stop in spans(count, aligned_length(flat.device, count)):
-        magnitude = flat[start:stop].abs()
-        above += int((magnitude > high).sum())
-        at_high += int((magnitude == high).sum())
-        if low < high:
-            at_low += int((magnitude == low).sum())
-            inside.append(magnitude[(magnitude > low) & (magnitude < high)])
-    if kept <= above:
-        return None
-    if kept <= above + at_high:
-        return Threshold(high, kept - above)
-    between = _wide(torch.cat(inside)) if inside else _wide(flat.new_zeros(0))
-    rank = kept - above - at_high  # the wanted element's rank, from the top, among those between
-    if rank <= between.numel():
-        value = torch.kthvalue(between, between.numel() - rank + 1).values
-        greater = above + at_high + int((between > value).sum())
-        return Threshold(float(value), kept - greater)
-    if kept <= above + at_high + between.numel() + at_low:
-        return Threshold(low, kept - above - at_high - between.numel())
-    return None
+    sample = magnitude_keys(sample_of(flat, size))
+    share = kept / count
+    margin = _MARGIN_SIGMAS * math.sqrt(share * (1 - share) * sample.numel())
+    rank = min(max(math.floor(share * sample.numel() - margin), 1), sample.numel())
+    key = torch.topk(sample, rank, sorted=False).values.min().long()
+    above = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start, stop in spans(count, index_chunk_length(flat.device, count)):
+        above += (magnitude_keys(flat[start:stop]) > key).sum()
+    ties = torch.where(key > 0, (kept - above).clamp(min=0), 0)
+    return Threshold(key, ties)
+
+
+def sample_of(flat: torch.Tensor, size: int = SAMPLE) -> torch.Tensor:
+    """About ``size`` evenly spaced elements of ``flat`` (all of them when fewer). The stride is
+    odd and not a multiple of 3, 5 or 7, so the sample does not alias with channel or token
+    periods (384 = 2**7 3, 3136 = 2**6 7**2)."""
+    step = max(1, flat.numel() // size)
+    while step > 1 and any(step % p == 0 for p in (2, 3, 5, 7)):
+        step -= 1
+    return flat[::step]
+
+
+class ThresholdSelector:
+    """What to keep of consecutive chunks of keys under ``threshold``: a bool mask per chunk,
+    the ties counted on across chunks.
+
+    >>> select = ThresholdSelector(Threshold(torch.tensor(2), torch.tensor(1)))
+    >>> select(torch.tensor([2, 3, 1])).tolist(), select(torch.tensor([2, 5])).tolist()
+    ([True, True, False], [False, True])
+    """
+
+    def __init__(self, threshold: Threshold):
+        self.threshold = threshold
+        self.tied = torch.zeros((), dtype=torch.int64, device=threshold.key.device)
+
+    def __call__(self, keys: torch.Tensor) -> torch.Tensor:
+        key, ties = self.threshold
+        equal = keys == key
+        tie_rank = torch.cumsum(equal, 0) + self.tied
+        self.tied = tie_rank[-1]
+        return (keys > key) | (equal & (tie_rank <= ties))
