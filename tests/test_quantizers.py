@@ -62,3 +62,11 @@ def test_encode_and_decode_compile_to_the_eager_codes(name):
         assert torch.equal(decode(*compiled), stage.decode(*eager))
         if eager_state is not None:
             assert torch.equal(compiled_state.low, eager_state.low) and torch.equal(compiled_state.high, eager_state.high)
+
+
+def test_every_registered_codec_has_a_compile_test():
+    # The compile tests run over these lists (quantizers here, sparsifiers in test_positions.py,
+    # exact and derivative codecs in test_codecs.py): a new codec of any kind joins one of them.
+    assert sorted(QUANTIZERS) == actcomp.list_codecs("quantizer")
+    assert set(actcomp.list_codecs()) == set(actcomp.list_codecs("quantizer") + actcomp.list_codecs("sparsifier")
+                                             + actcomp.list_codecs("exact") + actcomp.list_codecs("derivative"))
