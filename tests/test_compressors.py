@@ -560,7 +560,8 @@ def test_rice_stores_the_gaps_in_the_bytes_the_formula_says(count, kept):
     generator = torch.Generator().manual_seed(count + kept)
     index = torch.randperm(count, generator=generator)[:kept].sort().values
 
-    flat, (values, saved, meta) = encode_index(index, count, rice_form(count, kept, index_chunk_length(torch.device("cpu"), count)))
+    form = rice_form(count, kept, index_chunk_length(torch.device("cpu"), count))
+    flat, (values, saved, meta) = encode_index(index, count, form)
 
     assert tensor_bytes(saved) == rice_bytes(index, count)
     assert torch.equal(meta.scatter(values, saved), flat)

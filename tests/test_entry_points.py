@@ -429,8 +429,9 @@ class Tiny(nn.Module):
 
 
 def test_torch_compile_traces_the_hooks_away_and_warns_once_for_a_compiled_training_entry():
-    import actcomp.whole_model.compressed_model
     from torch._dynamo.utils import counters
+
+    import actcomp.whole_model.compressed_model
 
     model = actcomp.to_compressed(Tiny(), "int8", rest=LOSSY, filter_fn=lambda module, name: False)
     inputs = torch.randn(4, 8)

@@ -32,9 +32,8 @@ from torch.utils.checkpoint import checkpoint
 from zoo import HF_ZOO, ZOO, train_step
 
 import actcomp
-from actcomp.graph.saved_tensors import listening
+from actcomp.graph.saved_tensors import Scope, listening
 from actcomp.whole_model.compressed_model import CompressedModel
-from actcomp.graph.saved_tensors import Scope
 from actcomp.whole_model.derivative_codes import DerivativeCode, derivative_error
 from actcomp.whole_model.exact_codecs import (
     ClampMask,

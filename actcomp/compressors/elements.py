@@ -47,11 +47,27 @@ from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
 from actcomp.kernels.chunks import spans
 from actcomp.kernels.positions import (
-    Dense, Indices, PositionForm, Selector, encode_kept, expand_kept, index_chunk_length, rice_form, static_form,
+    Dense,
+    Indices,
+    PositionForm,
+    Selector,
+    encode_kept,
+    expand_kept,
+    index_chunk_length,
+    rice_form,
+    static_form,
 )
 from actcomp.kernels.thresholds import (
-    RANDOM_KEY_BITS, SAMPLE, Threshold, ThresholdSelector, exact_threshold, kept_count, magnitude_keys, random_keys,
-    sampled_threshold, select_threshold,
+    RANDOM_KEY_BITS,
+    SAMPLE,
+    Threshold,
+    ThresholdSelector,
+    exact_threshold,
+    kept_count,
+    magnitude_keys,
+    random_keys,
+    sampled_threshold,
+    select_threshold,
 )
 
 

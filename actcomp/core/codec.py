@@ -3,7 +3,8 @@
 A codec is a frozen dataclass of its settings with an ``encode``/``decode`` pair, registered by
 name (:mod:`actcomp.core.registry`). Pipeline stages (kinds ``sparsifier`` and ``quantizer``)
 chain in a spec; whole-model codecs (kinds ``exact`` and ``derivative``) each keep one saved
-tensor for the op that saved it (:mod:`actcomp.whole_model.session`). A stage turns a tensor into a *payload* tensor (handed to the next stage) plus the tensors
+tensor for the op that saved it (:mod:`actcomp.whole_model.session`). A stage turns a tensor into a
+*payload* tensor (handed to the next stage) plus the tensors
 and small metadata it needs to undo itself. Because everything a stage keeps is a tensor or
 plain Python, a caller can route the tensors through ``ctx.save_for_backward`` (and so
 through saved-tensor hooks) and keep only the metadata on the side. What a stage is given

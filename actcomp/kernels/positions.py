@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from actcomp.errors import ActcompError
-from actcomp.kernels.bitpack import pack_bits, packed_size, unpack_bits
+from actcomp.kernels.bitpack import pack_bits, packed_size, unpack_bits, unpack_codes
 from actcomp.kernels.chunks import aligned_length, spans
 
 # Which elements of a chunk to keep: (chunk, its start) -> bool mask.
@@ -102,17 +102,25 @@ class EliasFano:
 
     def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
         high, low = saved
-        # One slot past the end takes the empty slots and the bits that are not set.
-        out = values.new_zeros(self.count + 1)
-        kept = torch.zeros((), dtype=torch.int64, device=values.device)
-        for start, stop in spans(self.high_length, index_chunk_length(values.device, self.high_length)):
+        device = values.device
+        # Each slot's bucket (its position's high part): set bit i of the high stream is slot j's,
+        # j its rank among the set bits, and its bucket i - j. Bits not set go to a spare slot.
+        bucket = torch.empty(self.capacity + 1, dtype=_position_dtype(self.count), device=device)
+        kept = torch.zeros((), dtype=torch.int64, device=device)
+        for start, stop in spans(self.high_length, index_chunk_length(device, self.high_length)):
             bits = unpack_bits(high[start // 8:packed_size(stop, 1)], stop - start)
             rank = torch.cumsum(bits, 0) + (kept - 1)
-            slot = rank.clamp(0, self.capacity - 1)
-            bucket = torch.arange(start, stop, device=values.device) - rank
-            position = (bucket << self.low_bits) | _read_codes(low, slot * self.low_bits, self.low_bits)
-            _bits_of(out).scatter_(0, torch.where(bits, position, self.count), _bits_of(values)[slot])
+            slot = torch.where(bits, rank, self.capacity)
+            bucket.scatter_(0, slot, (torch.arange(start, stop, device=device) - rank).to(bucket.dtype))
             kept = rank[-1] + 1
+        # One slot past the end takes the empty slots (position count).
+        out = values.new_zeros(self.count + 1)
+        for start, stop in spans(self.capacity, index_chunk_length(device, self.capacity)):
+            # Chunks start at a multiple of 8 slots: at a whole byte of the low stream.
+            low_codes = unpack_codes(low[start * self.low_bits // 8:packed_size(stop, self.low_bits)], self.low_bits,
+                                     stop - start)
+            position = (bucket[start:stop].long() << self.low_bits) | low_codes
+            _bits_of(out).scatter_(0, position, _bits_of(values[start:stop]))
         return out[:self.count]
 
 
@@ -230,13 +238,13 @@ def encode_kept(flat: torch.Tensor, select: Selector, capacity: int, form: Posit
         part = flat[start:stop]
         mask = select(part, start)
         rank = torch.cumsum(mask, 0) + (kept - 1)
-        kept_here = mask & (rank < capacity)
-        slot = torch.where(kept_here, rank, capacity)
+        # Past capacity, and every element not kept, into the spare slot.
+        slot = torch.where(mask, rank, capacity).clamp_(max=capacity)
         _bits_of(values).scatter_(0, slot, _bits_of(part))
         if writer is not None:
-            writer.add(kept_here, slot, start)
+            writer.add(slot, start)
         kept = rank[-1] + 1
-    saved, form = ((), None) if writer is None else writer.finish(kept.clamp(max=capacity))
+    saved, form = ((), None) if writer is None else writer.finish()
     return values[:capacity].clone(), saved, form
 
 
@@ -254,10 +262,16 @@ def expand_kept(values: torch.Tensor, count: int, masks: Iterable[tuple[int, int
     tensor([0., 5., 0., 6.])
     """
     out = values.new_empty(count)
-    kept = torch.zeros((), dtype=torch.int64, device=values.device)
+    # Ranks as int32 where they fit: half the bytes, and index_select's int32 path is faster.
+    dtype = _position_dtype(values.numel())
+    kept = torch.zeros((), dtype=dtype, device=values.device)
+    last = max(values.numel() - 1, 0)
     for start, stop, mask in masks:
-        rank = torch.cumsum(mask, 0) + (kept - 1)
-        out[start:stop] = torch.where(mask, values[rank.clamp(0, values.numel() - 1)], 0)
+        rank = torch.cumsum(mask, 0, dtype=dtype) + (kept - 1)
+        # Bit patterns times the mask: +0.0 where not kept, and several times faster than a
+        # torch.where on CPU.
+        picked = _bits_of(values.index_select(0, rank.clamp(0, last)))
+        torch.mul(picked, mask, out=_bits_of(out[start:stop]))
         kept = rank[-1] + 1
     return out
 
@@ -267,52 +281,56 @@ class _BitmaskWriter:
         self.form = form
         self.packed = torch.empty(packed_size(form.count, 1), dtype=torch.uint8, device=device)
 
-    def add(self, kept: torch.Tensor, slot: torch.Tensor, start: int) -> None:
-        self.packed[start // 8:start // 8 + packed_size(kept.numel(), 1)] = pack_bits(kept)
+    def add(self, slot: torch.Tensor, start: int) -> None:
+        self.packed[start // 8:start // 8 + packed_size(slot.numel(), 1)] = pack_bits(slot < self.form.capacity)
 
-    def finish(self, kept: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Bitmask]:
+    def finish(self) -> tuple[tuple[torch.Tensor, ...], Bitmask]:
         return (self.packed,), self.form
 
 
 class _EliasFanoWriter:
-    """Sets Elias-Fano's bits straight into packed bytes. A bit is set at most once, so adding
-    bits into a byte or-s them (a bool per bit, or a byte per code, would cost several times
-    the bytes kept); each stream has a spare byte at its end that takes what is not kept."""
+    """Gathers the kept positions into their slots (int32 where they fit: 4 bytes per kept
+    element, less than the values' slots), then writes both streams from those ``capacity``
+    positions alone: the passes over all ``count`` elements stay one scatter per chunk."""
 
     def __init__(self, form: EliasFano, device: torch.device):
         self.form = form
-        self.high = torch.zeros(packed_size(form.high_length, 1) + 1, dtype=torch.uint8, device=device)
+        self.dtype = _position_dtype(form.count)
+        # Empty slots hold the position past the end; the spare last slot takes what is not kept.
+        self.position = torch.full((form.capacity + 1,), form.count, dtype=self.dtype, device=device)
+
+    def add(self, slot: torch.Tensor, start: int) -> None:
+        self.position.scatter_(0, slot, torch.arange(start, start + slot.numel(), dtype=self.dtype, device=slot.device))
+
+    def finish(self) -> tuple[tuple[torch.Tensor, ...], EliasFano]:
+        form, bits = self.form, self.form.low_bits
+        device = self.position.device
+        # Each stream has a spare byte at its end; a bit is set at most once, so adding bits into
+        # a byte or-s them (a bool per bit, or a byte per code, would cost more than the codes).
+        high = torch.zeros(packed_size(form.high_length, 1) + 1, dtype=torch.uint8, device=device)
         # And one more for the low stream: a code may spill into the byte after its first.
-        self.low = torch.zeros(packed_size(form.capacity, form.low_bits) + 2, dtype=torch.uint8, device=device)
-
-    def add(self, kept: torch.Tensor, slot: torch.Tensor, start: int) -> None:
-        self._put(kept, slot, torch.arange(start, start + kept.numel(), device=kept.device))
-
-    def _put(self, kept: torch.Tensor, slot: torch.Tensor, position: torch.Tensor) -> None:
-        bits = self.form.low_bits
-        _add_bits(self.high, kept, (position >> bits) + slot, torch.ones_like(position), 1)
-        _add_bits(self.low, kept, slot * bits, position & (2**bits - 1), bits)
-
-    def finish(self, kept: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], EliasFano]:
-        # Slots left empty hold the position past the end; a chunk at a time, as ever.
-        capacity = self.form.capacity
-        for start, stop in spans(capacity, index_chunk_length(kept.device, capacity)):
-            slot = torch.arange(start, stop, device=kept.device)
-            self._put(slot >= kept, slot, torch.full_like(slot, self.form.count))
-        low = self.low[:packed_size(capacity, self.form.low_bits)].clone()
-        return (self.high[:-1].clone(), low), self.form
+        low = torch.zeros(packed_size(form.capacity, bits) + 2, dtype=torch.uint8, device=device)
+        for start, stop in spans(form.capacity, index_chunk_length(device, form.capacity)):
+            slot = torch.arange(start, stop, device=device)
+            position = self.position[start:stop].long()
+            _add_bits(high, (position >> bits) + slot, torch.ones_like(position), 1)
+            _add_bits(low, slot * bits, position & (2**bits - 1), bits)
+        return (high[:-1].clone(), low[:packed_size(form.capacity, bits)].clone()), form
 
 
-def _add_bits(stream: torch.Tensor, kept: torch.Tensor, first_bit: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
+def _position_dtype(count: int) -> torch.dtype:
+    """The integer type of positions in ``range(count + 1)``: int32 where they fit."""
+    return torch.int32 if count < 2**31 else torch.int64
+
+
+def _add_bits(stream: torch.Tensor, first_bit: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
     """Add ``bits``-bit ``codes`` (int64) at bit ``first_bit`` of the little-endian bit stream
-    ``stream`` (the layout of :func:`~actcomp.kernels.bitpack.pack_codes`), where ``kept``;
-    the others go to the stream's last byte."""
-    spare = stream.numel() - 1
-    byte = torch.where(kept, first_bit >> 3, spare)
+    ``stream`` (the layout of :func:`~actcomp.kernels.bitpack.pack_codes`)."""
+    byte = first_bit >> 3
     shifted = codes << (first_bit & 7)
     stream.scatter_add_(0, byte, (shifted & 0xFF).to(torch.uint8))
     if bits > 1:  # a code of 2 to 8 bits may reach into the next byte
-        stream.scatter_add_(0, torch.where(kept, byte + 1, spare), (shifted >> 8).to(torch.uint8))
+        stream.scatter_add_(0, byte + 1, (shifted >> 8).to(torch.uint8))
 
 
 class _IndicesWriter:
@@ -321,10 +339,10 @@ class _IndicesWriter:
         self.dtype = torch.int32 if form.count <= 2**31 else torch.int64
         self.index = torch.zeros(form.capacity + 1, dtype=self.dtype, device=device)
 
-    def add(self, kept: torch.Tensor, slot: torch.Tensor, start: int) -> None:
-        self.index.scatter_(0, slot, torch.arange(start, start + kept.numel(), dtype=self.dtype, device=kept.device))
+    def add(self, slot: torch.Tensor, start: int) -> None:
+        self.index.scatter_(0, slot, torch.arange(start, start + slot.numel(), dtype=self.dtype, device=slot.device))
 
-    def finish(self, kept: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Indices]:
+    def finish(self) -> tuple[tuple[torch.Tensor, ...], Indices]:
         return (self.index[:-1].clone(),), self.form
 
 
@@ -354,8 +372,8 @@ class _RiceWriter:
         self.high_stream, self.low_stream = _BitStream(device), _BitStream(device)
         self.last = -1  # the last kept position so far: gaps run on across chunks
 
-    def add(self, kept: torch.Tensor, slot: torch.Tensor, start: int) -> None:
-        index = kept.nonzero().view(-1) + start
+    def add(self, slot: torch.Tensor, start: int) -> None:
+        index = (slot < self.form.capacity).nonzero().view(-1) + start
         self.kept.append(index.numel())
         if not index.numel():
             self.unary.append(0)
@@ -372,7 +390,7 @@ class _RiceWriter:
             shifts = torch.arange(low_bits, device=self.device)
             self.low_stream.append(((gaps.unsqueeze(1) >> shifts) & 1).view(-1).bool())
 
-    def finish(self, kept: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Rice]:
+    def finish(self) -> tuple[tuple[torch.Tensor, ...], Rice]:
         form = Rice(self.form.count, self.form.capacity, self.form.low_bits, self.form.length,
                     tuple(self.kept), tuple(self.unary))
         return (self.high_stream.finish(), self.low_stream.finish()), form
@@ -399,14 +417,6 @@ class _BitStream:
         if not self.parts:
             return torch.zeros(0, dtype=torch.uint8, device=self.pending.device)
         return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
-
-
-def _read_codes(stream: torch.Tensor, first_bit: torch.Tensor, bits: int) -> torch.Tensor:
-    """The ``bits``-bit codes at bits ``first_bit`` of a little-endian bit stream (int64): two
-    bytes read per code, so nothing the size of the whole stream is unpacked."""
-    byte = first_bit >> 3
-    pair = stream[byte].long() | (stream[(byte + 1).clamp(max=stream.numel() - 1)].long() << 8)
-    return (pair >> (first_bit & 7)) & (2**bits - 1)
 
 
 def _bit_range(packed: torch.Tensor, start: int, count: int) -> torch.Tensor:

@@ -28,7 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from actcomp.kernels.chunks import spans
+from actcomp.kernels.chunks import aligned_length, spans
+from actcomp.kernels.noise import lowbias32_
 from actcomp.kernels.positions import index_chunk_length
 
 SAMPLE = 2**16
@@ -37,8 +38,8 @@ SAMPLE = 2**16
 _MARGIN_SIGMAS = 4.0
 _DIGIT_BITS = 16
 _KEY_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Keys of random selection: 31 bits, as fp32 magnitudes have.
-RANDOM_KEY_BITS = 31
+# Keys of random selection (see random_keys).
+RANDOM_KEY_BITS = 16
 
 
 class Threshold(NamedTuple):
@@ -80,20 +81,23 @@ def magnitude_keys(values: torch.Tensor) -> torch.Tensor:
 
 
 def random_keys(seed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """31-bit keys of flat positions ``start`` to ``stop``: a counter-based hash of (``seed``, a
-    1-element int64 tensor, position), the same in eager and compiled code.
+    """16-bit keys of flat positions ``start`` to ``stop``: the top half of lowbias32 of
+    (position xor ``seed``, a 1-element int64 tensor below 2**31), the same in eager and
+    compiled code. 16 bits make radix select one pass; the share of elements tied at the
+    threshold, broken by position, is then about 2**-16.
 
     >>> seed = torch.tensor([7])
     >>> torch.equal(random_keys(seed, 0, 10)[4:], random_keys(seed, 4, 10))
     True
     """
-    # A 32-bit integer hash (two multiply-xorshift rounds) of position and seed, in int64 so
-    # that no product overflows.
-    mask = 2**32 - 1
-    state = (torch.arange(start, stop, device=seed.device) * 0x9E3779B1 + seed) & mask
-    for _ in range(2):
-        state = ((state ^ (state >> 16)) * 0x45D9F3B) & mask
-    return (state ^ (state >> 16)) >> 1
+    # int32 lanes where positions fit (int64 ones are twice the bytes and slower); both give
+    # the same bits. Positions past 2**32 fold their high half in.
+    dtype = torch.int32 if stop <= 2**31 else torch.int64
+    position = torch.arange(start, stop, dtype=dtype, device=seed.device)
+    if dtype == torch.int64:
+        position = (position ^ (position >> 32)) & (2**32 - 1)
+    hashed = lowbias32_(position ^ seed.to(dtype))
+    return (hashed >> 16) & 0xFFFF
 
 
 def select_threshold(keys_of: Callable[[int, int], torch.Tensor], count: int, kept: int, bits: int,
@@ -103,25 +107,39 @@ def select_threshold(keys_of: Callable[[int, int], torch.Tensor], count: int, ke
     prefix = torch.zeros((), dtype=torch.int64, device=device)  # the key's leading bits found so far
     # The rank from the top, among the keys sharing the prefix, of the key sought.
     wanted = torch.full((), kept, dtype=torch.int64, device=device)
-    length = index_chunk_length(device, count)
+    # Chunks of the values' length: a histogram pass holds one int32 or int64 temporary per
+    # key, and a chunk's fixed cost (a 65,536-bin count) is paid once per 2**18 keys.
+    length = aligned_length(device, count)
     shift = bits
     while shift > 0:
         width = min(_DIGIT_BITS, shift)
         shift -= width
-        histogram = torch.zeros(2**width + 1, dtype=torch.int64, device=device)
+        first = shift + width == bits  # every key shares the empty prefix
+        histogram = torch.zeros(2**width + (0 if first else 2), dtype=torch.int64, device=device)
         for start, stop in spans(count, length):
-            keys = keys_of(start, stop)
-            digit = ((keys >> shift) & (2**width - 1)).long()
-            # Keys outside the prefix land in the extra last bin.
-            bins = torch.where((keys >> (shift + width)) == prefix, digit, 2**width)
-            histogram.index_add_(0, bins, torch.ones_like(bins))
-        at_or_above = histogram[:-1].flip(0).cumsum(0).flip(0)  # non-increasing in the digit
+            leading = keys_of(start, stop) >> shift
+            # After the first digit, keys below the prefix land in bin 0, those above it in the
+            # last bin, and digit d of the prefix's keys in bin d + 1.
+            bins = leading if first else (leading - (prefix << width)).clamp_(-1, 2**width) + 1
+            histogram += _bin_counts(bins, histogram.numel())
+        counts = histogram if first else histogram[1:-1]
+        at_or_above = counts.flip(0).cumsum(0).flip(0)  # non-increasing in the digit
         digit = (at_or_above >= wanted).sum() - 1
         # Above the digit found: the largest count that falls short (no read of one element,
         # which would be a host read under torch.compile).
         wanted = wanted - torch.where(at_or_above < wanted, at_or_above, 0).max()
         prefix = (prefix << width) | digit
     return Threshold(prefix, wanted)
+
+
+def _bin_counts(bins: torch.Tensor, size: int) -> torch.Tensor:
+    """How many of ``bins`` (integers in ``[0, size)``) fall in each of ``size`` bins."""
+    if torch.compiler.is_compiling():
+        # bincount's length depends on the largest bin (data) unless it is at most minlength.
+        counts = torch.zeros(size, dtype=torch.int64, device=bins.device)
+        return counts.index_add_(0, bins.long(), torch.ones_like(bins, dtype=torch.int64))
+    # Eager: bincount is a plain counting loop, several times faster than index_add_.
+    return torch.bincount(bins, minlength=size)
 
 
 def exact_threshold(flat: torch.Tensor, kept: int) -> Threshold:
