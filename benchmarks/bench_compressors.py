@@ -41,6 +41,8 @@ DEFAULT_SPECS = [
     "mink0.9", "smink0.9", "pmink0.9", "random0.9", "channel0.9", "rchannel0.9", "dropit0.9",
     "int8", "int4", "int2", "mesa8", "fp16", "bf16", "fp8",
     "smink0.9+int8", "pmink0.9+int8", "mink0.9+int8",
+    # Rice-coded positions (eager only), against the static forms above.
+    "mink0.9:rice=1+int8", "smink0.9:rice=1+int8",
 ]
 # A ResNet-style conv activation and a ViT-S/16 token activation, both fp32.
 DEFAULT_SHAPES = ["32x64x56x56", "32x197x384"]
