@@ -305,14 +305,24 @@ class _EliasFanoWriter:
         codes = torch.arange(start, stop, dtype=_position_dtype(form.count), device=slot.device) & (2**bits - 1)
         self.low.scatter_(0, slot, codes.to(torch.uint8))
         # The bucket ends in this chunk: every full bucket's last element (the last, partial
-        # bucket ends with the stream).
+        # bucket ends with the stream). Clearing a set bit is subtracting it: each end is
+        # cleared once.
+        full = (form.count >> bits) << bits
+        if torch.compiler.is_compiling():
+            # Pointwise over the chunk (a strided slice with symbolic bounds sends Inductor's
+            # index simplification into minutes); elements that end no bucket add 0 to byte 0.
+            position = torch.arange(start, stop, device=slot.device)
+            is_end = ((position & (2**bits - 1)) == 2**bits - 1) & (position < full)
+            ends = (position >> bits) + (rank + 1).clamp(max=form.capacity)
+            clear = torch.where(is_end, 256 - torch.bitwise_left_shift(1, ends & 7), 0)
+            self.high.scatter_add_(0, torch.where(is_end, ends >> 3, 0), clear.to(torch.uint8))
+            return
         first_end = ((start >> bits) + 1 << bits) - 1
-        last_end = min(stop, (form.count >> bits) << bits)
+        last_end = min(stop, full)
         if first_end >= last_end:
             return
         through = (rank[first_end - start:last_end - start:2**bits] + 1).clamp_(max=form.capacity)
         ends = through + torch.arange(first_end >> bits, last_end >> bits, device=slot.device)
-        # Clearing a set bit is subtracting it: each end is cleared once.
         self.high.scatter_add_(0, ends >> 3, (256 - torch.bitwise_left_shift(1, ends & 7)).to(torch.uint8))
 
     def finish(self) -> tuple[tuple[torch.Tensor, ...], EliasFano]:
