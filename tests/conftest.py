@@ -51,9 +51,8 @@ FULL_TIER = {
 }
 
 # The compile tier: every registered codec compiled by Inductor (fullgraph, dynamic) against its
-# eager codes. Minutes each, cold (symbolic-shape simplification in tracing, then C++ builds: a
-# sparsifier's encode takes 1.5-3.5 min on one core), about 25 minutes in all on 2 cores: past
-# what CI can spend, so they run when asked, ACTCOMP_COMPILE_TESTS=1, before a change to a codec
+# eager codes. Cold, on 2 cores: the min-k sparsifiers take 9-17 minutes each (symbolic-shape
+# simplification while tracing, then C++ builds), all 21 tests 27 minutes: past what CI can spend, so they run when asked, ACTCOMP_COMPILE_TESTS=1, before a change to a codec
 # lands. Marked `full` and `compile`.
 COMPILE_TIER = {
     "test_codecs.py::test_codec_encode_and_decode_compile_to_the_eager_codes",
