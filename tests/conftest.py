@@ -51,6 +51,7 @@ FULL_TIER = {
     "test_quantizers.py::test_encode_and_decode_compile_to_the_eager_codes": "torch.compile",
     "test_positions.py::test_every_sparsifier_compiles_to_its_eager_codes": "torch.compile",
     "test_positions.py::test_rice_refuses_to_compile_and_says_why": "torch.compile",
+    "test_backends.py::test_compiled_backend_gives_the_eager_codes_and_compiles_once_over_shapes": "torch.compile",
 }
 
 # Sweeps over the zoo: the default tier runs them on the models in zoo.FAST_ZOO_IDS only. Tests
