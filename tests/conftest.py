@@ -45,14 +45,23 @@ FULL_TIER = {
     "test_training.py::test_digits_mink08_trains_as_well_as_baseline": "trains to an accuracy",
     "test_training.py::test_torch_compile_converted_model_trains": "torch.compile",
     "test_whole_model.py::test_torch_compile_of_a_training_step_is_bit_identical": "torch.compile",
-    "test_codecs.py::test_codec_encode_and_decode_compile_to_the_eager_codes": "torch.compile",
     "test_entry_points.py::test_torch_compile_traces_the_hooks_away_and_warns_once_for_a_compiled_training_entry":
         "torch.compile",
-    "test_quantizers.py::test_encode_and_decode_compile_to_the_eager_codes": "torch.compile",
-    "test_positions.py::test_every_sparsifier_compiles_to_its_eager_codes": "torch.compile",
     "test_positions.py::test_rice_refuses_to_compile_and_says_why": "torch.compile",
     "test_backends.py::test_compiled_backend_gives_the_eager_codes_and_compiles_once_over_shapes": "torch.compile",
 }
+
+# The compile tier: every registered codec compiled by Inductor (fullgraph, dynamic) against its
+# eager codes. Minutes each, cold (symbolic-shape simplification in tracing, then C++ builds: a
+# sparsifier's encode takes 1.5-3.5 min on one core), about 25 minutes in all on 2 cores: past
+# what CI can spend, so they run when asked, ACTCOMP_COMPILE_TESTS=1, before a change to a codec
+# lands. Marked `full` and `compile`.
+COMPILE_TIER = {
+    "test_codecs.py::test_codec_encode_and_decode_compile_to_the_eager_codes",
+    "test_quantizers.py::test_encode_and_decode_compile_to_the_eager_codes",
+    "test_positions.py::test_every_sparsifier_compiles_to_its_eager_codes",
+}
+_RUN_COMPILE_TIER = os.environ.get("ACTCOMP_COMPILE_TESTS") == "1"
 
 # Sweeps over the zoo: the default tier runs them on the models in zoo.FAST_ZOO_IDS only. Tests
 # parametrized over a zoo ``entry`` are sweeps; these name their model by the parameter given.
@@ -86,8 +95,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason = _full_tier_reason(item)
         if reason is not None:
             item.add_marker(pytest.mark.full(reason=reason))
+        if isinstance(item, pytest.Function) and f"{item.path.name}::{item.originalname}" in COMPILE_TIER:
+            item.add_marker(pytest.mark.full(reason="torch.compile of a codec"))
+            item.add_marker(pytest.mark.compile)
+            if not _RUN_COMPILE_TIER:
+                item.add_marker(pytest.mark.skip(reason="compiles a codec (minutes): set ACTCOMP_COMPILE_TESTS=1"))
     # A renamed test must leave the tables too, or it silently changes tier.
-    stale = [key for key in [*FULL_TIER, *ZOO_SWEEPS] if "::" in key and key.split("::")[0] in modules
+    stale = [key for key in [*FULL_TIER, *ZOO_SWEEPS, *COMPILE_TIER] if "::" in key and key.split("::")[0] in modules
              and not hasattr(modules[key.split("::")[0]], key.split("::")[1])]
     if stale:
         raise pytest.UsageError(f"tests/conftest.py names tests that do not exist: {stale}")

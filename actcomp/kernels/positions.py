@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from actcomp.errors import ActcompError
-from actcomp.kernels.bitpack import pack_bits, packed_size, unpack_bits, unpack_codes
+from actcomp.kernels.bitpack import pack_bits, pack_codes, packed_size, unpack_bits
 from actcomp.kernels.chunks import aligned_length, spans
 
 # Which elements of a chunk to keep: (chunk, its start) -> bool mask.
@@ -103,24 +103,20 @@ class EliasFano:
     def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
         high, low = saved
         device = values.device
-        # Each slot's bucket (its position's high part): set bit i of the high stream is slot j's,
-        # j its rank among the set bits, and its bucket i - j. Bits not set go to a spare slot.
-        bucket = torch.empty(self.capacity + 1, dtype=_position_dtype(self.count), device=device)
+        # Set bit i of the high stream is slot j's, j its rank among the set bits, and i - j its
+        # bucket (the position's high part); its low code is read at slot j. A chunk of the high
+        # stream at a time: temporaries are a chunk's, never a slot's worth of the tensor.
+        out = values.new_zeros(self.count + 1)  # one past the end takes the bits not set
+        last_slot = self.capacity - 1
         kept = torch.zeros((), dtype=torch.int64, device=device)
         for start, stop in spans(self.high_length, index_chunk_length(device, self.high_length)):
             bits = unpack_bits(high[start // 8:packed_size(stop, 1)], stop - start)
             rank = torch.cumsum(bits, 0) + (kept - 1)
-            slot = torch.where(bits, rank, self.capacity)
-            bucket.scatter_(0, slot, (torch.arange(start, stop, device=device) - rank).to(bucket.dtype))
+            slot = rank.clamp(0, last_slot)
+            bucket = torch.arange(start, stop, device=device) - rank
+            position = (bucket << self.low_bits) | _read_codes(low, slot * self.low_bits, self.low_bits)
+            _bits_of(out).scatter_(0, torch.where(bits, position, self.count), _bits_of(values).index_select(0, slot))
             kept = rank[-1] + 1
-        # One slot past the end takes the empty slots (position count).
-        out = values.new_zeros(self.count + 1)
-        for start, stop in spans(self.capacity, index_chunk_length(device, self.capacity)):
-            # Chunks start at a multiple of 8 slots: at a whole byte of the low stream.
-            low_codes = unpack_codes(low[start * self.low_bits // 8:packed_size(stop, self.low_bits)], self.low_bits,
-                                     stop - start)
-            position = (bucket[start:stop].long() << self.low_bits) | low_codes
-            _bits_of(out).scatter_(0, position, _bits_of(values[start:stop]))
         return out[:self.count]
 
 
@@ -242,7 +238,7 @@ def encode_kept(flat: torch.Tensor, select: Selector, capacity: int, form: Posit
         slot = torch.where(mask, rank, capacity).clamp_(max=capacity)
         _bits_of(values).scatter_(0, slot, _bits_of(part))
         if writer is not None:
-            writer.add(slot, start)
+            writer.add(slot, rank, start)
         kept = rank[-1] + 1
     saved, form = ((), None) if writer is None else writer.finish()
     return values[:capacity].clone(), saved, form
@@ -281,7 +277,7 @@ class _BitmaskWriter:
         self.form = form
         self.packed = torch.empty(packed_size(form.count, 1), dtype=torch.uint8, device=device)
 
-    def add(self, slot: torch.Tensor, start: int) -> None:
+    def add(self, slot: torch.Tensor, rank: torch.Tensor, start: int) -> None:
         self.packed[start // 8:start // 8 + packed_size(slot.numel(), 1)] = pack_bits(slot < self.form.capacity)
 
     def finish(self) -> tuple[tuple[torch.Tensor, ...], Bitmask]:
@@ -289,48 +285,64 @@ class _BitmaskWriter:
 
 
 class _EliasFanoWriter:
-    """Gathers the kept positions into their slots (int32 where they fit: 4 bytes per kept
-    element, less than the values' slots), then writes both streams from those ``capacity``
-    positions alone: the passes over all ``count`` elements stay one scatter per chunk."""
+    """Writes both streams as the chunks come, in passes over a chunk's bucket ends and kept
+    slots, not over a buffer of positions (4 bytes a kept element).
+
+    The high stream is bucket after bucket, each a one per member and a zero to end it, so it
+    starts all ones and only the ends are cleared: the end of bucket ``j`` sits at bit ``j +
+    C_j``, ``C_j`` the count kept through that bucket, read off the running rank at the bucket's
+    last element. Empty slots (``smink``) join the last bucket, whose end is the stream's last
+    bit. The low codes (a byte each, until packed at the end) are scattered by slot."""
 
     def __init__(self, form: EliasFano, device: torch.device):
         self.form = form
-        self.dtype = _position_dtype(form.count)
-        # Empty slots hold the position past the end; the spare last slot takes what is not kept.
-        self.position = torch.full((form.capacity + 1,), form.count, dtype=self.dtype, device=device)
+        self.high = torch.full((packed_size(form.high_length, 1),), 0xFF, dtype=torch.uint8, device=device)
+        self.low = torch.zeros(form.capacity + 1, dtype=torch.uint8, device=device)  # spare last slot
 
-    def add(self, slot: torch.Tensor, start: int) -> None:
-        self.position.scatter_(0, slot, torch.arange(start, start + slot.numel(), dtype=self.dtype, device=slot.device))
+    def add(self, slot: torch.Tensor, rank: torch.Tensor, start: int) -> None:
+        form, bits = self.form, self.form.low_bits
+        stop = start + slot.numel()
+        codes = torch.arange(start, stop, dtype=_position_dtype(form.count), device=slot.device) & (2**bits - 1)
+        self.low.scatter_(0, slot, codes.to(torch.uint8))
+        # The bucket ends in this chunk: every full bucket's last element (the last, partial
+        # bucket ends with the stream). Clearing a set bit is subtracting it: each end is
+        # cleared once.
+        full = (form.count >> bits) << bits
+        if torch.compiler.is_compiling():
+            # Pointwise over the chunk (a strided slice with symbolic bounds sends Inductor's
+            # index simplification into minutes); elements that end no bucket add 0 to byte 0.
+            position = torch.arange(start, stop, device=slot.device)
+            is_end = ((position & (2**bits - 1)) == 2**bits - 1) & (position < full)
+            ends = (position >> bits) + (rank + 1).clamp(max=form.capacity)
+            clear = torch.where(is_end, 256 - torch.bitwise_left_shift(1, ends & 7), 0)
+            self.high.scatter_add_(0, torch.where(is_end, ends >> 3, 0), clear.to(torch.uint8))
+            return
+        first_end = ((start >> bits) + 1 << bits) - 1
+        last_end = min(stop, full)
+        if first_end >= last_end:
+            return
+        through = (rank[first_end - start:last_end - start:2**bits] + 1).clamp_(max=form.capacity)
+        ends = through + torch.arange(first_end >> bits, last_end >> bits, device=slot.device)
+        self.high.scatter_add_(0, ends >> 3, (256 - torch.bitwise_left_shift(1, ends & 7)).to(torch.uint8))
 
     def finish(self) -> tuple[tuple[torch.Tensor, ...], EliasFano]:
-        form, bits = self.form, self.form.low_bits
-        device = self.position.device
-        # Each stream has a spare byte at its end; a bit is set at most once, so adding bits into
-        # a byte or-s them (a bool per bit, or a byte per code, would cost more than the codes).
-        high = torch.zeros(packed_size(form.high_length, 1) + 1, dtype=torch.uint8, device=device)
-        # And one more for the low stream: a code may spill into the byte after its first.
-        low = torch.zeros(packed_size(form.capacity, bits) + 2, dtype=torch.uint8, device=device)
-        for start, stop in spans(form.capacity, index_chunk_length(device, form.capacity)):
-            slot = torch.arange(start, stop, device=device)
-            position = self.position[start:stop].long()
-            _add_bits(high, (position >> bits) + slot, torch.ones_like(position), 1)
-            _add_bits(low, slot * bits, position & (2**bits - 1), bits)
-        return (high[:-1].clone(), low[:packed_size(form.capacity, bits)].clone()), form
+        length = self.form.high_length
+        # The last bucket's end, and the pad bits of the last byte, are zeros.
+        self.high[-1] &= (1 << ((length - 1) % 8)) - 1
+        # Packed a chunk of slots at a time (multiples of 8 slots: whole bytes), since packing
+        # widens codes to int64 on the way.
+        capacity, bits = self.form.capacity, self.form.low_bits
+        # Handed over and dropped here: the caller's copy of the values comes next, in the peak.
+        codes, self.low = self.low, torch.empty(0, dtype=torch.uint8)
+        low = torch.empty(packed_size(capacity, bits), dtype=torch.uint8, device=codes.device)
+        for start, stop in spans(capacity, index_chunk_length(codes.device, capacity)):
+            low[start * bits // 8:packed_size(stop, bits)] = pack_codes(codes[start:stop], bits)
+        return (self.high, low), self.form
 
 
 def _position_dtype(count: int) -> torch.dtype:
     """The integer type of positions in ``range(count + 1)``: int32 where they fit."""
     return torch.int32 if count < 2**31 else torch.int64
-
-
-def _add_bits(stream: torch.Tensor, first_bit: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
-    """Add ``bits``-bit ``codes`` (int64) at bit ``first_bit`` of the little-endian bit stream
-    ``stream`` (the layout of :func:`~actcomp.kernels.bitpack.pack_codes`)."""
-    byte = first_bit >> 3
-    shifted = codes << (first_bit & 7)
-    stream.scatter_add_(0, byte, (shifted & 0xFF).to(torch.uint8))
-    if bits > 1:  # a code of 2 to 8 bits may reach into the next byte
-        stream.scatter_add_(0, byte + 1, (shifted >> 8).to(torch.uint8))
 
 
 class _IndicesWriter:
@@ -339,7 +351,7 @@ class _IndicesWriter:
         self.dtype = torch.int32 if form.count <= 2**31 else torch.int64
         self.index = torch.zeros(form.capacity + 1, dtype=self.dtype, device=device)
 
-    def add(self, slot: torch.Tensor, start: int) -> None:
+    def add(self, slot: torch.Tensor, rank: torch.Tensor, start: int) -> None:
         self.index.scatter_(0, slot, torch.arange(start, start + slot.numel(), dtype=self.dtype, device=slot.device))
 
     def finish(self) -> tuple[tuple[torch.Tensor, ...], Indices]:
@@ -372,7 +384,7 @@ class _RiceWriter:
         self.high_stream, self.low_stream = _BitStream(device), _BitStream(device)
         self.last = -1  # the last kept position so far: gaps run on across chunks
 
-    def add(self, slot: torch.Tensor, start: int) -> None:
+    def add(self, slot: torch.Tensor, rank: torch.Tensor, start: int) -> None:
         index = (slot < self.form.capacity).nonzero().view(-1) + start
         self.kept.append(index.numel())
         if not index.numel():
@@ -417,6 +429,15 @@ class _BitStream:
         if not self.parts:
             return torch.zeros(0, dtype=torch.uint8, device=self.pending.device)
         return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+
+
+def _read_codes(stream: torch.Tensor, first_bit: torch.Tensor, bits: int) -> torch.Tensor:
+    """The ``bits``-bit codes at bits ``first_bit`` of a little-endian bit stream (int64): two
+    bytes read per code (index_select: several times faster than indexing on CPU), so nothing
+    the size of the whole stream is unpacked."""
+    byte = first_bit >> 3
+    pair = stream.index_select(0, byte).long() | (stream.index_select(0, (byte + 1).clamp_(max=stream.numel() - 1)).long() << 8)
+    return (pair >> (first_bit & 7)) & (2**bits - 1)
 
 
 def _bit_range(packed: torch.Tensor, start: int, count: int) -> torch.Tensor:
