@@ -58,7 +58,7 @@ def main() -> None:
     lines = [f"# GPU check on {device}", "",
              f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              f"- torch: {torch.__version__}, CUDA: {torch.version.cuda}, actcomp: git {commit}",
-             f"- command: `python benchmarks/gpu_check.py`", ""]
+             "- command: `python benchmarks/gpu_check.py`", ""]
     for name, command in steps(out_dir):
         started = time.perf_counter()
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)

@@ -48,7 +48,6 @@ FULL_TIER = {
     "test_entry_points.py::test_torch_compile_traces_the_hooks_away_and_warns_once_for_a_compiled_training_entry":
         "torch.compile",
     "test_positions.py::test_rice_refuses_to_compile_and_says_why": "torch.compile",
-    "test_backends.py::test_compiled_backend_gives_the_eager_codes_and_compiles_once_over_shapes": "torch.compile",
 }
 
 # The compile tier: every registered codec compiled by Inductor (fullgraph, dynamic) against its
@@ -60,6 +59,7 @@ COMPILE_TIER = {
     "test_codecs.py::test_codec_encode_and_decode_compile_to_the_eager_codes",
     "test_quantizers.py::test_encode_and_decode_compile_to_the_eager_codes",
     "test_positions.py::test_every_sparsifier_compiles_to_its_eager_codes",
+    "test_backends.py::test_compiled_backend_gives_the_eager_codes_and_compiles_once_over_shapes",
 }
 _RUN_COMPILE_TIER = os.environ.get("ACTCOMP_COMPILE_TESTS") == "1"
 
