@@ -58,6 +58,7 @@ COMPILE_TIER = {
     "test_codecs.py::test_codec_encode_and_decode_compile_to_the_eager_codes",
     "test_quantizers.py::test_encode_and_decode_compile_to_the_eager_codes",
     "test_positions.py::test_every_sparsifier_compiles_to_its_eager_codes",
+    "test_backends.py::test_compiled_backend_gives_the_eager_codes_and_compiles_once_over_shapes",
 }
 _RUN_COMPILE_TIER = os.environ.get("ACTCOMP_COMPILE_TESTS") == "1"
 

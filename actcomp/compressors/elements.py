@@ -72,6 +72,9 @@ class _ElementSparsifier(Compressor):
     def kept_count(self, count: int) -> int:
         return kept_count(count, self.drop_rate)
 
+    def compiles(self) -> bool:
+        return not getattr(self, "rice", 0) and super().compiles()
+
     def selector(self, flat: torch.Tensor, kept: int) -> Selector:
         """What to keep in each slice of ``flat``, ``kept`` overall."""
         raise NotImplementedError

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from actcomp.core import backends
 from actcomp.core.packed import Encoded, Hints, Packed, PackedLayout
 from actcomp.errors import ActcompError
 from actcomp.kernels.layouts import restride
@@ -48,6 +49,8 @@ class Stage(Protocol):
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor: ...
 
     def initial_state(self) -> Any: ...
+
+    def compiles(self) -> bool: ...
 
 
 def pack(stages: Sequence[Stage], spec: str, x: torch.Tensor, *, channel_dim: int | None = None,
@@ -80,7 +83,7 @@ def pack(stages: Sequence[Stage], spec: str, x: torch.Tensor, *, channel_dim: in
     stage_layouts = []
     for stage, state in zip(stages, states, strict=True):
         # Only stateful stages take a third argument: every other stage keeps encode(x, hints).
-        payload, saved, meta = stage.encode(payload, hints) if state is None else stage.encode(payload, hints, state)
+        payload, saved, meta = backends.encode(stage, payload, hints) if state is None else stage.encode(payload, hints, state)
         tensors.extend(saved)
         stage_layouts.append((len(saved), meta))
         # Past an element sparsifier the payload is a flat list of values.
@@ -103,7 +106,7 @@ def unpack(stages: Sequence[Stage], spec: str, packed: Packed) -> torch.Tensor:
     for stage, (count, meta) in reversed(list(zip(stages, layout.stages))):
         saved = tuple(tensors[end - count:end])
         end -= count
-        payload = stage.decode(payload, saved, meta)
+        payload = backends.decode(stage, payload, saved, meta)
     if non_finite:
         positions, values = non_finite
         # Out of place: a stage may hand back one of the packed tensors itself.

@@ -154,6 +154,12 @@ class Compressor:
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
         raise NotImplementedError
 
+    def compiles(self) -> bool:
+        """Whether :mod:`~actcomp.core.backends` may run this codec compiled: not a stage with
+        runtime state, nor one that draws from torch's generator (compiled code draws other
+        numbers). A setting that makes sizes depend on the data says no too."""
+        return self.initial_state() is None and not self.draws_global_random
+
     def initial_state(self) -> Any:
         """Runtime state for one pipeline's use of this stage; None (the default): it keeps none.
 

@@ -1,0 +1,110 @@
+"""Which implementation of a codec runs: its eager reference, or the same pair compiled.
+
+Every registered codec's ``encode``/``decode`` in eager PyTorch is its *reference*: always
+there, and what the tests compare every other implementation against. The codec contract (no
+value read back to Python, shapes fixed by the input's shape and the settings) lets the same
+pair run under ``torch.compile(fullgraph=True, dynamic=True)``, where Inductor fuses a chunked
+loop of eager operations into a few kernels (C++/OpenMP on CPU, Triton on CUDA) that give the
+eager codes. :func:`encode` and :func:`decode` are what the chain calls; they pick one of
+
+- ``"eager"``: the reference;
+- ``"compiled"``: the pair compiled once per codec class and settings (symbolic shapes, so new
+  shapes do not recompile), compiled code cached by Inductor across processes.
+
+The choice, first match wins: :func:`use_backend` (a context manager, for a block of code),
+then the environment variable ``ACTCOMP_COMPILE`` (``0``: eager, ``1``: compiled), then the
+default, eager: on these CPUs the compiled forms of today's chunked codecs are not yet faster
+than the eager ones (``benchmarks/bench_fused.py`` measures each), and compiling costs seconds
+per codec on first use. A codec that cannot compile (``compiles()`` false: Rice-coded positions,
+a stage with runtime state, a draw from torch's generator) runs eagerly whatever is asked. A
+compile that fails (no C++ compiler, an Inductor error) warns once and that codec runs eagerly
+from then on; so does one that would recompile past torch's limit, rather than falling back
+silently frame by frame.
+
+>>> import torch, actcomp
+>>> with use_backend("eager"):
+...     packed = actcomp.parse("int8").compress(torch.zeros(4))
+>>> active_backend()
+'eager'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from actcomp.errors import ActcompError, warn_once
+
+BACKENDS = ("eager", "compiled")
+ENVIRONMENT = "ACTCOMP_COMPILE"
+_ENVIRONMENT_VALUES = {"0": "eager", "1": "compiled"}
+_chosen: list[str] = []  # the stack of use_backend choices
+_compiled: dict[tuple[type, str], Callable[..., Any]] = {}
+_failed: set[type] = set()
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run codecs with backend ``name`` (``"eager"`` or ``"compiled"``) inside the block."""
+    if name not in BACKENDS:
+        raise ActcompError(f"unknown codec backend {name!r}; known: {', '.join(BACKENDS)}")
+    _chosen.append(name)
+    try:
+        yield
+    finally:
+        _chosen.pop()
+
+
+def active_backend() -> str:
+    """The backend asked for here: :func:`use_backend`, else ``ACTCOMP_COMPILE``, else eager."""
+    if _chosen:
+        return _chosen[-1]
+    value = os.environ.get(ENVIRONMENT)
+    if value is None or value == "":
+        return "eager"
+    if value not in _ENVIRONMENT_VALUES:
+        raise ActcompError(f"{ENVIRONMENT}={value!r} is not valid; use 0 (eager codecs) or 1 (compiled codecs)")
+    return _ENVIRONMENT_VALUES[value]
+
+
+def encode(codec: Any, x: torch.Tensor, hints: Any, *state: Any) -> Any:
+    """``codec.encode(x, hints, *state)`` by the active backend."""
+    return _run(codec, "encode", x, hints, *state)
+
+
+def decode(codec: Any, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+    """``codec.decode(payload, saved, meta)`` by the active backend."""
+    return _run(codec, "decode", payload, saved, meta)
+
+
+def _run(codec: Any, method: str, *args: Any) -> Any:
+    eager = getattr(codec, method)
+    if (active_backend() == "eager" or torch.compiler.is_compiling() or type(codec) in _failed
+            or not codec.compiles()):
+        return eager(*args)
+    compiled = _compiled_method(type(codec), method)
+    try:
+        # Past torch's recompile limit, dynamo would quietly run the frame eagerly from then on;
+        # an error instead, so the fallback below says so once.
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return compiled(codec, *args)
+    except Exception as error:  # noqa: BLE001 - any compile failure falls back to the reference
+        if isinstance(error, ActcompError):
+            raise
+        _failed.add(type(codec))
+        warn_once(f"compiling {type(codec).__name__}", f"actcomp: compiling codec {codec.name!r} failed "
+                  f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); it runs "
+                  f"eagerly from now on ({ENVIRONMENT}=0 skips compiling)")
+        return eager(*args)
+
+
+def _compiled_method(klass: type, method: str) -> Callable[..., Any]:
+    """``klass.<method>`` compiled once; the codec is an argument, so its settings are guarded."""
+    key = (klass, method)
+    if key not in _compiled:
+        _compiled[key] = torch.compile(getattr(klass, method), fullgraph=True, dynamic=True)
+    return _compiled[key]
