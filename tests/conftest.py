@@ -52,8 +52,9 @@ FULL_TIER = {
 
 # The compile tier: every registered codec compiled by Inductor (fullgraph, dynamic) against its
 # eager codes. Cold, on 2 cores: the min-k sparsifiers take 9-17 minutes each (symbolic-shape
-# simplification while tracing, then C++ builds), all 21 tests 27 minutes: past what CI can spend, so they run when asked, ACTCOMP_COMPILE_TESTS=1, before a change to a codec
-# lands. Marked `full` and `compile`.
+# simplification while tracing, then C++ builds), all 21 tests 27 minutes: past what CI can
+# spend, so they run when asked, ACTCOMP_COMPILE_TESTS=1, before a change to a codec lands.
+# Marked `full` and `compile`.
 COMPILE_TIER = {
     "test_codecs.py::test_codec_encode_and_decode_compile_to_the_eager_codes",
     "test_quantizers.py::test_encode_and_decode_compile_to_the_eager_codes",
