@@ -8,8 +8,8 @@ backend, the compiled backend and a plain ``x.clone()`` in interleaved rounds
 (``actcomp.core.backends``); the figures are medians of per-round ratios. The compiled codes
 are checked equal to the eager ones first (a mismatch stops the benchmark). ``compile s`` is
 the first compiled round trip of the spec in this process (Inductor's cache directory as the
-environment leaves it: cold on a fresh machine, warm on a second run). The results decide the
-backend's default: compiled where it is measured faster.
+environment leaves it: cold on a fresh machine, warm on a second run). These results are why
+the backend's default is eager: compiled is slower for most codecs today.
 """
 
 from __future__ import annotations
