@@ -15,11 +15,11 @@ The choice, first match wins: :func:`use_backend` (a context manager, for a bloc
 then the environment variable ``ACTCOMP_COMPILE`` (``0``: eager, ``1``: compiled), then the
 default, eager: on these CPUs the compiled forms of today's chunked codecs are slower than the
 eager ones for most codecs (``benchmarks/bench_fused.py`` measures each: int8 2.4x slower, fp8
-3.6x faster), and compiling costs seconds to minutes per codec on first use. A codec that cannot compile (``compiles()`` false: Rice-coded positions,
-a stage with runtime state, a draw from torch's generator) runs eagerly whatever is asked. A
-compile that fails (no C++ compiler, an Inductor error) warns once and that codec runs eagerly
-from then on; so does one that would recompile past torch's limit, rather than falling back
-silently frame by frame.
+3.6x faster), and compiling costs seconds to minutes per codec on first use. A codec that
+cannot compile (``compiles()`` false: Rice-coded positions, a stage with runtime state, a draw
+from torch's generator) runs eagerly whatever is asked. A compile that fails (no C++ compiler,
+an Inductor error) warns once and that codec runs eagerly from then on; so does one that would
+recompile past torch's limit, rather than falling back silently frame by frame.
 
 >>> import torch, actcomp
 >>> with use_backend("eager"):
