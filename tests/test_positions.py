@@ -12,6 +12,7 @@ from actcomp.compressors import drop_count
 from actcomp.core.packed import Hints
 from actcomp.core.registry import compressor_class
 from actcomp.kernels.chunks import CPU_CHUNK
+from actcomp.kernels.positions import EliasFano, encode_kept, static_form
 from actcomp.kernels.thresholds import kept_count
 
 SPARSIFIERS = [name for name in actcomp.list_compressors() if compressor_class(name).kind == "sparsifier"]
@@ -111,6 +112,23 @@ def test_stored_bytes_are_the_docstring_formula_of_shape_and_settings(name, dtyp
     packed, _ = round_trip(name, x, rate)
 
     assert packed.nbytes == expected_bytes(name, shape, dtype, rate)
+
+
+@pytest.mark.parametrize("count", [1003, 1000, 70_001])
+def test_elias_fano_empty_slots_leave_the_last_partial_bucket_alone(count):
+    """A writer that leaves slots empty (smink) must not decode them onto a real position: with
+    ``count`` not a multiple of 2**b, the last bucket's first position is a real element."""
+    capacity = count // 10
+    form = static_form(count, capacity)
+    assert isinstance(form, EliasFano)
+    full = (count >> form.low_bits) << form.low_bits
+    x = torch.arange(1.0, count + 1)
+    mask = torch.zeros(count, dtype=torch.bool)
+    mask[[5, count // 2, full if full < count else count - 1]] = True
+
+    values, saved, form = encode_kept(x, lambda part, start: mask[start:start + part.numel()], capacity, form)
+
+    assert torch.equal(form.scatter(values, saved), x * mask)
 
 
 @pytest.mark.parametrize("name", ELEMENT_STAGES)

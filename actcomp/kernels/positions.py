@@ -297,7 +297,11 @@ class _EliasFanoWriter:
     def __init__(self, form: EliasFano, device: torch.device):
         self.form = form
         self.high = torch.full((packed_size(form.high_length, 1),), 0xFF, dtype=torch.uint8, device=device)
-        self.low = torch.zeros(form.capacity + 1, dtype=torch.uint8, device=device)  # spare last slot
+        # Empty slots join the last bucket with the low bits of ``count``, so that they decode to
+        # the position ``count`` itself, past the end; a code of 0 would decode to the last
+        # bucket's first position, a real element the empty slot's zero would overwrite.
+        empty_code = form.count & (2**form.low_bits - 1)
+        self.low = torch.full((form.capacity + 1,), empty_code, dtype=torch.uint8, device=device)  # spare last slot
 
     def add(self, slot: torch.Tensor, rank: torch.Tensor, start: int) -> None:
         form, bits = self.form, self.form.low_bits
