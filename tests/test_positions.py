@@ -8,10 +8,12 @@ import pytest
 import torch
 
 import actcomp
-from actcomp.compressors import drop_count
+from actcomp.compressors import drop_count, elements
 from actcomp.core.packed import Hints
 from actcomp.core.registry import compressor_class
+from actcomp.kernels import eager_select
 from actcomp.kernels.chunks import CPU_CHUNK
+from actcomp.kernels.eager_cpu import static_path_only
 from actcomp.kernels.positions import EliasFano, encode_kept, static_form
 from actcomp.kernels.thresholds import kept_count
 
@@ -213,3 +215,58 @@ def test_rice_refuses_to_compile_and_says_why():
     # Under fullgraph, dynamo wraps the error; its message quotes ours.
     with pytest.raises(Exception, match=r"ActcompError\('Rice-coded positions \(rice=1\) .* cannot be compiled"):
         encode(torch.randn(1000), Hints())
+
+
+def inputs_of(kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """Values with distinct magnitudes, many ties, all zeros, or mostly zeros."""
+    shape = (4, 3 * CPU_CHUNK // 8 + 5)
+    if kind == "distinct":
+        return distinct(shape, dtype)
+    generator = torch.Generator().manual_seed(1)
+    if kind == "ties":
+        return torch.randint(-3, 4, shape, generator=generator).to(dtype)
+    if kind == "zeros":
+        return torch.zeros(shape, dtype=dtype)
+    return torch.randn(shape, generator=generator).clamp(min=1.5).sub(1.5).to(dtype)  # ~93% zeros
+
+
+@pytest.mark.parametrize("rate", [0.9, 0.99])
+@pytest.mark.parametrize("kind", ["distinct", "ties", "zeros", "mostly_zeros"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ELEMENT_STAGES)
+def test_the_eager_cpu_path_gives_the_static_paths_codes(name, dtype, kind, rate):
+    x = inputs_of(kind, dtype)
+
+    packed, y = round_trip(name, x, rate)
+    with static_path_only():
+        static_packed, static_y = round_trip(name, x, rate)
+
+    assert packed.layout == static_packed.layout
+    assert all(torch.equal(a, b) for a, b in zip(packed.tensors, static_packed.tensors, strict=True))
+    assert torch.equal(y.view(torch.int16 if dtype.itemsize == 2 else torch.int32),
+                       static_y.view(torch.int16 if dtype.itemsize == 2 else torch.int32))
+
+
+@pytest.mark.parametrize("name", ["mink", "smink", "dropit"])
+def test_min_k_on_cpu_takes_the_eager_path_without_the_static_pass(name, monkeypatch):
+    """The comparison above means something only if the eager path runs."""
+    def static_pass(*args, **kwargs):
+        raise AssertionError("the static chunk pass ran")
+
+    monkeypatch.setattr(elements, "encode_kept", static_pass)
+    x = distinct((4, CPU_CHUNK), torch.float32)
+
+    actcomp.parse(f"{name}0.9").compress(x)
+
+
+def test_a_sample_that_misses_hands_the_tensor_to_the_static_path(monkeypatch):
+    x = distinct((4, CPU_CHUNK), torch.float32)
+    with static_path_only():
+        expected = actcomp.parse("mink0.9").compress(x)
+    # A margin below the quantile: fewer candidates than kept elements, every time.
+    monkeypatch.setattr(eager_select, "_MARGIN_SIGMAS", -50.0)
+    assert eager_select.exact_kept_positions(x.reshape(-1), kept_count(x.numel(), 0.9)) is None
+
+    packed = actcomp.parse("mink0.9").compress(x)
+
+    assert all(torch.equal(a, b) for a, b in zip(packed.tensors, expected.tensors, strict=True))

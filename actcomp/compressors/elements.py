@@ -35,13 +35,18 @@ import torch
 
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
+from actcomp.kernels import eager_cpu
 from actcomp.kernels.chunks import spans
+from actcomp.kernels.eager_select import exact_kept_positions, kept_positions_over, worth_it
 from actcomp.kernels.positions import (
+    Bitmask,
     Dense,
+    EliasFano,
     Indices,
     PositionForm,
     Selector,
     encode_kept,
+    encode_positions,
     expand_kept,
     index_chunk_length,
     rice_form,
@@ -87,12 +92,23 @@ class _ElementSparsifier(Compressor):
         rice = getattr(self, "rice", 0)
         return rice_form(count, kept, length) if rice else static_form(count, kept)
 
+    def kept_positions(self, flat: torch.Tensor, kept: int) -> torch.Tensor | None:
+        """The eager CPU path (:mod:`~actcomp.kernels.eager_select`): the ascending positions
+        the selector would keep (``flat.numel()`` in an empty slot), or None to take the static
+        path. A stage without one always takes the static path."""
+        return None
+
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
         flat = x.reshape(-1)
         count = flat.numel()
         kept = self.kept_count(count)
         length = self.chunk_length(flat.device, count)
         form = self.position_form(count, kept, length)
+        if isinstance(form, (Bitmask, EliasFano, Indices)) and eager_cpu.applies(flat) \
+                and worth_it(count, kept, flat.element_size()):
+            positions = self.kept_positions(flat, kept)
+            if positions is not None:
+                return Encoded(*encode_positions(flat, positions, form))
         select = self.selector(flat, kept) if kept < count else None
         return Encoded(*encode_kept(flat, select, kept, form, length))
 
@@ -122,6 +138,9 @@ class MinK(_ElementSparsifier):
     def selector(self, flat: torch.Tensor, kept: int) -> Selector:
         return threshold_selector(exact_threshold(flat, kept))
 
+    def kept_positions(self, flat: torch.Tensor, kept: int) -> torch.Tensor | None:
+        return exact_kept_positions(flat, kept)
+
 
 @register_compressor
 @dataclass(frozen=True)
@@ -148,6 +167,11 @@ class SampledMinK(_ElementSparsifier):
         if flat.numel() <= self.sample:
             return threshold_selector(exact_threshold(flat, kept))
         return threshold_selector(sampled_threshold(flat, kept, self.sample))
+
+    def kept_positions(self, flat: torch.Tensor, kept: int) -> torch.Tensor | None:
+        if flat.numel() <= self.sample:
+            return exact_kept_positions(flat, kept)
+        return kept_positions_over(flat, sampled_threshold(flat, kept, self.sample), kept)
 
 
 @register_compressor
@@ -258,3 +282,6 @@ class DropITReference(_ElementSparsifier):
 
     def selector(self, flat: torch.Tensor, kept: int) -> Selector:
         return threshold_selector(exact_threshold(flat, kept))
+
+    def kept_positions(self, flat: torch.Tensor, kept: int) -> torch.Tensor | None:
+        return exact_kept_positions(flat, kept)

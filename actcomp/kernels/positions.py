@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from actcomp.errors import ActcompError
+from actcomp.kernels import eager_cpu
 from actcomp.kernels.bitpack import pack_bits, pack_codes, packed_size, unpack_bits
 from actcomp.kernels.chunks import aligned_length, spans
 
@@ -73,6 +74,11 @@ class Bitmask:
     def writer(self, device: torch.device) -> _BitmaskWriter:
         return _BitmaskWriter(self, device)
 
+    def from_positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What the writer stores, from the ascending kept positions (``count`` in empty slots)."""
+        packed = torch.zeros(packed_size(self.count, 1), dtype=torch.uint8, device=positions.device)
+        return (set_bits(positions[positions < self.count], packed),)
+
     def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
         length = index_chunk_length(values.device, self.count)
         masks = ((start, stop, unpack_bits(saved[0][start // 8:packed_size(stop, 1)], stop - start))
@@ -100,9 +106,25 @@ class EliasFano:
     def writer(self, device: torch.device) -> _EliasFanoWriter:
         return _EliasFanoWriter(self, device)
 
+    def from_positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What the writer stores, from the ascending kept positions (``count`` in empty slots):
+        bit ``(position >> b) + slot`` of the high stream, and each position's low bits."""
+        bits = self.low_bits
+        high = torch.zeros(packed_size(self.high_length, 1), dtype=torch.uint8, device=positions.device)
+        codes = torch.empty(self.capacity, dtype=torch.uint8, device=positions.device)
+        # A chunk of slots at a time: the int32 temporaries are a chunk's, not k's.
+        for start, stop in spans(self.capacity, index_chunk_length(positions.device, self.capacity)):
+            part = positions[start:stop]
+            slots = torch.arange(start, stop, dtype=part.dtype, device=part.device)
+            set_bits((part >> bits) + slots, high)
+            codes[start:stop] = part & (2**bits - 1)
+        return high, _packed_codes(codes, bits)
+
     def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
         high, low = saved
         device = values.device
+        if eager_cpu.applies(values):
+            return self._scatter_found(values, high, low)
         # Set bit i of the high stream is slot j's, j its rank among the set bits, and i - j its
         # bucket (the position's high part); its low code is read at slot j. A chunk of the high
         # stream at a time: temporaries are a chunk's, never a slot's worth of the tensor.
@@ -119,6 +141,23 @@ class EliasFano:
             kept = rank[-1] + 1
         return out[:self.count]
 
+    def _scatter_found(self, values: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        """:meth:`scatter` on a CPU outside torch.compile (:mod:`~actcomp.kernels.eager_cpu`): the
+        set bits of a chunk of the high stream found with ``nonzero``, and only their slots
+        visited, instead of a rank and a scatter for every bit."""
+        out = values.new_zeros(self.count + 1)  # one past the end takes the empty slots
+        slot = 0
+        # Chunks of half the values' length: the int64 temporaries of ~40% set bits stay ~0.1x a
+        # bf16 input, and a chunk's fixed cost is paid once per 2**17 bits.
+        for start, stop in spans(self.high_length, aligned_length(values.device, self.high_length, 8) // 2):
+            ones = unpack_bits(high[start // 8:packed_size(stop, 1)], stop - start).nonzero().view(-1)
+            slots = torch.arange(slot, slot + ones.numel())
+            # Set bit i of the high stream is slot j's, and i - j its position's high part.
+            position = ((ones + start - slots) << self.low_bits) | _read_codes(low, slots * self.low_bits, self.low_bits)
+            _bits_of(out).scatter_(0, position, _bits_of(values[slot:slot + ones.numel()]))
+            slot += ones.numel()
+        return out[:self.count]
+
 
 @dataclass(frozen=True)
 class Indices:
@@ -129,6 +168,11 @@ class Indices:
 
     def writer(self, device: torch.device) -> _IndicesWriter:
         return _IndicesWriter(self, device)
+
+    def from_positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What the writer stores, from the ascending kept positions (0 in an empty slot)."""
+        dtype = torch.int32 if self.count <= 2**31 else torch.int64
+        return (torch.where(positions < self.count, positions, 0).to(dtype),)
 
     def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
         out = values.new_zeros(self.count)
@@ -244,6 +288,42 @@ def encode_kept(flat: torch.Tensor, select: Selector, capacity: int, form: Posit
     return values[:capacity].clone(), saved, form
 
 
+def encode_positions(flat: torch.Tensor, positions: torch.Tensor, form: Bitmask | EliasFano | Indices,
+                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], PositionForm]:
+    """:func:`encode_kept`'s outputs when the kept positions are known: ``positions`` ascending,
+    one a slot, ``flat.numel()`` in a slot left empty (its value 0).
+
+    >>> form = static_form(32, 4)
+    >>> values, saved, _ = encode_positions(torch.arange(1.0, 33.0), torch.tensor([1, 2, 7, 32]), form)
+    >>> values.tolist(), torch.equal(form.scatter(values, saved)[[1, 2, 7]], torch.tensor([2.0, 3.0, 8.0]))
+    ([2.0, 3.0, 8.0, 0.0], True)
+    """
+    count = flat.numel()
+    values = _bits_of(flat).index_select(0, positions.clamp(max=count - 1))
+    values.masked_fill_(positions == count, 0)  # an empty slot holds +0.0
+    return values.view(flat.dtype), form.from_positions(positions), form
+
+
+def set_bits(bits: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """Sets the ``bits`` (distinct, int32 or int64, none set yet) of the little-endian bit stream
+    ``packed`` (uint8), in place.
+
+    >>> set_bits(torch.tensor([0, 3, 9]), torch.zeros(2, dtype=torch.uint8)).tolist()
+    [9, 2]
+    """
+    # The bits are distinct and clear: adding each one's byte value is or-ing it in.
+    return packed.scatter_add_(0, bits >> 3, torch.bitwise_left_shift(1, bits & 7).to(torch.uint8))
+
+
+def _packed_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``codes`` (uint8) packed ``bits`` each, a chunk of whole bytes at a time: packing widens
+    them to int64 on the way."""
+    packed = torch.empty(packed_size(codes.numel(), bits), dtype=torch.uint8, device=codes.device)
+    for start, stop in spans(codes.numel(), index_chunk_length(codes.device, codes.numel())):
+        packed[start * bits // 8:packed_size(stop, bits)] = pack_codes(codes[start:stop], bits)
+    return packed
+
+
 def _bits_of(values: torch.Tensor) -> torch.Tensor:
     """``values`` viewed as integers of their width: moved bit for bit, and on CPU a scatter of
     fp16 or bf16 would otherwise work on an fp32 copy of the whole tensor."""
@@ -333,15 +413,10 @@ class _EliasFanoWriter:
         length = self.form.high_length
         # The last bucket's end, and the pad bits of the last byte, are zeros.
         self.high[-1] &= (1 << ((length - 1) % 8)) - 1
-        # Packed a chunk of slots at a time (multiples of 8 slots: whole bytes), since packing
-        # widens codes to int64 on the way.
         capacity, bits = self.form.capacity, self.form.low_bits
         # Handed over and dropped here: the caller's copy of the values comes next, in the peak.
         codes, self.low = self.low, torch.empty(0, dtype=torch.uint8)
-        low = torch.empty(packed_size(capacity, bits), dtype=torch.uint8, device=codes.device)
-        for start, stop in spans(capacity, index_chunk_length(codes.device, capacity)):
-            low[start * bits // 8:packed_size(stop, bits)] = pack_codes(codes[start:stop], bits)
-        return (self.high, low), self.form
+        return (self.high, _packed_codes(codes[:capacity], bits)), self.form
 
 
 def _position_dtype(count: int) -> torch.dtype:

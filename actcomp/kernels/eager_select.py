@@ -1,0 +1,95 @@
+"""Min-k on CPU in eager mode: the static path's codes from a few passes instead of twenty.
+
+The static path (:mod:`~actcomp.kernels.thresholds` and :func:`~actcomp.kernels.positions.encode_kept`)
+makes about twenty passes over the tensor (two radix-select histograms, then tie ranks, slot
+ranks and the position writer a chunk at a time) so that it needs no data-sized op. Where those
+cost nothing extra (:mod:`~actcomp.kernels.eager_cpu`), this path
+
+- takes the *candidates*: the elements whose magnitude key is at least a key that an evenly
+  spaced sample puts safely below the kept share (4 standard deviations of a sample quantile,
+  as ``smink``'s margin), their positions found with ``nonzero`` a chunk at a time;
+- settles the exact threshold (radix select) and the ties among those few (about ``k`` plus
+  the margin);
+- hands the kept positions to the position form's writer (:meth:`~actcomp.kernels.positions.EliasFano.from_positions`).
+
+Its outputs equal the static path's bit for bit (the tests run both), and a sample that misses
+(the candidates fewer than ``k``, about once in 30,000 tensors) hands the tensor to the static
+path. Used on a CPU outside ``torch.compile`` (:mod:`~actcomp.kernels.eager_cpu`), where the
+candidates' temporaries stay small beside the input (:func:`worth_it`).
+
+>>> import torch
+>>> from actcomp.kernels.thresholds import kept_count
+>>> x = torch.randn(100_000)
+>>> positions = exact_kept_positions(x, kept_count(x.numel(), 0.9))
+>>> positions.numel(), bool((x.abs()[positions].min() >= x.abs().kthvalue(90_000).values))
+(10000, True)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from actcomp.kernels.chunks import aligned_length, spans
+from actcomp.kernels.thresholds import SAMPLE, Threshold, key_bits, magnitude_keys, sample_of, select_threshold
+
+# As smink's: the sample's quantile is moved this many of its standard deviations toward
+# keeping more, so that fewer than k candidates turn up only about once in 30,000 tensors.
+_MARGIN_SIGMAS = 4.0
+
+
+def worth_it(count: int, kept: int, element_size: int) -> bool:
+    """Whether the candidates (an int32 position and a key each, about ``1.1 kept`` of them) stay
+    within a quarter of the input's bytes: below about 10% kept for 2-byte floats, 20% for fp32."""
+    return count < 2**31 and kept * (4 + element_size) * 1.1 <= count * element_size / 4
+
+
+def exact_kept_positions(flat: torch.Tensor, kept: int) -> torch.Tensor | None:
+    """The ascending int32 positions of ``flat``'s ``kept`` largest magnitudes (ties in position
+    order), as :func:`~actcomp.kernels.thresholds.exact_threshold` selects them; None when the
+    sample missed."""
+    count = flat.numel()
+    sample = magnitude_keys(sample_of(flat, SAMPLE))
+    share = kept / count
+    margin = _MARGIN_SIGMAS * math.sqrt(share * (1 - share) * sample.numel()) + 1
+    rank = math.ceil(share * sample.numel() + margin)
+    floor = torch.topk(sample, rank, sorted=False).values.min() if rank < sample.numel() else sample.new_zeros(())
+    positions, keys = _candidates(flat, floor)
+    if keys.numel() < kept:
+        return None
+    # Radix select over the candidates, a chunk at a time: topk and kthvalue copy all of them
+    # with an int64 index each on CPU (0.4x a fp32 input at 10% kept).
+    threshold = select_threshold(lambda start, stop: keys[start:stop], keys.numel(), kept,
+                                 key_bits(flat.dtype), flat.device)
+    return _with_ties(positions, keys > threshold.key, keys, threshold.key, int(threshold.ties))
+
+
+def kept_positions_over(flat: torch.Tensor, threshold: Threshold, kept: int) -> torch.Tensor:
+    """The ascending int32 positions :class:`~actcomp.kernels.thresholds.ThresholdSelector` keeps
+    under ``threshold``, at most ``kept`` (the first ones in position order), then ``flat.numel()``
+    for each slot left empty."""
+    positions, keys = _candidates(flat, threshold.key)
+    chosen = _with_ties(positions, keys > threshold.key, keys, threshold.key, int(threshold.ties))[:kept]
+    return torch.cat([chosen, chosen.new_full((kept - chosen.numel(),), flat.numel())])
+
+
+def _candidates(flat: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (int32) and magnitude keys of the elements whose key is at least ``floor``."""
+    positions, keys = [], []
+    for start, stop in spans(flat.numel(), aligned_length(flat.device, flat.numel())):
+        part = magnitude_keys(flat[start:stop])
+        index = (part >= floor).nonzero().view(-1)
+        keys.append(part.index_select(0, index))
+        positions.append(index.to(torch.int32).add_(start))
+    # One list joined and dropped before the other: the pieces and the whole of both at once
+    # would be twice the candidates' bytes.
+    keys = torch.cat(keys)
+    return torch.cat(positions), keys
+
+
+def _with_ties(positions: torch.Tensor, chosen: torch.Tensor, keys: torch.Tensor, key: torch.Tensor,
+               ties: int) -> torch.Tensor:
+    """The positions ``chosen`` marks, and those of the first ``ties`` candidates equal to ``key``."""
+    chosen[(keys == key).nonzero().view(-1)[:max(ties, 0)]] = True
+    return positions[chosen]
