@@ -24,6 +24,7 @@ from actcomp.core.registry import (
 )
 from actcomp.errors import ActcompError
 from actcomp.tools.memory import MemoryReport, memory_report
+from actcomp.whole_model.in_graph import compress_in_graph
 from actcomp.whole_model.session import register_op_codec, unregister_op_codec
 
 # The one place the version is written: pyproject.toml reads it, CHANGELOG.md says what changed.
@@ -32,7 +33,7 @@ __version__ = "0.1.0"
 legacy_paths.install()
 
 __all__ = [
-    "ActcompError", "MemoryReport", "Packed", "Pipeline", "codec_class", "compressed_layers", "compressors",
+    "ActcompError", "MemoryReport", "Packed", "Pipeline", "codec_class", "compress_in_graph", "compressed_layers", "compressors",
     "from_compressed", "list_codecs", "list_compressors", "memory_report", "parse", "register_codec",
     "register_compressor", "register_op_codec", "to_compressed", "unregister_codec", "unregister_compressor",
     "unregister_op_codec",

@@ -48,6 +48,8 @@ FULL_TIER = {
     "test_entry_points.py::test_torch_compile_traces_the_hooks_away_and_warns_once_for_a_compiled_training_entry":
         "torch.compile",
     "test_positions.py::test_rice_refuses_to_compile_and_says_why": "torch.compile",
+    "test_in_graph.py::test_exact_forms_give_the_compiled_steps_gradients_bit_for_bit": "torch.compile",
+    "test_in_graph.py::test_int8_inside_the_graph_keeps_the_gradients_close": "torch.compile",
 }
 
 # The compile tier: every registered codec compiled by Inductor (fullgraph, dynamic) against its

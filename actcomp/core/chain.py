@@ -54,11 +54,13 @@ class Stage(Protocol):
 
 
 def pack(stages: Sequence[Stage], spec: str, x: torch.Tensor, *, channel_dim: int | None = None,
-         states: Sequence[Any] | None = None) -> Packed:
+         states: Sequence[Any] | None = None, set_aside_non_finite: bool = True) -> Packed:
     """Run ``stages`` (whose spec string is ``spec``) on ``x``; ``channel_dim`` names its channel
     axis for channel-wise stages. ``states`` are the stages' runtime states, which the caller
     keeps between calls (see :meth:`~actcomp.core.codec.Compressor.initial_state`);
-    without them every stage starts from its initial state.
+    without them every stage starts from its initial state. ``set_aside_non_finite=False``
+    skips the eager-only check for NaN and inf (one sum read back to Python): the stages then
+    see them, and a quantizer's group holding one decodes to NaN.
 
     >>> from actcomp.compressors import MinK
     >>> packed = pack([MinK(0.5)], "mink0.5", torch.tensor([1.0, -4.0, 2.0, 0.5]))
@@ -77,7 +79,7 @@ def pack(stages: Sequence[Stage], spec: str, x: torch.Tensor, *, channel_dim: in
         states = [stage.initial_state() for stage in stages]
     hints = Hints(channel_dim=channel_dim if x.dim() else None)
     payload, non_finite = x.detach(), ()
-    if category == "float" and stages[0].sets_aside_non_finite:
+    if category == "float" and stages[0].sets_aside_non_finite and set_aside_non_finite:
         payload, non_finite = _set_aside_non_finite(payload)
     tensors = list(non_finite)
     stage_layouts = []

@@ -1,0 +1,323 @@
+"""Whole-model compression inside ``torch.compile``: saved-tensor hooks AOTAutograd inlines.
+
+The eager whole-model mode (:mod:`~actcomp.whole_model.compressed_model`) learns which op saves
+a tensor by watching calls, which a compiled graph never makes. A compiled training step instead
+runs under saved-tensor hooks given as ``torch.fx.GraphModule`` s: AOTAutograd then retraces the
+pack hook once per tensor the forward graph saves, inlines it at the end of the compiled forward
+and the unpack hook at the start of the compiled backward (torch >= 2.8,
+``maybe_inline_graph_saved_tensors_hooks``), where Inductor fuses both with their neighbours and
+nothing runs in Python per step. While a hook is retraced, torch names the saved node and both
+graphs; the codec is chosen there, from what the *backward* does with the tensor:
+
+============================================  =========================================  ======
+the backward reads it                          kept as                                    exact?
+============================================  =========================================  ======
+as a bool (dropout masks, ReLU's ``x <= 0``)   1 bit an element                           yes
+only through one comparison with a constant    1 bit an element, the comparison's result  yes
+  (a ReLU output the backward tests ``<= 0``)
+only as a matrix product's operand (a Linear   ``spec`` (a layer's weight gradient)       no
+  layer's input)
+any other way, floating point                  ``rest``'s lossy pipeline                  no
+============================================  =========================================  ======
+
+Tensors of fewer than :data:`MIN_ELEMENTS` elements, integer tensors and what torch does not
+hand to the hooks (parameters, the step's inputs and outputs: ``saved_tensors_hooks_filtering_mode
+= "donated"``) are kept as they are; so is everything under ``rest="exact"`` except the 1-bit
+forms, whose gradients are bit-identical to the compiled step without hooks.
+
+>>> import torch, actcomp
+>>> net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+>>> step = torch.compile(lambda x: net(x).square().mean())
+>>> with actcomp.compress_in_graph("int8", rest="8bit"):
+...     loss = step(torch.randn(128, 64))
+>>> loss.backward()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch._functorch.config
+import torch._inductor.config
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from actcomp.core.chain import pack
+from actcomp.core.packed import Packed
+from actcomp.core.pipeline import Pipeline, as_pipeline, parse
+from actcomp.errors import ActcompError
+from actcomp.kernels.bitpack import pack_bits, unpack_bits
+from actcomp.whole_model.policy import Exact, KeepAsIs, Lossy, RestPolicy
+
+# Below this, a saved tensor costs less than the code that would compress it.
+MIN_ELEMENTS = 4096
+# Scalar comparisons whose result is all a tensor's backward needs.
+_COMPARISONS = {
+    torch.ops.aten.le.Scalar: "le", torch.ops.aten.lt.Scalar: "lt", torch.ops.aten.ge.Scalar: "ge",
+    torch.ops.aten.gt.Scalar: "gt",
+}
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
+
+
+@functools.cache
+def _source_hash() -> str:
+    """A hash of this module's code: part of every cache key the compiled graphs are stored under."""
+    return hashlib.sha256(open(__file__, "rb").read()).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the in-graph hooks do: the Linear inputs' pipeline and the others' (None: as is)."""
+
+    linear: Pipeline | None
+    rest: Pipeline | None
+
+    @property
+    def cache_hash(self) -> str:
+        """Stable across processes, so AOTAutograd's cache keeps the compiled graphs."""
+        from actcomp import __version__
+
+        text = f"actcomp {__version__} {_source_hash()} {self.linear and self.linear.spec} {self.rest and self.rest.spec}"
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+class _CodecsWhereUsed(CustomGraphPass):
+    """Inductor's post-grad pass that moves the inlined hooks next to the tensors they code.
+
+    AOTAutograd inlines every pack hook at the *end* of the forward graph and every unpack hook
+    at the *start* of the backward graph: as they stand, every saved tensor would live whole
+    until the forward ends, and be decoded whole when the backward starts, and the step's peak
+    would be the uncompressed one. Inductor's peak-memory reordering moves each pack next to the
+    tensor it codes; in a backward graph (one with the ``<saved>_hook_<i>`` inputs the inlining
+    makes) this pass moves each unpack node down to just before its first user, and turns that
+    reordering off for the graph, which would undo it. Graphs without inlined hooks are left as
+    they are."""
+
+    previous: CustomGraphPass | None = None
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if self.previous is not None:
+            self.previous(graph)
+        backward = any("_hook_" in node.name for node in graph.find_nodes(op="placeholder"))
+        if backward:
+            _sink_decoding(graph)
+        if _REORDER.user is not None:
+            # Inductor's peak-memory reordering, read when this graph is scheduled next, moves
+            # the decoding back to the top of a backward graph (measured on ViT-S: a backward
+            # peak of 251 MiB with it, 106 MiB without); the forward keeps it (103 MiB with it,
+            # 294 MiB without: it moves each pack next to the tensor it codes).
+            torch._inductor.config.reorder_for_peak_memory = _REORDER.user and not backward
+
+    def uuid(self):
+        # Compiled graphs cached with an older version of this pass must not be reused.
+        previous = self.previous.uuid() if self.previous is not None else None
+        return ("actcomp codecs where used", _source_hash(), previous)
+
+
+def _sink_decoding(graph: fx.Graph) -> None:
+    """Each unpack hook's nodes (computed from the ``_hook_`` inputs alone) right before their first user."""
+    decoded = {node for node in graph.find_nodes(op="placeholder") if "_hook_" in node.name}
+    # Views nobody reads would count as a decode's first user and pin it at the top.
+    graph.eliminate_dead_code()
+    decode = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= decoded:
+            decoded.add(node)
+            decode.append(node)
+    # Constants made only for the decoding (an arange, an empty buffer) go with it.
+    decode += [node for node in graph.nodes if node.op == "call_function" and not node.all_input_nodes
+               and node.users and set(node.users) <= decoded]
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    decode.sort(key=order.__getitem__)
+    for node in reversed(decode):
+        first = min(node.users, key=order.__getitem__, default=None)
+        if first is not None and first.op != "output":
+            first.prepend(node)
+            order[node] = order[first] - 0.5
+
+
+def compress_in_graph(spec: str | Pipeline | None = "int8", rest: str | None = "8bit"):
+    """A context manager under which ``torch.compile`` d training compresses what it saves for
+    backward, inside the compiled graphs (see the module docstring).
+
+    ``spec``: the pipeline for tensors the backward reads only as a matrix product's operand
+    (Linear inputs; None keeps them); it must compile (``Pipeline`` stages whose ``compiles()``).
+    ``rest``: ``"8bit"`` (int8 for every other floating-point tensor), ``"4bit"`` (int4 in
+    groups of 64), ``"exact"`` (only the exact 1-bit forms), a spec string, or None (only the
+    1-bit forms, as ``"exact"``). The same arguments give the same hooks, so compiled code
+    recompiles only when they change. Eager code run under the hooks keeps what it saves as it is.
+    """
+    hooks = _hooks(_plan(spec, rest))
+    _install_decode_where_used()
+    return _in_graph_context(hooks)
+
+
+class _Reorder:
+    """The user's ``reorder_for_peak_memory`` while a :func:`compress_in_graph` block runs."""
+
+    user: bool | None = None
+
+
+_REORDER = _Reorder()
+
+
+@contextlib.contextmanager
+def _in_graph_context(hooks):
+    # The backward graph compiles with the forward (not at the first backward, after this block
+    # has closed), so that the per-graph setting of the pass applies to it.
+    outer = _REORDER.user
+    _REORDER.user = torch._inductor.config.reorder_for_peak_memory if outer is None else outer
+    try:
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
+                torch._inductor.config.patch(reorder_for_peak_memory=_REORDER.user), \
+                torch.autograd.graph.saved_tensors_hooks(*hooks):
+            yield
+    finally:
+        _REORDER.user = outer
+
+
+def _install_decode_where_used() -> None:
+    """Put :class:`_CodecsWhereUsed` in Inductor's post-grad passes for good, in front of any
+    pass already there: the backward graph compiles at the first backward, after the ``with``
+    block has closed, and the pass leaves every graph without inlined hooks as it is."""
+    current = torch._inductor.config.post_grad_custom_post_pass
+    if not isinstance(current, _CodecsWhereUsed):
+        decode_late = _CodecsWhereUsed()
+        decode_late.previous = current
+        torch._inductor.config.post_grad_custom_post_pass = decode_late
+
+
+def _plan(spec, rest) -> _Plan:
+    linear = None if spec is None else as_pipeline(spec, "compress_in_graph's spec")
+    if rest is None or rest == "exact":
+        other = None
+    else:
+        choice = RestPolicy.parse(rest).activation
+        choice = getattr(choice, "fallback", choice)  # derivative codes are an eager-mode codec
+        other = choice.pipeline if isinstance(choice, Lossy) else None
+        if isinstance(choice, (Exact, KeepAsIs)):
+            other = None
+    for pipeline, where in ((linear, "spec"), (other, "rest")):
+        if pipeline is not None and not all(stage.compiles() for stage in pipeline.stages):
+            raise ActcompError(
+                f"compress_in_graph's {where} {pipeline.spec!r} has a stage that cannot run inside a compiled graph "
+                "(Rice-coded positions, running ranges); use a static form such as 'int8', 'fp8' or 'smink0.9+int8'"
+            )
+    return _Plan(linear, other)
+
+
+# The plans hooks were made for, by cache hash: the graph's node names its plan by that string.
+_PLANS: dict[str, _Plan] = {}
+# The layouts of the tensors packed while compiling, each named by a string the pack hook hands
+# the unpack hook; read only while the two are traced, so growing by one per saved tensor compiled.
+_LAYOUTS: dict[str, object] = {}
+
+
+@functools.cache
+def _hooks(plan: _Plan) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The pack and unpack graph modules of ``plan``, made once: dynamo guards on their ids."""
+    _PLANS[plan.cache_hash] = plan
+    return _one_call_module(_pack, plan), _one_call_module(_unpack, plan)
+
+
+def _one_call_module(function, plan: _Plan) -> fx.GraphModule:
+    """A graph module whose one node calls ``function(saved, plan's hash)``, as ``torch.fx.wrap``
+    would make it, with a cache hash so that compiled graphs holding it can be cached."""
+    graph = fx.Graph()
+    node = graph.call_function(function, (graph.placeholder("saved"), plan.cache_hash))
+    node.meta["is_wrapped"] = True
+    node.meta["user_cache_hash"] = plan.cache_hash
+    graph.output(node)
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _saving_context():
+    try:
+        from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+    except ImportError:  # a torch without it inlines no hooks either
+        return None
+    return _get_saved_tensor_hook_context()
+
+
+def _pack(saved: torch.Tensor, plan_hash: str):
+    plan = _PLANS[plan_hash]
+    context = _saving_context()
+    # Outside a compiled graph's tracing (eager code: a loss computed outside the compiled model,
+    # a graph break) nothing says which op saves the tensor: kept as it is, and quietly, since a
+    # loss outside the model is the usual way to train a compiled one.
+    if context is None or saved.numel() < MIN_ELEMENTS:
+        return ("keep", saved)
+    if saved.dtype == torch.bool:
+        return ("bits", saved.shape, pack_bits(saved.reshape(-1)))
+    if not saved.is_floating_point():
+        return ("keep", saved)
+    users = _backward_users(context)
+    comparison = _one_comparison(users)
+    if comparison is not None:
+        name, threshold = comparison
+        return ("compared", name, threshold, saved.shape, saved.dtype,
+                pack_bits(getattr(torch, name)(saved, threshold).reshape(-1)))
+    pipeline = plan.linear if users and all(user.target in _MATMULS for user in users) else plan.rest
+    if pipeline is None:
+        return ("keep", saved)
+    # No set-aside of NaN and inf (a sum read back to Python, which a graph cannot hold).
+    packed = pack(pipeline.stages, pipeline.spec, saved, set_aside_non_finite=False)
+    # The layout goes to the unpack hook as a string constant: a dataclass in the hook's output
+    # would be traced as a call that builds it, which the inlining cannot carry to backward.
+    key = f"layout {len(_LAYOUTS)}"
+    _LAYOUTS[key] = packed.layout
+    return ("packed", key, *packed.tensors)
+
+
+def _unpack(packed, plan_hash: str):
+    form = packed[0]
+    if form == "keep":
+        return packed[1]
+    if form == "bits":
+        _, shape, bits = packed
+        return unpack_bits(bits, math.prod(shape)).view(shape)
+    if form == "compared":
+        _, name, threshold, shape, dtype, bits = packed
+        result = unpack_bits(bits, math.prod(shape)).view(shape)
+        # Values on the comparison's side it says: the backward's comparison gives it again.
+        inside, outside = _sides(name, threshold)
+        return torch.where(result, inside, outside).to(dtype)
+    _, key, *tensors = packed
+    layout = _LAYOUTS[key]
+    return _decoder(layout.spec).decompress(Packed(tuple(tensors), layout))
+
+
+@functools.cache
+def _decoder(spec: str) -> Pipeline:
+    return parse(spec)
+
+
+def _sides(name: str, threshold: float) -> tuple[float, float]:
+    """A value for which ``name(value, threshold)`` is true, and one for which it is false."""
+    below, above = threshold - 1.0, threshold + 1.0
+    return {"le": (below, above), "lt": (below, above), "ge": (above, below), "gt": (above, below)}[name]
+
+
+def _backward_users(context: dict) -> list[fx.Node]:
+    """The nodes of the backward graph that read the saved node (its placeholder there)."""
+    name = context["_node"].name
+    for node in context["_bw_graph"].find_nodes(op="placeholder"):
+        if node.name == name:
+            return list(node.users)
+    return []
+
+
+def _one_comparison(users: list[fx.Node]) -> tuple[str, float] | None:
+    """``(name, threshold)`` when every user is the same comparison with the same constant."""
+    found = {(_COMPARISONS.get(user.target), user.args[1] if len(user.args) > 1 else None) for user in users}
+    if len(found) != 1:
+        return None
+    name, threshold = found.pop()
+    if name is None or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
+        return None
+    return name, float(threshold)

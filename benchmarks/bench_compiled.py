@@ -1,0 +1,80 @@
+"""A ``torch.compile`` d training step with compression inside the compiled graphs, beside the
+compiled plain step and Inductor's own fp8 activation pass.
+
+    python benchmarks/bench_compiled.py                      # ViT-S, batch 16, 128 px, 2 threads
+    python benchmarks/bench_compiled.py --rounds 5 --configs plain actcomp-8bit
+
+Every measurement is a fresh process (``compiled_probe.py``) with ``MALLOC_MMAP_THRESHOLD_=65536``
+(RSS follows live memory); the configurations run in turn, the order rotating round to round,
+and each round's ratios are taken against that round's plain step. Reported: the median over
+rounds of the step time over plain, the step's peak RSS above what it starts from (parameters
+and optimizer state, no gradients) and plain's peak over it, and the first call's time (the
+compile; Inductor's caches are warm after the first round).
+
+- ``plain``: ``torch.compile(model)``;
+- ``fp8-pass``: Inductor's ``activation_quantization_aten_pass`` (saved fp32 activations of at
+  least 1 MiB as scaled fp8 e5m2);
+- ``actcomp-8bit`` / ``actcomp-4bit`` / ``actcomp-exact``: ``actcomp.compress_in_graph("int8",
+  rest="8bit")``, ``("int4", rest="4bit")``, ``(None, rest="exact")`` around the forward.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from common import REPO_ROOT, benchmark_parser, header_lines, load_average, write_results
+
+from actcomp.tools.probe import run_probe
+
+PROBE = Path(__file__).with_name("compiled_probe.py")
+CONFIGS = ["plain", "fp8-pass", "actcomp-8bit", "actcomp-4bit", "actcomp-exact"]
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__)
+    parser.add_argument("--model", default="vit_small_patch16_224", help="timm model name")
+    parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per configuration")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per process (after two warm-up steps)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--img-size", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    configs = ["plain"] + [name for name in args.configs if name != "plain"]
+    start, load_before = time.time(), load_average()
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
+    for index in range(args.rounds):
+        order = configs[index % len(configs):] + configs[:index % len(configs)]
+        for name in order:
+            program = [str(PROBE), "--model", args.model, "--config", name, "--batch", str(args.batch),
+                       "--img-size", str(args.img_size), "--steps", str(args.steps), "--threads", str(args.threads)]
+            runs[name].append(run_probe(program, what=f"compiled step probe ({name})", package_root=str(REPO_ROOT),
+                                        env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=1800))
+            print(f"round {index + 1} {name}: {runs[name][-1]['step_s']:.3f} s, "
+                  f"{runs[name][-1]['peak_bytes'] / 2**20:.0f} MiB", flush=True)
+    rows = []
+    for name in configs:
+        ratios = [run["step_s"] / plain["step_s"] for run, plain in zip(runs[name], runs["plain"])]
+        peak = statistics.median(run["peak_bytes"] for run in runs[name])
+        rows.append({"config": name, "step_over_plain": statistics.median(ratios), "peak_mib": peak / 2**20,
+                     "plain_peak_over_peak": statistics.median(runs["plain"][0]["peak_bytes"] / run["peak_bytes"]
+                                                               for run in runs[name]),
+                     "first_call_s": runs[name][0]["compile_s"], "warm_first_call_s": runs[name][-1]["compile_s"]})
+    header = header_lines(torch.device("cpu"), args.threads, 0, time.time() - start,
+                          {"model": args.model, "batch": args.batch, "img_size": args.img_size, "rounds": args.rounds,
+                           "steps": args.steps}, load_before)
+    body = ["| configuration | step / compiled plain | step peak above start | plain peak / peak | first call, cold "
+            "| first call, warm cache |", "|---|---:|---:|---:|---:|---:|"]
+    body += [f"| `{r['config']}` | **{r['step_over_plain']:.2f}x** | {r['peak_mib']:.0f} MiB | "
+             f"{r['plain_peak_over_peak']:.2f}x | {r['first_call_s']:.0f} s | {r['warm_first_call_s']:.0f} s |" for r in rows]
+    print("\n".join(body))
+    write_results("compiled", torch.device("cpu"), args.threads, header,
+                  f"Compiled training step of {args.model}: compression inside the graph", body, rows, list(rows[0]),
+                  REPO_ROOT / "benchmarks" / "results")
+
+
+if __name__ == "__main__":
+    main()
