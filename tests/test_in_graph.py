@@ -77,6 +77,16 @@ def test_a_comparison_form_decodes_to_the_same_comparison():
         assert torch.equal(getattr(torch, name)(decoded, 0.0), getattr(torch, name)(x, 0.0)), name
 
 
+def test_lossy_values_decode_on_the_side_of_their_comparison():
+    """A ReLU output that also feeds a Linear: int8 values, the mask exact."""
+    x = torch.tensor([0.0, 1e-9, 0.3, 2.0, 0.0, 5e-8])
+    lossy = torch.tensor([0.0, 0.0, 0.31, 1.9, 1e-3, 0.0])  # what a quantizer might give back
+    for name in ("le", "lt", "ge", "gt"):
+        decoded = in_graph._on_side(lossy, getattr(torch, name)(x, 0.0), name, 0.0)
+        assert torch.equal(getattr(torch, name)(decoded, 0.0), getattr(torch, name)(x, 0.0)), name
+        assert (decoded - lossy).abs().max() <= 1e-3, name
+
+
 def test_a_spec_that_cannot_compile_is_refused():
     with pytest.raises(actcomp.ActcompError, match="cannot run inside a compiled graph"):
         actcomp.compress_in_graph("mink0.9:rice=1")
@@ -96,3 +106,18 @@ def test_eager_code_under_the_hooks_keeps_its_tensors():
     y.sum().backward()
     reference = torch.autograd.grad(F.gelu(layer(x)).sum(), layer.weight)[0]
     assert torch.equal(layer.weight.grad, reference)
+
+
+def test_a_relu_output_feeding_a_linear_keeps_its_mask_exact_under_int8():
+    """The ReLU output is the second Linear's input (int8) and ReLU's mask (1 bit, exact): the
+    first layer's gradients, which only the mask and the exact weights reach, equal plain's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    step, x = torch.compile(model), torch.randn(512, 64)
+
+    plain = gradients(model, step, x)
+    lossy = gradients(model, step, x, ("int8", "8bit"))
+
+    first_weight, first_bias, second_weight = 0, 1, 2
+    assert torch.equal(plain[first_weight], lossy[first_weight]) and torch.equal(plain[first_bias], lossy[first_bias])
+    assert not torch.equal(plain[second_weight], lossy[second_weight])  # its input was compressed

@@ -17,7 +17,11 @@ only through one comparison with a constant    1 bit an element, the comparison'
   (a ReLU output the backward tests ``<= 0``)
 only as a matrix product's operand (a Linear   ``spec`` (a layer's weight gradient)       no
   layer's input)
-any other way, floating point                  ``rest``'s lossy pipeline                  no
+through a comparison and a matrix product      the comparison's bits and ``spec``: the    the
+  (a ReLU output that is the next Linear's     decoded values clamped to the side the     mask:
+  input)                                       bits say                                   yes
+any other way, floating point                  ``rest``'s lossy pipeline (and the bits    no
+                                               of a comparison as above)
 ============================================  =========================================  ======
 
 Tensors of fewer than :data:`MIN_ELEMENTS` elements, integer tensors and what torch does not
@@ -80,9 +84,7 @@ class _Plan:
     @property
     def cache_hash(self) -> str:
         """Stable across processes, so AOTAutograd's cache keeps the compiled graphs."""
-        from actcomp import __version__
-
-        text = f"actcomp {__version__} {_source_hash()} {self.linear and self.linear.spec} {self.rest and self.rest.spec}"
+        text = f"actcomp in-graph {_source_hash()} {self.linear and self.linear.spec} {self.rest and self.rest.spec}"
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -257,13 +259,15 @@ def _pack(saved: torch.Tensor, plan_hash: str):
     if not saved.is_floating_point():
         return ("keep", saved)
     users = _backward_users(context)
-    comparison = _one_comparison(users)
-    if comparison is not None:
+    comparisons = [user for user in users if user.target in _COMPARISONS]
+    comparison = _one_comparison(comparisons)
+    if comparison is not None and len(comparisons) == len(users):
         name, threshold = comparison
         return ("compared", name, threshold, saved.shape, saved.dtype,
                 pack_bits(getattr(torch, name)(saved, threshold).reshape(-1)))
-    pipeline = plan.linear if users and all(user.target in _MATMULS for user in users) else plan.rest
-    if pipeline is None:
+    others = [user for user in users if user not in comparisons]
+    pipeline = plan.linear if others and all(user.target in _MATMULS for user in others) else plan.rest
+    if pipeline is None or (comparisons and comparison is None):
         return ("keep", saved)
     # No set-aside of NaN and inf (a sum read back to Python, which a graph cannot hold).
     packed = pack(pipeline.stages, pipeline.spec, saved, set_aside_non_finite=False)
@@ -271,7 +275,13 @@ def _pack(saved: torch.Tensor, plan_hash: str):
     # would be traced as a call that builds it, which the inlining cannot carry to backward.
     key = f"layout {len(_LAYOUTS)}"
     _LAYOUTS[key] = packed.layout
-    return ("packed", key, *packed.tensors)
+    if comparison is None:
+        return ("packed", key, *packed.tensors)
+    # Read both ways (a ReLU output feeding the next Linear): the comparison kept exact beside
+    # the lossy values, which are clamped to its side when decoded.
+    name, threshold = comparison
+    return ("packed and compared", name, threshold, key,
+            pack_bits(getattr(torch, name)(saved, threshold).reshape(-1)), *packed.tensors)
 
 
 def _unpack(packed, plan_hash: str):
@@ -287,9 +297,29 @@ def _unpack(packed, plan_hash: str):
         # Values on the comparison's side it says: the backward's comparison gives it again.
         inside, outside = _sides(name, threshold)
         return torch.where(result, inside, outside).to(dtype)
-    _, key, *tensors = packed
+    if form == "packed":
+        _, key, *tensors = packed
+        layout = _LAYOUTS[key]
+        return _decoder(layout.spec).decompress(Packed(tuple(tensors), layout))
+    _, name, threshold, key, bits, *tensors = packed
     layout = _LAYOUTS[key]
-    return _decoder(layout.spec).decompress(Packed(tuple(tensors), layout))
+    values = _decoder(layout.spec).decompress(Packed(tuple(tensors), layout))
+    result = unpack_bits(bits, values.numel()).view(values.shape)
+    return _on_side(values, result, name, threshold)
+
+
+def _on_side(values: torch.Tensor, result: torch.Tensor, name: str, threshold: float) -> torch.Tensor:
+    """``values`` moved, where needed, just past ``threshold`` to the side that ``name(x,
+    threshold)`` gave for the original. Python scalars only: a tensor constant made while the
+    hook is traced would not survive its inlining into the backward graph."""
+    info = torch.finfo(values.dtype)
+    step = max(abs(threshold) * info.eps, info.smallest_normal)  # at least one step of the dtype
+    below, above = threshold - step, threshold + step
+    if name in ("le", "lt"):
+        return torch.where(result, values.clamp(max=threshold if name == "le" else below),
+                           values.clamp(min=above if name == "le" else threshold))
+    return torch.where(result, values.clamp(min=threshold if name == "ge" else above),
+                       values.clamp(max=below if name == "ge" else threshold))
 
 
 @functools.cache
