@@ -4,7 +4,7 @@ The eager whole-model mode (:mod:`~actcomp.whole_model.compressed_model`) learns
 a tensor by watching calls, which a compiled graph never makes. A compiled training step instead
 runs under saved-tensor hooks given as ``torch.fx.GraphModule`` s: AOTAutograd then retraces the
 pack hook once per tensor the forward graph saves, inlines it at the end of the compiled forward
-and the unpack hook at the start of the compiled backward (torch >= 2.8,
+and the unpack hook at the start of the compiled backward (torch 2.14.1 here,
 ``maybe_inline_graph_saved_tensors_hooks``), where Inductor fuses both with their neighbours and
 nothing runs in Python per step. While a hook is retraced, torch names the saved node and both
 graphs; the codec is chosen there, from what the *backward* does with the tensor:
