@@ -377,17 +377,18 @@ class _EliasFanoWriter:
     def __init__(self, form: EliasFano, device: torch.device):
         self.form = form
         self.high = torch.full((packed_size(form.high_length, 1),), 0xFF, dtype=torch.uint8, device=device)
-        # Empty slots join the last bucket with the low bits of ``count``, so that they decode to
-        # the position ``count`` itself, past the end; a code of 0 would decode to the last
-        # bucket's first position, a real element the empty slot's zero would overwrite.
-        empty_code = form.count & (2**form.low_bits - 1)
-        self.low = torch.full((form.capacity + 1,), empty_code, dtype=torch.uint8, device=device)  # spare last slot
+        self.low = torch.zeros(form.capacity + 1, dtype=torch.uint8, device=device)  # spare last slot
+        # Filled in by add: how many slots are taken, and the low bits of ``count`` (tensors: a
+        # symbolic count read as a Python value would make a graph per shape).
+        self.taken = self.count_code = None
 
     def add(self, slot: torch.Tensor, rank: torch.Tensor, start: int) -> None:
         form, bits = self.form, self.form.low_bits
         stop = start + slot.numel()
         codes = torch.arange(start, stop, dtype=_position_dtype(form.count), device=slot.device) & (2**bits - 1)
         self.low.scatter_(0, slot, codes.to(torch.uint8))
+        self.taken = (rank[-1] + 1).clamp(max=form.capacity)
+        self.count_code = (codes[-1] + 1) & (2**bits - 1)  # the last chunk's: count's low bits
         # The bucket ends in this chunk: every full bucket's last element (the last, partial
         # bucket ends with the stream). Clearing a set bit is subtracting it: each end is
         # cleared once.
@@ -415,8 +416,17 @@ class _EliasFanoWriter:
         self.high[-1] &= (1 << ((length - 1) % 8)) - 1
         capacity, bits = self.form.capacity, self.form.low_bits
         # Handed over and dropped here: the caller's copy of the values comes next, in the peak.
-        codes, self.low = self.low, torch.empty(0, dtype=torch.uint8)
-        return (self.high, _packed_codes(codes[:capacity], bits)), self.form
+        codes, self.low = self.low[:capacity], torch.empty(0, dtype=torch.uint8)
+        if self.taken is not None:
+            # Empty slots join the last bucket with the low bits of ``count``, so that they
+            # decode to ``count`` itself, past the end; a code of 0 would decode to the last
+            # bucket's first position, a real element whose value the empty slot's zero would
+            # overwrite.
+            count_code = self.count_code.to(torch.uint8)
+            for start, stop in spans(capacity, index_chunk_length(codes.device, capacity)):
+                empty = torch.arange(start, stop, dtype=torch.int32, device=codes.device) >= self.taken
+                codes[start:stop] = torch.where(empty, count_code, codes[start:stop])
+        return (self.high, _packed_codes(codes, bits)), self.form
 
 
 def _position_dtype(count: int) -> torch.dtype:
