@@ -56,7 +56,7 @@ from actcomp.core.packed import Packed
 from actcomp.core.pipeline import Pipeline, as_pipeline, parse
 from actcomp.errors import ActcompError
 from actcomp.kernels.bitpack import pack_bits, unpack_bits
-from actcomp.whole_model.policy import Exact, KeepAsIs, Lossy, RestPolicy
+from actcomp.whole_model.policy import Lossy, RestPolicy
 
 # Below this, a saved tensor costs less than the code that would compress it.
 MIN_ELEMENTS = 4096
@@ -201,9 +201,7 @@ def _plan(spec, rest) -> _Plan:
     else:
         choice = RestPolicy.parse(rest).activation
         choice = getattr(choice, "fallback", choice)  # derivative codes are an eager-mode codec
-        other = choice.pipeline if isinstance(choice, Lossy) else None
-        if isinstance(choice, (Exact, KeepAsIs)):
-            other = None
+        other = choice.pipeline if isinstance(choice, Lossy) else None  # Exact, KeepAsIs: nothing lossy
     for pipeline, where in ((linear, "spec"), (other, "rest")):
         if pipeline is not None and not all(stage.compiles() for stage in pipeline.stages):
             raise ActcompError(
