@@ -65,7 +65,9 @@ class GroupQuant(Compressor):
         groups = grouped_shape(count, group)[0]
         offset = torch.empty(groups, dtype=flat.dtype, device=flat.device)
         scale = torch.empty(groups, dtype=torch.bfloat16, device=flat.device)
-        for start, stop in spans(count, aligned_length(flat.device, count, group, 8)):
+        # Chunks sized by the input's width: the codes come from float32 copies of a chunk.
+        length = aligned_length(flat.device, count, group, 8, element_size=flat.element_size())
+        for start, stop in spans(count, length):
             shape = grouped_shape(stop - start, group)
             part_noise = noise.slice(start, shape[0] * group).view(shape)
             part_codes, part_offset, part_scale = quantize_affine(flat[start:stop], bits, group, part_noise)
@@ -80,7 +82,8 @@ class GroupQuant(Compressor):
         offset, scale = saved
         group, bits, count = self.group, self.bits, shape.numel()
         out = torch.empty(count, dtype=dtype, device=payload.device)
-        for start, stop in spans(count, aligned_length(payload.device, count, group, 8)):
+        length = aligned_length(payload.device, count, group, 8, element_size=dtype.itemsize)
+        for start, stop in spans(count, length):
             first, first_group, groups = start * bits // 8, start // group, grouped_shape(stop - start, group)[0]
             out[start:stop] = dequantize_affine(
                 payload[first:first + packed_size(stop - start, bits)], offset[first_group:first_group + groups],

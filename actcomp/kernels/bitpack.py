@@ -28,7 +28,7 @@ def packed_size(count: int, bits: int) -> int:
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Pack a flat bool tensor into ceil(n / 8) bytes (1 bit per element)."""
     count = mask.numel()
-    padded = _pad(mask.view(torch.uint8), 8)
+    padded = pad_to_multiple(mask.view(torch.uint8), 8)
     words = padded.view(torch.int64)
     return ((words * _GATHER_BITS) >> 56).to(torch.uint8)[: packed_size(count, 1)]
 
@@ -61,7 +61,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if 8 % bits:
         return _pack_runs(codes, bits)
     per_byte = 8 // bits
-    grouped = _pad(codes, per_byte).view(-1, per_byte)
+    grouped = pad_to_multiple(codes, per_byte).view(-1, per_byte)
     shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
     # Fields do not overlap, so a sum is a bitwise or.
     return (grouped << shifts).sum(dim=1, dtype=torch.uint8)
@@ -79,15 +79,27 @@ def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return ((packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).view(-1)[:count]
 
 
-def _pad(flat: torch.Tensor, multiple: int) -> torch.Tensor:
-    extra = -flat.numel() % multiple
+def pad_to_multiple(flat: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``flat`` (1-D) with zeros after it up to a multiple of ``multiple`` elements.
+
+    >>> pad_to_multiple(torch.tensor([1, 2, 3]), 4).tolist()
+    [1, 2, 3, 0]
+    """
+    count = flat.numel()
+    extra = -count % multiple
+    if torch.compiler.is_compiling():
+        # Compiled code pads always (maybe with nothing), by a gather: a branch on the
+        # remainder, or a cat that skips an empty piece, would guard on it and compile one
+        # graph for sizes that divide and another for those that do not.
+        position = torch.arange(count + extra, device=flat.device)
+        return torch.where(position < count, flat[position.clamp(max=count - 1)], 0).to(flat.dtype)
     if extra == 0:
         return flat.contiguous()
     return torch.cat([flat, flat.new_zeros(extra)])
 
 
 def _pack_runs(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    runs = _pad(codes, 8).view(-1, 8).long()
+    runs = pad_to_multiple(codes, 8).view(-1, 8).long()
     shifts = torch.arange(0, 8 * bits, bits, device=codes.device)
     words = (runs << shifts).sum(dim=1, keepdim=True)  # fields do not overlap: a sum is an or
     byte_shifts = torch.arange(0, 8 * bits, 8, device=codes.device)
@@ -95,7 +107,7 @@ def _pack_runs(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack_runs(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    runs = _pad(packed, bits).view(-1, bits).long()
+    runs = pad_to_multiple(packed, bits).view(-1, bits).long()
     byte_shifts = torch.arange(0, 8 * bits, 8, device=packed.device)
     words = (runs << byte_shifts).sum(dim=1, keepdim=True)
     shifts = torch.arange(0, 8 * bits, bits, device=packed.device)

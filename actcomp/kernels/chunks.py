@@ -42,13 +42,20 @@ def spans(count: int, length: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + length, count)
 
 
-def aligned_length(device: torch.device, count: int, *multiples: int) -> int:
+def aligned_length(device: torch.device, count: int, *multiples: int, element_size: int = 4) -> int:
     """The chunk length for ``count`` elements on ``device``: a multiple of every one of
     ``multiples`` (group sizes, 8 for bit packing), near the device's chunk size; all of
-    ``count`` while ``torch.compile`` traces."""
+    ``count`` while ``torch.compile`` traces. A stage that works on float32 copies of a narrower
+    input gives its ``element_size``: the chunk shrinks so that the copies weigh what a chunk of
+    a float32 input's would, beside a tensor of half the bytes.
+
+    >>> aligned_length(torch.device("cpu"), 10**7, 256, element_size=2) * 2 == aligned_length(torch.device("cpu"), 10**7, 256)
+    True
+    """
     if torch.compiler.is_compiling():
         return count
     target = CPU_CHUNK if device.type == "cpu" else max(CUDA_CHUNK, count // 8)
+    target = target * min(element_size, 4) // 4
     step = math.lcm(*multiples) if multiples else 1
     return max(step, target // step * step)
 

@@ -32,6 +32,7 @@ import math
 import torch
 
 from actcomp.kernels.chunks import aligned_length, spans
+from actcomp.kernels.positions import index_chunk_length
 from actcomp.kernels.thresholds import SAMPLE, Threshold, key_bits, magnitude_keys, sample_of, select_threshold
 
 # As smink's: the sample's quantile is moved this many of its standard deviations toward
@@ -92,4 +93,17 @@ def _with_ties(positions: torch.Tensor, chosen: torch.Tensor, keys: torch.Tensor
                ties: int) -> torch.Tensor:
     """The positions ``chosen`` marks, and those of the first ``ties`` candidates equal to ``key``."""
     chosen[(keys == key).nonzero().view(-1)[:max(ties, 0)]] = True
-    return positions[chosen]
+    return _selected(positions, chosen)
+
+
+def _selected(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values[mask]`` a chunk at a time: a boolean index over the whole makes an int64 index
+    of every selected element first (twice int32 values' bytes, 0.2x a fp32 input at 10% kept),
+    and ``masked_select`` holds more still; a chunk's index weighs what a chunk of values would."""
+    out = values.new_empty(int(mask.count_nonzero()))  # a bool sum would cast the mask to int64 first
+    filled = 0
+    for start, stop in spans(values.numel(), index_chunk_length(values.device, values.numel())):
+        part = values[start:stop][mask[start:stop]]
+        out[filled:filled + part.numel()] = part
+        filled += part.numel()
+    return out

@@ -147,15 +147,19 @@ class EliasFano:
         visited, instead of a rank and a scatter for every bit."""
         out = values.new_zeros(self.count + 1)  # one past the end takes the empty slots
         slot = 0
-        # Chunks of half the values' length: the int64 temporaries of ~40% set bits stay ~0.1x a
-        # bf16 input, and a chunk's fixed cost is paid once per 2**17 bits.
-        for start, stop in spans(self.high_length, aligned_length(values.device, self.high_length, 8) // 2):
+        # Chunks of a quarter of the values' length: the few int64 temporaries per set bit (~40%
+        # of them) stay ~0.1x a bf16 input, and a chunk's fixed cost is paid once per 2**16 bits.
+        for start, stop in spans(self.high_length, aligned_length(values.device, self.high_length, 8) // 4):
             ones = unpack_bits(high[start // 8:packed_size(stop, 1)], stop - start).nonzero().view(-1)
-            slots = torch.arange(slot, slot + ones.numel())
+            found = ones.numel()
+            slots = torch.arange(slot, slot + found)
+            codes = _read_codes(low, slots * self.low_bits, self.low_bits)
             # Set bit i of the high stream is slot j's, and i - j its position's high part.
-            position = ((ones + start - slots) << self.low_bits) | _read_codes(low, slots * self.low_bits, self.low_bits)
-            _bits_of(out).scatter_(0, position, _bits_of(values[slot:slot + ones.numel()]))
-            slot += ones.numel()
+            position = ones.sub_(slots).add_(start)
+            del slots
+            position.bitwise_left_shift_(self.low_bits).bitwise_or_(codes)
+            _bits_of(out).scatter_(0, position, _bits_of(values[slot:slot + found]))
+            slot += found
         return out[:self.count]
 
 
@@ -225,11 +229,16 @@ PositionForm = Dense | Bitmask | EliasFano | Indices | Rice
 def index_chunk_length(device: torch.device, count: int) -> int:
     """Elements per chunk of a pass that holds several int64 temporaries per element (ranks,
     slots, positions): an eighth of :func:`~actcomp.kernels.chunks.aligned_length`'s, a
-    multiple of 8, so that they weigh what a chunk of the values would.
+    multiple of 8, so that they weigh what a chunk of the values would; all of ``count`` while
+    ``torch.compile`` traces.
 
     >>> index_chunk_length(torch.device("cpu"), 10**7)
     32768
     """
+    if torch.compiler.is_compiling():
+        # One slice, like aligned_length: a shorter symbolic length would unroll a loop whose
+        # trip count guards on the size, one graph per shape.
+        return count
     return max(8, aligned_length(device, count, 8) // 64 * 8)
 
 
@@ -525,8 +534,12 @@ def _read_codes(stream: torch.Tensor, first_bit: torch.Tensor, bits: int) -> tor
     bytes read per code (index_select: several times faster than indexing on CPU), so nothing
     the size of the whole stream is unpacked."""
     byte = first_bit >> 3
-    pair = stream.index_select(0, byte).long() | (stream.index_select(0, (byte + 1).clamp_(max=stream.numel() - 1)).long() << 8)
-    return (pair >> (first_bit & 7)) & (2**bits - 1)
+    pair = stream.index_select(0, byte).long()
+    # In place where a result is not read again: the int64 temporaries are a few per code.
+    following = stream.index_select(0, byte.add_(1).clamp_(max=stream.numel() - 1)).long()
+    pair.bitwise_or_(following.bitwise_left_shift_(8))
+    del byte, following
+    return pair.bitwise_right_shift_(first_bit & 7).bitwise_and_(2**bits - 1)
 
 
 def _bit_range(packed: torch.Tensor, start: int, count: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from actcomp.errors import ActcompError
-from actcomp.kernels.bitpack import pack_codes, unpack_codes
+from actcomp.kernels.bitpack import pack_codes, pad_to_multiple, unpack_codes
 
 _MAX_FINITE_BF16_BITS = 0x7F7F
 
@@ -59,7 +59,12 @@ def quantize_affine(x: torch.Tensor, bits: int, group: int,
         noise = torch.full(shape, 0.5, device=x.device, dtype=torch.float32)
     elif noise.shape != shape:
         raise ActcompError(f"noise for {count} values in groups of {group} must have shape {shape}, got {tuple(noise.shape)}")
-    if count % group:
+    if torch.compiler.is_compiling():
+        # Compiled code pads always (maybe with nothing), by a gather: a branch on the
+        # remainder, or a cat that skips an empty piece, would guard on it and compile a graph
+        # for sizes that divide and another for those that do not.
+        flat = flat.index_select(0, torch.arange(groups * group, device=flat.device).clamp_(max=count - 1))
+    elif count % group:
         # Pad with a value of the last group so its min and max do not change.
         flat = torch.cat([flat, flat[-1:].expand(groups * group - count)])
     values = flat.view(shape).float()
@@ -88,8 +93,7 @@ def dequantize_affine(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Te
     count = shape.numel()
     groups = offset.numel()
     unpacked = unpack_codes(codes, bits, count).float()
-    if count % group:
-        unpacked = torch.cat([unpacked, unpacked.new_zeros(groups * group - count)])
+    unpacked = pad_to_multiple(unpacked, group)
     # The product of an 8-bit code and a bf16 scale is exact in float32, so fused or not,
     # eager or compiled, the sum is rounded once.
     values = torch.addcmul(offset.float().unsqueeze(1), unpacked.view(groups, group), scale.float().unsqueeze(1))
