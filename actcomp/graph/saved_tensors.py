@@ -17,7 +17,8 @@ whole-model mode (which codec a saved tensor gets). Both need the same facts:
 - **listeners** that are told what every saved tensor became (:func:`listening`), so the
   memory report sees through whole-model mode's own hooks;
 - the tensors the compressed Linear/Conv Function saves are its own compressed form
-  (:func:`saving_compressed_layer`): nobody compresses them again.
+  (:func:`saving_compressed_layer`): nobody compresses them again;
+- the codecs' own operations run unseen by the scope-tracking mode (:func:`unseen_by_scopes`).
 
 >>> import torch
 >>> with tracking_scopes():
@@ -132,6 +133,18 @@ class _FunctionScopes(TorchFunctionMode):
             return func(*args, **kwargs)
         finally:
             del scopes[depth:]
+
+
+def unseen_by_scopes() -> contextlib.AbstractContextManager:
+    """A block whose torch calls skip every ``__torch_function__`` handler, the scope-tracking
+    mode's included: a codec's own operations (a few dozen per saved tensor) are no op of the
+    model, and each would cost a Python call into the mode. Codecs see plain tensors only (a
+    tensor subclass keeps its own semantics and is never encoded), so nothing else changes.
+
+    >>> with tracking_scopes(), unseen_by_scopes():
+    ...     _ = torch.relu(torch.ones(2))
+    """
+    return torch._C.DisableTorchFunction()
 
 
 def enter_running_module(module: nn.Module, args: tuple) -> None:

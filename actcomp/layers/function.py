@@ -33,7 +33,7 @@ from torch.autograd.function import FunctionCtx
 from actcomp.core.packed import PackedLayout
 from actcomp.core.pipeline import Packed, Pipeline
 from actcomp.errors import ActcompError
-from actcomp.graph.saved_tensors import TensorCache, refuse_double_backward, saving_compressed_layer
+from actcomp.graph.saved_tensors import TensorCache, refuse_double_backward, saving_compressed_layer, unseen_by_scopes
 from actcomp.kernels.layouts import unbroadcast, with_layout_of
 from actcomp.layers.ops import Op
 
@@ -99,7 +99,8 @@ class CompressedInputFunction(torch.autograd.Function):
             ctx.recast = True
             saved.append(uncast)
         elif needs_weight and pipeline is not None:
-            packed = _compress_once(pipeline, uncast, unbroadcast(x), op.channel_dim)
+            with unseen_by_scopes():  # the codec's operations are not the model's
+                packed = _compress_once(pipeline, uncast, unbroadcast(x), op.channel_dim)
             ctx.layout = packed.layout
             saved.extend(packed.tensors)
         ctx.save_for_backward(*saved)

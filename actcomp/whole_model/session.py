@@ -35,6 +35,7 @@ from actcomp.graph.saved_tensors import (
     is_parameter_copy,
     listened,
     refuse_double_backward,
+    unseen_by_scopes,
 )
 from actcomp.kernels.layouts import dense_strides_like, local_part, storage_key
 from actcomp.whole_model.derivative_codes import DerivativeCode
@@ -104,13 +105,14 @@ class _Session:
         self.excluded.clear()
 
     def pack(self, tensor: torch.Tensor):
-        # Compressing must not record autograd history (nor save tensors of its own).
-        with torch.no_grad():
+        # Compressing must not record autograd history (nor save tensors of its own), and its
+        # operations are not the model's: the scope-tracking mode does not see them.
+        with unseen_by_scopes(), torch.no_grad():
             kind, kept = self.choose(tensor)
-        holder = _AsIs(tensor) if kept is None else kept
-        if listened():
-            announce(SavedEvent(tensor, (tensor,) if kept is None else kept.packed.tensors, kind,
-                                None if kept is None else kept.packed.layout.spec))
+            holder = _AsIs(tensor) if kept is None else kept
+            if listened():
+                announce(SavedEvent(tensor, (tensor,) if kept is None else kept.packed.tensors, kind,
+                                    None if kept is None else kept.packed.layout.spec))
         return holder
 
     def choose(self, tensor: torch.Tensor) -> tuple[str, _Compressed | None]:
