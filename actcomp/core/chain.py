@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from actcomp.core import backends
+from actcomp.core import backends, watchers
 from actcomp.core.packed import Encoded, Hints, Packed, PackedLayout
 from actcomp.errors import ActcompError
 from actcomp.kernels.layouts import restride
@@ -67,6 +67,13 @@ def pack(stages: Sequence[Stage], spec: str, x: torch.Tensor, *, channel_dim: in
     >>> packed.tensors  # the kept positions as a bitmask (0b0110), then the kept values
     (tensor([6], dtype=torch.uint8), tensor([-4.,  2.]))
     """
+    if watchers.active():
+        return watchers.watched("pack", x, lambda: _pack(stages, spec, x, channel_dim, states, set_aside_non_finite))
+    return _pack(stages, spec, x, channel_dim, states, set_aside_non_finite)
+
+
+def _pack(stages: Sequence[Stage], spec: str, x: torch.Tensor, channel_dim: int | None,
+          states: Sequence[Any] | None, set_aside_non_finite: bool) -> Packed:
     if not isinstance(x, torch.Tensor):
         raise ActcompError(f"compress expects a tensor, got {type(x).__name__}")
     category = "float" if x.is_floating_point() else "bool" if x.dtype == torch.bool else "int"
@@ -99,6 +106,12 @@ def pack(stages: Sequence[Stage], spec: str, x: torch.Tensor, *, channel_dim: in
 def unpack(stages: Sequence[Stage], spec: str, packed: Packed) -> torch.Tensor:
     """The tensor :func:`pack` was given, up to the stages' loss; ``packed`` must come from
     stages with the same ``spec``."""
+    if watchers.active():
+        return watchers.watched("unpack", packed, lambda: _unpack(stages, spec, packed))
+    return _unpack(stages, spec, packed)
+
+
+def _unpack(stages: Sequence[Stage], spec: str, packed: Packed) -> torch.Tensor:
     layout = packed.layout
     if layout.spec != spec:
         raise ActcompError(f"packed data was made by pipeline {layout.spec!r}, not {spec!r}")
