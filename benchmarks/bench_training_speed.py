@@ -2,6 +2,8 @@
 
     python benchmarks/bench_training_speed.py --threads 1 --rounds 4   # issue setup, 224 px: ~9 minutes
     python benchmarks/bench_training_speed.py --img-size 112 --threads 1 # quick: a few minutes
+    python benchmarks/bench_training_speed.py --models vit_small_patch16_224 resnet50 llama_bf16 \
+        --specs "mink0.9+int8@8bit" "smink0.9+int8" --rounds 3 --threads 2   # issue 23's setup
 
 On a shared machine pass ``--threads 1``: with two OpenMP threads, whenever another process
 takes a core one thread stalls at every barrier, and step times swung 10x between rounds.
@@ -40,6 +42,7 @@ from common import (
 )
 
 import actcomp
+from actcomp.tools.codec_cost import codec_cost
 
 DEFAULT_MODELS = ["resnet18", "vit_small_patch16_224"]
 # "SPEC@REST" converts the whole model: SPEC on Linear/Conv, rest=REST (a preset) elsewhere.
@@ -53,52 +56,80 @@ TARGETS = {
 REFERENCE_SPEC = "dropit0.9"
 
 COLUMNS = ["model", "img_size", "batch", "spec", "ratio", "ratio_p25", "ratio_p75", "ratio_best", "step_ms",
-           "baseline_ms", "converted_layers"]
+           "baseline_ms", "converted_layers", "packs", "ops_per_tensor", "moved_per_byte_freed", "syncs_in_codecs",
+           "syncs_plain", "python_us_per_tensor"]
 
 
-def create_model(name: str, img_size: int) -> torch.nn.Module:
-    """A randomly initialised timm model; ViTs are built for ``img_size`` (CNNs take any size)."""
-    kwargs = {"img_size": img_size} if "vit" in name or "deit" in name else {}
-    return timm.create_model(name, pretrained=False, **kwargs)
+# A Llama-shaped language model in bf16 (grouped-query attention, SwiGLU MLP, RMSNorm, RoPE):
+# small enough for a CPU step, its loss computed by the model from labels.
+LLAMA = "llama_bf16"
+LLAMA_SHAPE = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 2, "num_attention_heads": 8,
+               "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 512}
+LLAMA_TOKENS = (8, 256)  # batch x sequence
 
 
-def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor,
-                  labels: torch.Tensor) -> None:
-    optimizer.zero_grad(set_to_none=True)
-    F.cross_entropy(model(images), labels).backward()
-    optimizer.step()
+def is_model(name: str) -> bool:
+    return name == LLAMA or timm.is_model(name)
 
 
-def step_fn(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor):
+def create_workload(name: str, args: argparse.Namespace, device: torch.device):
+    """``(model, inputs, loss)``: a randomly initialised model, a fixed batch for it, and
+    ``loss(model, *inputs)``. timm models take images and a cross-entropy (ViTs are built for
+    the image size; CNNs take any); ``llama_bf16`` takes token ids and computes its own loss."""
+    if name == LLAMA:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE)).to(device=device, dtype=torch.bfloat16)
+        tokens = torch.randint(0, LLAMA_SHAPE["vocab_size"], LLAMA_TOKENS, device=device)
+        return model.train(), (tokens,), lambda m, ids: m(input_ids=ids, labels=ids).loss
+    kwargs = {"img_size": args.img_size} if "vit" in name or "deit" in name else {}
+    model = timm.create_model(name, pretrained=False, **kwargs).to(device).train()
+    images = torch.randn(args.batch, 3, args.img_size, args.img_size, device=device)
+    labels = torch.randint(0, model.num_classes, (args.batch,), device=device)
+    return model, (images, labels), lambda m, x, y: F.cross_entropy(m(x), y)
+
+
+def step_fn(model: torch.nn.Module, inputs: tuple, loss):
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    return lambda: training_step(model, optimizer, images, labels)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss(model, *inputs).backward()
+        optimizer.step()
+
+    return step
 
 
 def bench_model(name: str, specs: list[str], args: argparse.Namespace, device: torch.device) -> list[dict]:
     torch.manual_seed(args.seed)
-    plain = create_model(name, args.img_size).to(device).train()
-    images = torch.randn(args.batch, 3, args.img_size, args.img_size, device=device)
-    labels = torch.randint(0, plain.num_classes, (args.batch,), device=device)
+    plain, inputs, loss = create_workload(name, args, device)
     models = {BASELINE: plain}
     for spec in specs:
         linear, _, rest = spec.partition("@")
         models[spec] = actcomp.to_compressed(copy.deepcopy(plain), linear, rest=rest or None)
-    steps = {label: step_fn(model, images, labels) for label, model in models.items()}
+    steps = {label: step_fn(model, inputs, loss) for label, model in models.items()}
 
     def progress(index: int, seconds: dict[str, float]) -> None:
         timings = "  ".join(f"{label} {value:.2f}s" for label, value in seconds.items())
         print(f"{name} round {index + 1}/{args.rounds}: {timings}", flush=True)
 
     times = time_rounds(steps, args.rounds, args.warmup, device, progress)
+    # After the timed rounds (the meter slows the step it watches): figures load does not move.
+    costs = {label: codec_cost(step) for label, step in steps.items()}
+    batch, size = (LLAMA_TOKENS[0], LLAMA_TOKENS[1]) if name == LLAMA else (args.batch, args.img_size)
     rows = []
     for spec in specs:
         summary = ratio_summary(times[spec], times[BASELINE])
+        cost = costs[spec]
         rows.append({
-            "model": name, "img_size": args.img_size, "batch": args.batch, "spec": spec,
+            "model": name, "img_size": size, "batch": batch, "spec": spec,
             "ratio": summary["ratio"], "ratio_p25": summary["ratio_p25"], "ratio_p75": summary["ratio_p75"],
             "ratio_best": summary["ratio_best"], "step_ms": summary["median_s"] * 1e3,
             "baseline_ms": ratio_summary(times[BASELINE], times[BASELINE])["median_s"] * 1e3,
             "converted_layers": len(actcomp.compressed_layers(models[spec])),
+            "packs": cost.packs, "ops_per_tensor": cost.ops_per_tensor, "moved_per_byte_freed": cost.moved_per_byte_freed,
+            "syncs_in_codecs": cost.host_syncs_in_codecs, "syncs_plain": costs[BASELINE].host_syncs,
+            "python_us_per_tensor": cost.python_us_per_tensor,
         })
         print(f"{name:>24} {spec:>16}  {rows[-1]['ratio']:5.2f}x baseline  {rows[-1]['step_ms']:8.0f} ms", flush=True)
     return rows
@@ -108,6 +139,8 @@ def markdown_body(rows: list[dict]) -> list[str]:
     body = [
         "`x baseline`: median over rounds of (spec step time / baseline step time in the same round), "
         "with the 25th-75th percentile range; `best`: fastest spec step / fastest baseline step. "
+        "The last five columns come from one more step under actcomp.tools.codec_cost (counts, not "
+        "times, but for Python us: the codecs' time minus their ATen ops' in the profiler). "
         "A step is forward + cross-entropy + backward + SGD (momentum) step; every converted model "
         "starts from the baseline's weights. The first supported layer (the one that reads the "
         f"image) stays plain. `{REFERENCE_SPEC}` is DropIT's storage format.",
@@ -115,12 +148,18 @@ def markdown_body(rows: list[dict]) -> list[str]:
     for model in dict.fromkeys(row["model"] for row in rows):
         model_rows = [row for row in rows if row["model"] == model]
         first = model_rows[0]
-        body += ["", f"## {model}, batch {first['batch']}, {first['img_size']} px, fp32 (baseline step: "
-                     f"{first['baseline_ms']:.0f} ms, {first['converted_layers']} layers converted)", ""]
-        body += ["| spec | x baseline | p25-p75 | best | step ms |", "|---|---:|---:|---:|---:|"]
+        setup = (f"{first['batch']} x {first['img_size']} tokens, bf16" if model == LLAMA
+                 else f"batch {first['batch']}, {first['img_size']} px, fp32")
+        body += ["", f"## {model}, {setup} (baseline step: {first['baseline_ms']:.0f} ms, "
+                     f"{first['converted_layers']} layers converted, {first['syncs_plain']} host syncs)", ""]
+        body += ["| spec | x baseline | p25-p75 | best | step ms | tensors packed | ATen ops / tensor "
+                 "| bytes moved / byte freed | host syncs in codecs | Python us / tensor |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for row in model_rows:
             body.append(f"| `{row['spec']}` | {row['ratio']:.2f} | {row['ratio_p25']:.2f}-{row['ratio_p75']:.2f} "
-                        f"| {row['ratio_best']:.2f} | {row['step_ms']:.0f} |")
+                        f"| {row['ratio_best']:.2f} | {row['step_ms']:.0f} | {row['packs']} "
+                        f"| {row['ops_per_tensor']:.0f} | {row['moved_per_byte_freed']:.1f} | {row['syncs_in_codecs']} "
+                        f"| {row['python_us_per_tensor']:.0f} |")
     targets = "; ".join(f"`{spec}` step <= " + ", ".join(f"{ratio:g}x ({model})" for model, ratio in per_model.items())
                         for spec, per_model in TARGETS.items())
     body += ["", f"Targets: {targets}. `SPEC@8bit`: whole-model mode."]
@@ -137,7 +176,9 @@ def markdown_body(rows: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = benchmark_parser(__doc__)
-    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, metavar="NAME", help="timm model names")
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, metavar="NAME",
+                        help=f"timm model names, or {LLAMA} (a Llama-shaped model in bf16, {LLAMA_TOKENS[0]} x "
+                             f"{LLAMA_TOKENS[1]} tokens, whatever --batch and --img-size)")
     add_specs_argument(parser, DEFAULT_SPECS)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--img-size", type=int, default=224,
@@ -153,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     if min(args.batch, args.img_size, args.rounds, args.threads) < 1 or args.warmup < 0:
         parser.error("--batch, --img-size, --rounds and --threads must be >= 1, --warmup >= 0")
     check_specs(parser, [spec.partition("@")[0] for spec in args.specs])
-    unknown = [name for name in args.models if not timm.is_model(name)]
+    unknown = [name for name in args.models if not is_model(name)]
     if unknown:
         parser.error(f"unknown timm model(s): {', '.join(unknown)}")
 

@@ -42,8 +42,9 @@ _MARGIN_SIGMAS = 4.0
 
 def worth_it(count: int, kept: int, element_size: int) -> bool:
     """Whether the candidates (an int32 position and a key each, about ``1.1 kept`` of them) stay
-    within a quarter of the input's bytes: below about 10% kept for 2-byte floats, 20% for fp32."""
-    return count < 2**31 and kept * (4 + element_size) * 1.1 <= count * element_size / 4
+    within 0.35x the input's bytes, the rest of the temporaries budget (0.5x) left to the steps
+    after: up to about 10% kept for 2-byte floats, 15% for fp32."""
+    return count < 2**31 and kept * (4 + element_size) * 1.1 <= count * element_size * 0.35
 
 
 def exact_kept_positions(flat: torch.Tensor, kept: int) -> torch.Tensor | None:
@@ -76,34 +77,40 @@ def kept_positions_over(flat: torch.Tensor, threshold: Threshold, kept: int) -> 
 
 
 def _candidates(flat: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions (int32) and magnitude keys of the elements whose key is at least ``floor``."""
-    positions, keys = [], []
-    for start, stop in spans(flat.numel(), aligned_length(flat.device, flat.numel())):
+    """Positions (int32) and magnitude keys of the elements whose key is at least ``floor``.
+    Counted first, so that both are written once into tensors of their size: pieces joined by
+    ``cat`` would be held twice at the join."""
+    chunks = list(spans(flat.numel(), aligned_length(flat.device, flat.numel())))
+    counts = torch.stack([(magnitude_keys(flat[start:stop]) >= floor).count_nonzero() for start, stop in chunks])
+    counts = counts.tolist()
+    positions = torch.empty(sum(counts), dtype=torch.int32, device=flat.device)
+    keys = torch.empty(sum(counts), dtype=magnitude_keys(flat[:1]).dtype, device=flat.device)
+    filled = 0
+    for (start, stop), found in zip(chunks, counts):
         part = magnitude_keys(flat[start:stop])
         index = (part >= floor).nonzero().view(-1)
-        keys.append(part.index_select(0, index))
-        positions.append(index.to(torch.int32).add_(start))
-    # One list joined and dropped before the other: the pieces and the whole of both at once
-    # would be twice the candidates' bytes.
-    keys = torch.cat(keys)
-    return torch.cat(positions), keys
+        torch.index_select(part, 0, index, out=keys[filled:filled + found])
+        positions[filled:filled + found] = index
+        positions[filled:filled + found] += start
+        filled += found
+    return positions, keys
 
 
 def _with_ties(positions: torch.Tensor, chosen: torch.Tensor, keys: torch.Tensor, key: torch.Tensor,
                ties: int) -> torch.Tensor:
-    """The positions ``chosen`` marks, and those of the first ``ties`` candidates equal to ``key``."""
-    chosen[(keys == key).nonzero().view(-1)[:max(ties, 0)]] = True
-    return _selected(positions, chosen)
-
-
-def _selected(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``values[mask]`` a chunk at a time: a boolean index over the whole makes an int64 index
-    of every selected element first (twice int32 values' bytes, 0.2x a fp32 input at 10% kept),
-    and ``masked_select`` holds more still; a chunk's index weighs what a chunk of values would."""
-    out = values.new_empty(int(mask.count_nonzero()))  # a bool sum would cast the mask to int64 first
+    """The positions ``chosen`` marks, and those of the first ``ties`` candidates equal to
+    ``key``, written over the front of ``positions`` (which they never overtake) and returned
+    as a view of it."""
+    length = index_chunk_length(keys.device, keys.numel())
+    for start, stop in spans(keys.numel(), length):
+        if ties <= 0:
+            break
+        equal = (keys[start:stop] == key).nonzero().view(-1)[:ties]
+        chosen[equal + start] = True
+        ties -= equal.numel()
     filled = 0
-    for start, stop in spans(values.numel(), index_chunk_length(values.device, values.numel())):
-        part = values[start:stop][mask[start:stop]]
-        out[filled:filled + part.numel()] = part
+    for start, stop in spans(positions.numel(), length):
+        part = positions[start:stop][chosen[start:stop]]  # a copy: the write may overlap it
+        positions[filled:filled + part.numel()] = part
         filled += part.numel()
-    return out
+    return positions[:filled]
