@@ -161,8 +161,10 @@ def sampled_threshold(flat: torch.Tensor, kept: int, size: int = SAMPLE) -> Thre
     rank = min(max(math.floor(share * sample.numel() - margin), 1), sample.numel())
     key = torch.topk(sample, rank, sorted=False).values.min().long()
     above = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start, stop in spans(count, index_chunk_length(flat.device, count)):
-        above += (magnitude_keys(flat[start:stop]) > key).sum()
+    # Chunks of the values' length: a chunk's temporaries are a key and a bool per element
+    # (count_nonzero: a bool sum would first cast the mask to int64).
+    for start, stop in spans(count, aligned_length(flat.device, count)):
+        above += (magnitude_keys(flat[start:stop]) > key).count_nonzero()
     ties = torch.where(key > 0, (kept - above).clamp(min=0), 0)
     return Threshold(key, ties)
 
