@@ -40,6 +40,7 @@ from common import (
     time_rounds,
     write_results,
 )
+from gpt2_shaped import GPT2Config, GPT2Model, gpt2_tokens
 
 import actcomp
 from actcomp.tools.codec_cost import codec_cost
@@ -68,8 +69,16 @@ LLAMA_SHAPE = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers
 LLAMA_TOKENS = (8, 256)  # batch x sequence
 
 
+# A small GPT-2-shaped model (gpt2_shaped.py: width 128, 4 blocks, 4 heads, a 4,096-token
+# vocabulary), fp32, 32 x 128 tokens: a step of many small tensors, where fixed costs show.
+GPT2_SMALL = "gpt2_small"
+GPT2_SMALL_SHAPE = {"vocab_size": 4096, "width": 128, "heads": 4, "blocks": 4}
+GPT2_SMALL_TOKENS = (32, 128)
+TOKEN_MODELS = {LLAMA: LLAMA_TOKENS, GPT2_SMALL: GPT2_SMALL_TOKENS}
+
+
 def is_model(name: str) -> bool:
-    return name == LLAMA or timm.is_model(name)
+    return name in TOKEN_MODELS or timm.is_model(name)
 
 
 def create_workload(name: str, args: argparse.Namespace, device: torch.device):
@@ -82,6 +91,11 @@ def create_workload(name: str, args: argparse.Namespace, device: torch.device):
         model = LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE)).to(device=device, dtype=torch.bfloat16)
         tokens = torch.randint(0, LLAMA_SHAPE["vocab_size"], LLAMA_TOKENS, device=device)
         return model.train(), (tokens,), lambda m, ids: m(input_ids=ids, labels=ids).loss
+    if name == GPT2_SMALL:
+        config = GPT2Config(**GPT2_SMALL_SHAPE)
+        model = GPT2Model(config).to(device).train()
+        tokens = gpt2_tokens(config, *GPT2_SMALL_TOKENS).to(device)
+        return model, (tokens,), lambda m, ids: F.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
     kwargs = {"img_size": args.img_size} if "vit" in name or "deit" in name else {}
     model = timm.create_model(name, pretrained=False, **kwargs).to(device).train()
     images = torch.randn(args.batch, 3, args.img_size, args.img_size, device=device)
@@ -106,7 +120,9 @@ def bench_model(name: str, specs: list[str], args: argparse.Namespace, device: t
     models = {BASELINE: plain}
     for spec in specs:
         linear, _, rest = spec.partition("@")
-        models[spec] = actcomp.to_compressed(copy.deepcopy(plain), linear, rest=rest or None)
+        # Token ids go to an embedding: no layer reads the raw input, none is left plain.
+        first_layer = None if name in TOKEN_MODELS else "auto"
+        models[spec] = actcomp.to_compressed(copy.deepcopy(plain), linear, rest=rest or None, first_layer=first_layer)
     steps = {label: step_fn(model, inputs, loss) for label, model in models.items()}
 
     def progress(index: int, seconds: dict[str, float]) -> None:
@@ -116,7 +132,7 @@ def bench_model(name: str, specs: list[str], args: argparse.Namespace, device: t
     times = time_rounds(steps, args.rounds, args.warmup, device, progress)
     # After the timed rounds (the meter slows the step it watches): figures load does not move.
     costs = {label: codec_cost(step) for label, step in steps.items()}
-    batch, size = (LLAMA_TOKENS[0], LLAMA_TOKENS[1]) if name == LLAMA else (args.batch, args.img_size)
+    batch, size = TOKEN_MODELS.get(name, (args.batch, args.img_size))
     rows = []
     for spec in specs:
         summary = ratio_summary(times[spec], times[BASELINE])
@@ -148,8 +164,8 @@ def markdown_body(rows: list[dict]) -> list[str]:
     for model in dict.fromkeys(row["model"] for row in rows):
         model_rows = [row for row in rows if row["model"] == model]
         first = model_rows[0]
-        setup = (f"{first['batch']} x {first['img_size']} tokens, bf16" if model == LLAMA
-                 else f"batch {first['batch']}, {first['img_size']} px, fp32")
+        setup = (f"{first['batch']} x {first['img_size']} tokens, {'bf16' if model == LLAMA else 'fp32'}"
+                 if model in TOKEN_MODELS else f"batch {first['batch']}, {first['img_size']} px, fp32")
         body += ["", f"## {model}, {setup} (baseline step: {first['baseline_ms']:.0f} ms, "
                      f"{first['converted_layers']} layers converted, {first['syncs_plain']} host syncs)", ""]
         body += ["| spec | x baseline | p25-p75 | best | step ms | tensors packed | ATen ops / tensor "
@@ -177,8 +193,9 @@ def markdown_body(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, metavar="NAME",
-                        help=f"timm model names, or {LLAMA} (a Llama-shaped model in bf16, {LLAMA_TOKENS[0]} x "
-                             f"{LLAMA_TOKENS[1]} tokens, whatever --batch and --img-size)")
+                        help=f"timm model names, {LLAMA} (a Llama-shaped model in bf16, {LLAMA_TOKENS[0]} x "
+                             f"{LLAMA_TOKENS[1]} tokens) or {GPT2_SMALL} (fp32, {GPT2_SMALL_TOKENS[0]} x "
+                             f"{GPT2_SMALL_TOKENS[1]} tokens), whatever --batch and --img-size")
     add_specs_argument(parser, DEFAULT_SPECS)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--img-size", type=int, default=224,
