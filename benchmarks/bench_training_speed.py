@@ -222,8 +222,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = [row for name in args.models for row in bench_model(name, args.specs, args, device)]
     settings = {"batch": args.batch, "img size": args.img_size, "rounds": args.rounds, "warmup": args.warmup}
     header = header_lines(device, args.threads, args.seed, time.perf_counter() - started, settings, load_before)
-    # The setup is in the name, so a quick run at a small size never overwrites the setting.
-    write_results(f"training_speed_b{args.batch}_img{args.img_size}", device, args.threads, header,
+    # The setup is in the name, so a quick run at a small size never overwrites the issue's
+    # setting; token models alone (their batch is fixed) are named after themselves.
+    name = ("training_speed_" + "+".join(args.models) if all(model in TOKEN_MODELS for model in args.models)
+            else f"training_speed_b{args.batch}_img{args.img_size}")
+    write_results(name, device, args.threads, header,
                   "actcomp training-step time vs the plain model", markdown_body(rows), rows, COLUMNS, args.out_dir)
 
 
