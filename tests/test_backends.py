@@ -85,11 +85,12 @@ def test_a_failed_compile_warns_once_and_runs_the_eager_reference(monkeypatch):
 
 
 # Full tier. A quantizer and a sparsifier through the dispatch (tests/test_quantizers.py and
-# tests/test_positions.py compile every codec): each method compiles once per tensor rank (dynamo
-# guards a tensor's rank; the packed layout keeps the shape), plus once for a size torch
-# specialises (a group count of 1 is never symbolic), and never again for a new size.
+# tests/test_positions.py compile every codec): each method compiles at most twice per tensor
+# rank (dynamo guards a tensor's rank; the packed layout's shape, plain integers, turns dynamic
+# the first time it changes), plus once for a size torch specialises (a group count of 1 is
+# never symbolic), and never again for a new size.
 COMPILED_SPECS = ["int8", "smink0.9"]
-FIRST_SHAPES = [(3, 700), (5, 1000), (2, 3, 50, 7), (129,), (4096,)]
+FIRST_SHAPES = [(3, 700), (5, 1000), (2, 3, 50, 7), (3, 4, 60, 9), (129,), (4096,)]
 NEW_SHAPES = [(64, 33), (7, 7, 9, 11), (4099,), (100, 77), (3, 5, 64, 65)]
 
 
@@ -117,5 +118,5 @@ def test_compiled_backend_gives_the_eager_codes_and_compiles_once_over_shapes(sp
     again = _graphs_compiled_over(pipeline, NEW_SHAPES)
 
     stages = len(pipeline.stages)
-    assert first <= 2 * (ranks + 1) * stages, f"{first} graphs for {stages} stage(s) over {FIRST_SHAPES}"
+    assert first <= 2 * (2 * ranks + 1) * stages, f"{first} graphs for {stages} stage(s) over {FIRST_SHAPES}"
     assert again == 0, f"{again} more graphs for new sizes of the same ranks: {NEW_SHAPES}"

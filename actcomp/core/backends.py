@@ -3,13 +3,14 @@
 Every registered codec's ``encode``/``decode`` in eager PyTorch is its *reference*: always
 there, and what the tests compare every other implementation against. The codec contract (no
 value read back to Python, shapes fixed by the input's shape and the settings) lets the same
-pair run under ``torch.compile(fullgraph=True, dynamic=True)``, where Inductor fuses a chunked
+pair run under ``torch.compile(fullgraph=True)`` with dynamic sizes, where Inductor fuses a chunked
 loop of eager operations into a few kernels (C++/OpenMP on CPU, Triton on CUDA) that give the
 eager codes. :func:`encode` and :func:`decode` are what the chain calls; they pick one of
 
 - ``"eager"``: the reference;
-- ``"compiled"``: the pair compiled once per codec class and settings (symbolic shapes, so new
-  shapes do not recompile), compiled code cached by Inductor across processes.
+- ``"compiled"``: the pair compiled once per codec class and settings and at most twice per
+  tensor rank (symbolic sizes, settings as constants: new sizes do not recompile), compiled
+  code cached by Inductor across processes.
 
 The choice, first match wins: :func:`use_backend` (a context manager, for a block of code),
 then the environment variable ``ACTCOMP_COMPILE`` (``0``: eager, ``1``: compiled), then the
@@ -91,7 +92,7 @@ def _run(codec: Any, method: str, *args: Any) -> Any:
         # Past torch's recompile limit, dynamo would quietly run the frame eagerly from then on;
         # an error instead, so the fallback below says so once.
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            return compiled(codec, *args)
+            return compiled(codec, *_with_dynamic_sizes(args))
     except Exception as error:  # noqa: BLE001 - any compile failure falls back to the reference
         if isinstance(error, ActcompError):
             raise
@@ -103,8 +104,25 @@ def _run(codec: Any, method: str, *args: Any) -> Any:
 
 
 def _compiled_method(klass: type, method: str) -> Callable[..., Any]:
-    """``klass.<method>`` compiled once; the codec is an argument, so its settings are guarded."""
+    """``klass.<method>`` compiled once; the codec is an argument, so its settings are guarded.
+
+    Not ``dynamic=True``: that would make every integer a symbol, the codec's settings too, and
+    a symbolic group size leaves Inductor an integer division per element where it would
+    vectorize around a literal (an int8 decode ran 20x slower). Instead the tensors' sizes are
+    marked dynamic where they are passed (:func:`_with_dynamic_sizes`), the settings stay
+    constants, and the integers of a packed layout (the shape) turn dynamic the first time one
+    changes (one more graph per method)."""
     key = (klass, method)
     if key not in _compiled:
-        _compiled[key] = torch.compile(getattr(klass, method), fullgraph=True, dynamic=True)
+        _compiled[key] = torch.compile(getattr(klass, method), fullgraph=True, dynamic=None)
     return _compiled[key]
+
+
+def _with_dynamic_sizes(args: tuple) -> tuple:
+    """``args``, every tensor in them (in tuples too) with each size marked dynamic."""
+    for value in args:
+        for tensor in value if isinstance(value, tuple) else (value,):
+            if isinstance(tensor, torch.Tensor):
+                for dim in range(tensor.dim()):
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    return args

@@ -5,7 +5,10 @@ with the rounding noise passed in. The registered int8/int4/int2 stages
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from actcomp.errors import ActcompError
 from actcomp.kernels.bitpack import pack_codes, pad_to_multiple, unpack_codes
@@ -60,16 +63,22 @@ def quantize_affine(x: torch.Tensor, bits: int, group: int,
     elif noise.shape != shape:
         raise ActcompError(f"noise for {count} values in groups of {group} must have shape {shape}, got {tuple(noise.shape)}")
     if torch.compiler.is_compiling():
-        # Compiled code pads always (maybe with nothing), by a gather: a branch on the
-        # remainder, or a cat that skips an empty piece, would guard on it and compile a graph
-        # for sizes that divide and another for those that do not.
-        flat = flat.index_select(0, torch.arange(groups * group, device=flat.device).clamp_(max=count - 1))
-    elif count % group:
-        # Pad with a value of the last group so its min and max do not change.
-        flat = torch.cat([flat, flat[-1:].expand(groups * group - count)])
-    values = flat.view(shape).float()
-    # Two reductions: aminmax over short rows is ten times slower than amin and amax.
-    low, high = values.amin(dim=1), values.amax(dim=1)
+        # Compiled code pads always (maybe with nothing): a branch on the remainder, or a cat
+        # that skips an empty piece, would guard on it and compile a graph for sizes that divide
+        # and another for those that do not. Padding with +inf for the minimum and -inf for the
+        # maximum changes neither, and is a masked load Inductor vectorizes (a gather of the
+        # last value was a scalar loop); the padding's codes are cut off below.
+        extra = groups * group - count
+        values = F.pad(flat, (0, extra), value=math.inf).view(shape).float()
+        low = values.amin(dim=1)
+        high = F.pad(flat, (0, extra), value=-math.inf).view(shape).float().amax(dim=1)
+    else:
+        if count % group:
+            # Pad with a value of the last group so its min and max do not change.
+            flat = torch.cat([flat, flat[-1:].expand(groups * group - count)])
+        values = flat.view(shape).float()
+        # Two reductions: aminmax over short rows is ten times slower than amin and amax.
+        low, high = values.amin(dim=1), values.amax(dim=1)
     levels = 2**bits - 1
     # max/levels - min/levels cannot overflow where (max - min) could.
     step = round_up_to_bf16(high / levels - low / levels).unsqueeze(1)

@@ -30,7 +30,6 @@ import torch
 
 from actcomp.kernels.chunks import aligned_length, spans
 from actcomp.kernels.noise import lowbias32_
-from actcomp.kernels.positions import index_chunk_length
 
 SAMPLE = 2**16
 # How far (in standard deviations of a sample quantile) smink raises its threshold above the
