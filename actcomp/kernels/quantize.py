@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from actcomp.errors import ActcompError
-from actcomp.kernels.bitpack import pack_codes, pad_to_multiple, unpack_codes
+from actcomp.kernels.bitpack import pack_codes, packed_size, pad_to_multiple, unpack_codes
 
 _MAX_FINITE_BF16_BITS = 0x7F7F
 
@@ -92,8 +92,21 @@ def quantize_affine(x: torch.Tensor, bits: int, group: int,
     # float -> uint8 is not vectorized on CPU; eager, float -> int16 -> uint8 is (4x faster), and
     # compiled, float -> int32 -> uint8 is (int16 makes Inductor's loop scalar: 3x slower).
     through = torch.int32 if torch.compiler.is_compiling() else torch.int16
+    scale = step.view(-1).to(torch.bfloat16)
+    per_byte = 8 // bits
+    if torch.compiler.is_compiling() and bits in (2, 4) and group % per_byte == 0:
+        # Packed within each group's row, the codes past the end zeroed (as the eager path's
+        # padding is): the bytes eager packs, from pointwise loads Inductor vectorizes, where
+        # packing the flat codes indexed them through the padding with a modulo per element.
+        position = torch.arange(groups * group, device=codes.device).view(shape)
+        small = torch.where(position < count, codes.to(through), 0).to(torch.uint8)
+        fields = small.view(groups, group // per_byte, per_byte)
+        packed = fields[..., 0]
+        for field in range(1, per_byte):
+            packed = packed | (fields[..., field] << field * bits)
+        return packed.view(-1)[:packed_size(count, bits)], offset, scale
     codes = codes.view(-1)[:count].to(through).to(torch.uint8)
-    return pack_codes(codes, bits), offset, step.view(-1).to(torch.bfloat16)
+    return pack_codes(codes, bits), offset, scale
 
 
 def dequantize_affine(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, bits: int, group: int,
