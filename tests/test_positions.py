@@ -247,7 +247,7 @@ def test_the_eager_cpu_path_gives_the_static_paths_codes(name, dtype, kind, rate
                        static_y.view(torch.int16 if dtype.itemsize == 2 else torch.int32))
 
 
-@pytest.mark.parametrize("name", ["mink", "smink", "dropit"])
+@pytest.mark.parametrize("name", ["mink", "smink", "dropit", "pmink"])
 def test_min_k_on_cpu_takes_the_eager_path_without_the_static_pass(name, monkeypatch):
     """The comparison above means something only if the eager path runs."""
     def static_pass(*args, **kwargs):

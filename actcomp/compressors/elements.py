@@ -36,7 +36,7 @@ import torch
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
 from actcomp.kernels import eager_cpu
-from actcomp.kernels.chunks import spans
+from actcomp.kernels.chunks import aligned_length, spans
 from actcomp.kernels.eager_select import exact_kept_positions, kept_positions_over, worth_it
 from actcomp.kernels.positions import (
     Bitmask,
@@ -216,6 +216,29 @@ class ParallelMinK(_ElementSparsifier):
     def kept_count(self, count: int) -> int:
         # Not divmod: it does not take the symbolic counts of torch.compile.
         return count // self.block * super().kept_count(self.block) + super().kept_count(count % self.block)
+
+    def kept_positions(self, flat: torch.Tensor, kept: int) -> torch.Tensor:
+        """The eager CPU path: the positions the static selector's own ``topk`` keeps (so ties
+        go as they go there), sorted and offset, written straight to an int32 buffer of
+        ``kept``; blocks in chunks of about the values' chunk, not one or two at a time, and no
+        mask, rank or scatter pass over the tensor."""
+        block, row_kept = self.block, super().kept_count(self.block)
+        count = flat.numel()
+        full = count // block * block
+        positions = torch.empty(kept, dtype=torch.int32, device=flat.device)
+        filled = 0
+        length = block * max(1, aligned_length(flat.device, count) // block)
+        for start, stop in spans(full, length):
+            rows = flat[start:stop].view(-1, block).abs()
+            index = torch.topk(rows, row_kept, dim=1, sorted=False).indices.sort(dim=1).values
+            index += torch.arange(start, stop, block, device=flat.device).unsqueeze(1)
+            positions[filled:filled + index.numel()] = index.view(-1)
+            filled += index.numel()
+        if full < count:  # the tensor's last, partial block, as the static selector takes it
+            tail = flat[full:].abs()
+            index = torch.topk(tail, super().kept_count(tail.numel())).indices.sort().values + full
+            positions[filled:filled + index.numel()] = index
+        return positions
 
 
 @register_compressor
