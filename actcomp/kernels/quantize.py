@@ -69,9 +69,11 @@ def quantize_affine(x: torch.Tensor, bits: int, group: int,
         # maximum changes neither, and is a masked load Inductor vectorizes (a gather of the
         # last value was a scalar loop); the padding's codes are cut off below.
         extra = groups * group - count
-        values = F.pad(flat, (0, extra), value=math.inf).view(shape).float()
-        low = values.amin(dim=1)
+        low = F.pad(flat, (0, extra), value=math.inf).view(shape).float().amin(dim=1)
         high = F.pad(flat, (0, extra), value=-math.inf).view(shape).float().amax(dim=1)
+        # A third pad, read only by the codes: one padded copy feeding both a reduction and
+        # the codes would be materialized, a float32 copy of the input inside the peak.
+        values = F.pad(flat, (0, extra)).view(shape).float()
     else:
         if count % group:
             # Pad with a value of the last group so its min and max do not change.

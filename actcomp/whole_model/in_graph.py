@@ -43,6 +43,7 @@ import contextlib
 import functools
 import hashlib
 import math
+import pathlib
 from dataclasses import dataclass
 
 import torch
@@ -69,9 +70,18 @@ _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
 
 
 @functools.cache
+@functools.cache
 def _source_hash() -> str:
-    """A hash of this module's code: part of every cache key the compiled graphs are stored under."""
-    return hashlib.sha256(open(__file__, "rb").read()).hexdigest()
+    """A hash of the package's code: part of every cache key the compiled graphs are stored
+    under. All of it, not this module alone: the hooks inline the codecs (kernels, compressors,
+    the chain), and a graph cached before a codec changed would otherwise be served after it.
+    The files are read, not imported."""
+    package = pathlib.Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
