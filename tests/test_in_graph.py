@@ -121,3 +121,26 @@ def test_a_relu_output_feeding_a_linear_keeps_its_mask_exact_under_int8():
     first_weight, first_bias, second_weight = 0, 1, 2
     assert torch.equal(plain[first_weight], lossy[first_weight]) and torch.equal(plain[first_bias], lossy[first_bias])
     assert not torch.equal(plain[second_weight], lossy[second_weight])  # its input was compressed
+
+
+def test_the_cache_hash_changes_with_any_codec_source(monkeypatch):
+    # The hooks inline the codecs: a graph cached before a quantizer changed must not be
+    # served after it, so the hash reads every module of the package, kernels included.
+    read = []
+    original = in_graph.pathlib.Path.read_bytes
+
+    def recording(path):
+        read.append(path.name)
+        return original(path) + (b"# edited" if path.name == "quantize.py" else b"")
+
+    in_graph._source_hash.cache_clear()
+    before = in_graph._source_hash()
+    monkeypatch.setattr(in_graph.pathlib.Path, "read_bytes", recording)
+    in_graph._source_hash.cache_clear()
+    try:
+        after = in_graph._source_hash()
+    finally:
+        monkeypatch.undo()
+        in_graph._source_hash.cache_clear()
+    assert {"quantize.py", "positions.py", "chain.py", "in_graph.py"} <= set(read)
+    assert after != before

@@ -70,7 +70,6 @@ _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
 
 
 @functools.cache
-@functools.cache
 def _source_hash() -> str:
     """A hash of the package's code: part of every cache key the compiled graphs are stored
     under. All of it, not this module alone: the hooks inline the codecs (kernels, compressors,
