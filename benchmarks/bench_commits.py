@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="batch size")
     parser.add_argument("--img-size", type=int, default=224, help="image size")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each probe")
+    parser.add_argument("--name", default="commits", help="results file name (before the torch/device suffix)")
     args = parser.parse_args()
     start, load_before = time.time(), load_average()
     with tempfile.TemporaryDirectory() as before_dir, tempfile.TemporaryDirectory() as after_dir:
@@ -96,7 +97,7 @@ def main() -> None:
     body += [f"| {r['model']} | {r['rest']} | **{r['after_over_before']:.3f}** ({r['q25']:.3f}-{r['q75']:.3f}) | "
              f"{r['before_vs_plain']:.2f}x | {r['after_vs_plain']:.2f}x |" for r in rows]
     print("\n".join(body))
-    write_results("commits", torch.device("cpu"), args.threads, header, f"Step time: {after_commit} against {before_commit}",
+    write_results(args.name, torch.device("cpu"), args.threads, header, f"Step time: {after_commit} against {before_commit}",
                   body, rows, list(rows[0]), REPO_ROOT / "benchmarks" / "results")
 
 
