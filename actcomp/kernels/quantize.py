@@ -71,8 +71,9 @@ def quantize_affine(x: torch.Tensor, bits: int, group: int,
         extra = groups * group - count
         low = F.pad(flat, (0, extra), value=math.inf).view(shape).float().amin(dim=1)
         high = F.pad(flat, (0, extra), value=-math.inf).view(shape).float().amax(dim=1)
-        # A third pad, read only by the codes: one padded copy feeding both a reduction and
-        # the codes would be materialized, a float32 copy of the input inside the peak.
+        # A third pad, read only by the codes, so that no padded copy is shared by a reduction
+        # and the codes (meant to keep Inductor from materializing one; bench_compiled's peak
+        # did not move either way: 121 MiB before, 120 after).
         values = F.pad(flat, (0, extra)).view(shape).float()
     else:
         if count % group:
