@@ -1,4 +1,4 @@
-"""The codec backends: eager by default, compiled when asked, eager with one warning when a
+"""The codec backends: native by default, eager or compiled when asked, eager with one warning when a
 compile fails, and compiled codes equal to the eager ones (full tier: compiling is slow)."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def forbid_compiling(monkeypatch):
     monkeypatch.setattr(backends, "_compiled_method", refuse)
 
 
-def test_the_default_is_eager_and_the_environment_or_a_block_chooses(monkeypatch):
-    assert active_backend() == "eager"
+def test_the_default_is_native_and_the_environment_or_a_block_chooses(monkeypatch):
+    assert active_backend() == "native"
     monkeypatch.setenv("ACTCOMP_COMPILE", "1")
     assert active_backend() == "compiled"
     with use_backend("eager"):
@@ -38,7 +38,7 @@ def test_the_default_is_eager_and_the_environment_or_a_block_chooses(monkeypatch
 
 
 def test_bad_choices_are_clear_errors(monkeypatch):
-    with pytest.raises(ActcompError, match="unknown codec backend 'fused'; known: eager, compiled"):
+    with pytest.raises(ActcompError, match="unknown codec backend 'fused'; known: eager, native, compiled"):
         with use_backend("fused"):
             pass
     monkeypatch.setenv("ACTCOMP_COMPILE", "yes")

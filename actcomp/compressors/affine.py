@@ -33,9 +33,10 @@ import torch
 
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
+from actcomp.kernels import native_cpu
 from actcomp.kernels.bitpack import packed_size
 from actcomp.kernels.chunks import aligned_length, spans
-from actcomp.kernels.noise import RoundingNoise
+from actcomp.kernels.noise import RoundingNoise, noise_seed
 from actcomp.kernels.quantize import dequantize_affine, grouped_shape, quantize_affine
 
 
@@ -88,6 +89,28 @@ class GroupQuant(Compressor):
             out[start:stop] = dequantize_affine(
                 payload[first:first + packed_size(stop - start, bits)], offset[first_group:first_group + groups],
                 scale[first_group:first_group + groups], bits, group, torch.Size([stop - start]), dtype)
+        return out.view(shape)
+
+    def native_encode(self, x: torch.Tensor, hints: Hints) -> Encoded | None:
+        """:meth:`encode` in one pass of :mod:`~actcomp.kernels.native_cpu`, on CPU float32 and bfloat16."""
+        if not native_cpu.quantizes(x.device, x.dtype, x.numel(), self.bits):
+            return None
+        flat = x.reshape(-1).contiguous()
+        groups = grouped_shape(flat.numel(), self.group)[0]
+        codes = torch.empty(packed_size(flat.numel(), self.bits), dtype=torch.uint8)
+        offset = torch.empty(groups, dtype=flat.dtype)
+        scale = torch.empty(groups, dtype=torch.bfloat16)
+        native_cpu.quantize(flat, self.bits, self.group, noise_seed(flat), codes, offset, scale)
+        return Encoded(codes, (offset, scale), (x.shape, x.dtype))
+
+    def native_decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor | None:
+        """:meth:`decode` in one pass of :mod:`~actcomp.kernels.native_cpu`."""
+        shape, dtype = meta
+        if not native_cpu.quantizes(payload.device, dtype, shape.numel(), self.bits):
+            return None
+        offset, scale = saved
+        out = torch.empty(shape.numel(), dtype=dtype)
+        native_cpu.dequantize(payload.contiguous(), offset.contiguous(), scale.contiguous(), self.bits, self.group, out)
         return out.view(shape)
 
 

@@ -1,32 +1,39 @@
-"""Which implementation of a codec runs: its eager reference, or the same pair compiled.
+"""Which implementation of a codec runs: its eager reference, its native CPU kernel, or the
+same pair compiled.
 
 Every registered codec's ``encode``/``decode`` in eager PyTorch is its *reference*: always
-there, and what the tests compare every other implementation against. The codec contract (no
-value read back to Python, shapes fixed by the input's shape and the settings) lets the same
-pair run under ``torch.compile(fullgraph=True)`` with dynamic sizes, where Inductor fuses a chunked
-loop of eager operations into a few kernels (C++/OpenMP on CPU, Triton on CUDA) that give the
-eager codes. :func:`encode` and :func:`decode` are what the chain calls; they pick one of
+there, and what the tests compare every other implementation against. :func:`encode` and
+:func:`decode` are what the chain calls; they pick one of
 
-- ``"eager"``: the reference;
-- ``"compiled"``: the pair compiled once per codec class and settings and at most twice per
-  tensor rank (symbolic sizes, settings as constants: new sizes do not recompile), compiled
-  code cached by Inductor across processes.
+- ``"eager"``: the reference, nothing else;
+- ``"native"`` (the default): a codec's native CPU kernel where it has one and it takes the
+  tensor (:meth:`~actcomp.core.codec.Compressor.native_encode`; today the int8/int4/int2
+  quantizers, and the min-k candidate search inside the eager sparsifiers), built once per
+  machine by :mod:`~actcomp.kernels.native_cpu`; the reference elsewhere. Its bytes are the
+  reference's, bit for bit; only the time differs (``benchmarks/bench_compressors.py``);
+- ``"compiled"``: the pair under ``torch.compile(fullgraph=True)``, compiled once per codec
+  class and settings and at most twice per tensor rank (symbolic sizes, settings as constants:
+  new sizes do not recompile), compiled code cached by Inductor across processes. The codec
+  contract (no value read back to Python, shapes fixed by the input's shape and the settings)
+  lets Inductor fuse a chunked loop of eager operations into a few kernels (C++/OpenMP on CPU,
+  Triton on CUDA) that give the eager codes. Not the default: on these CPUs the compiled forms
+  are slower than the native ones and than eager for most codecs
+  (``benchmarks/bench_fused.py``), and compiling costs seconds per codec on first use.
 
 The choice, first match wins: :func:`use_backend` (a context manager, for a block of code),
-then the environment variable ``ACTCOMP_COMPILE`` (``0``: eager, ``1``: compiled), then the
-default, eager: on these CPUs the compiled forms of today's chunked codecs are slower than the
-eager ones for most codecs (``benchmarks/bench_fused.py`` measures each: int8 2.4x slower, fp8
-3.6x faster), and compiling costs seconds to minutes per codec on first use. A codec that
-cannot compile (``compiles()`` false: Rice-coded positions, a stage with runtime state, a draw
-from torch's generator) runs eagerly whatever is asked. A compile that fails (no C++ compiler,
-an Inductor error) warns once and that codec runs eagerly from then on; so does one that would
-recompile past torch's limit, rather than falling back silently frame by frame.
+then the environment variable ``ACTCOMP_COMPILE`` (``0``: eager, nothing built or compiled;
+``1``: compiled), then the default, native. A codec that cannot compile (``compiles()`` false:
+Rice-coded positions, a stage with runtime state, a draw from torch's generator) runs eagerly
+when compiled is asked. A compile that fails (no C++ compiler, an Inductor error) warns once
+and that codec runs eagerly from then on; so does one that would recompile past torch's limit,
+rather than falling back silently frame by frame; a native build that fails warns once and the
+references run.
 
 >>> import torch, actcomp
 >>> with use_backend("eager"):
 ...     packed = actcomp.parse("int8").compress(torch.zeros(4))
 >>> active_backend()
-'eager'
+'native'
 """
 
 from __future__ import annotations
@@ -39,8 +46,10 @@ from typing import Any
 import torch
 
 from actcomp.errors import ActcompError, warn_once
+from actcomp.kernels import native_cpu
 
-BACKENDS = ("eager", "compiled")
+BACKENDS = ("eager", "native", "compiled")
+DEFAULT = "native"
 ENVIRONMENT = "ACTCOMP_COMPILE"
 _ENVIRONMENT_VALUES = {"0": "eager", "1": "compiled"}
 _chosen: list[str] = []  # the stack of use_backend choices
@@ -50,7 +59,7 @@ _failed: set[type] = set()
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Run codecs with backend ``name`` (``"eager"`` or ``"compiled"``) inside the block."""
+    """Run codecs with backend ``name`` (``"eager"``, ``"native"`` or ``"compiled"``) inside the block."""
     if name not in BACKENDS:
         raise ActcompError(f"unknown codec backend {name!r}; known: {', '.join(BACKENDS)}")
     _chosen.append(name)
@@ -61,14 +70,15 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def active_backend() -> str:
-    """The backend asked for here: :func:`use_backend`, else ``ACTCOMP_COMPILE``, else eager."""
+    """The backend asked for here: :func:`use_backend`, else ``ACTCOMP_COMPILE``, else native."""
     if _chosen:
         return _chosen[-1]
     value = os.environ.get(ENVIRONMENT)
     if value is None or value == "":
-        return "eager"
+        return DEFAULT
     if value not in _ENVIRONMENT_VALUES:
-        raise ActcompError(f"{ENVIRONMENT}={value!r} is not valid; use 0 (eager codecs) or 1 (compiled codecs)")
+        raise ActcompError(f"{ENVIRONMENT}={value!r} is not valid; use 0 (eager reference codecs) or 1 (compiled "
+                           "codecs), or leave it unset (native kernels where a codec has one)")
     return _ENVIRONMENT_VALUES[value]
 
 
@@ -84,8 +94,18 @@ def decode(codec: Any, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], m
 
 def _run(codec: Any, method: str, *args: Any) -> Any:
     eager = getattr(codec, method)
-    if (active_backend() == "eager" or torch.compiler.is_compiling() or type(codec) in _failed
-            or not codec.compiles()):
+    backend = active_backend()
+    if backend == "native" and not torch.compiler.is_compiling():
+        result = getattr(codec, f"native_{method}")(*args)
+        return eager(*args) if result is None else result
+    if backend == "eager":
+        # The reference through and through: no native kernel inside the codec either.
+        previous = native_cpu.allow(False)
+        try:
+            return eager(*args)
+        finally:
+            native_cpu.allow(previous)
+    if torch.compiler.is_compiling() or type(codec) in _failed or not codec.compiles():
         return eager(*args)
     compiled = _compiled_method(type(codec), method)
     try:

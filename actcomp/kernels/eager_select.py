@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from actcomp.kernels import native_cpu
 from actcomp.kernels.chunks import aligned_length, spans
 from actcomp.kernels.positions import index_chunk_length
 from actcomp.kernels.thresholds import SAMPLE, Threshold, key_bits, magnitude_keys, sample_of, select_threshold
@@ -57,7 +58,9 @@ def exact_kept_positions(flat: torch.Tensor, kept: int) -> torch.Tensor | None:
     margin = _MARGIN_SIGMAS * math.sqrt(share * (1 - share) * sample.numel()) + 1
     rank = math.ceil(share * sample.numel() + margin)
     floor = torch.topk(sample, rank, sorted=False).values.min() if rank < sample.numel() else sample.new_zeros(())
-    positions, keys = _candidates(flat, floor)
+    # Room for the candidates the sample predicts, and a little more: a native search that finds
+    # more says so and runs again, so the estimate costs time only when it is short.
+    positions, keys = _candidates(flat, floor, capacity=math.ceil(count * rank / sample.numel() * 1.05) + 64)
     if keys.numel() < kept:
         return None
     # Radix select over the candidates, a chunk at a time: topk and kthvalue copy all of them
@@ -71,15 +74,20 @@ def kept_positions_over(flat: torch.Tensor, threshold: Threshold, kept: int) -> 
     """The ascending int32 positions :class:`~actcomp.kernels.thresholds.ThresholdSelector` keeps
     under ``threshold``, at most ``kept`` (the first ones in position order), then ``flat.numel()``
     for each slot left empty."""
-    positions, keys = _candidates(flat, threshold.key)
+    # Past the threshold: the kept and the ties among them, about kept.
+    positions, keys = _candidates(flat, threshold.key, capacity=kept + kept // 16 + 64)
     chosen = _with_ties(positions, keys > threshold.key, keys, threshold.key, int(threshold.ties))[:kept]
     return torch.cat([chosen, chosen.new_full((kept - chosen.numel(),), flat.numel())])
 
 
-def _candidates(flat: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _candidates(flat: torch.Tensor, floor: torch.Tensor,
+                capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions (int32) and magnitude keys of the elements whose key is at least ``floor``.
     Counted first, so that both are written once into tensors of their size: pieces joined by
-    ``cat`` would be held twice at the join."""
+    ``cat`` would be held twice at the join. One pass of a native kernel where it runs
+    (``capacity``: the room it allocates first)."""
+    if native_cpu.selects(flat):
+        return native_cpu.positions_and_keys(flat.contiguous(), floor, capacity)
     chunks = list(spans(flat.numel(), aligned_length(flat.device, flat.numel())))
     counts = torch.stack([(magnitude_keys(flat[start:stop]) >= floor).count_nonzero() for start, stop in chunks])
     counts = counts.tolist()

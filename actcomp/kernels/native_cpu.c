@@ -1,0 +1,267 @@
+/* actcomp's native CPU kernels: the hot loops of the eager codecs, one pass each.
+ *
+ * Built at first use by actcomp/kernels/native_cpu.py (the system C compiler, -O3, OpenMP) and
+ * called through ctypes on contiguous CPU tensors. Every kernel gives the bytes its eager
+ * reference gives, bit for bit (tests/test_native_cpu.py): the same float32 operations in the
+ * same order, each rounded (built with -ffp-contract=off, so no multiply-add is fused), and
+ * the same counter-based noise as actcomp/kernels/noise.py.
+ *
+ * dtype codes: 0 = float32, 1 = bfloat16 (the bits held in uint16).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Groups per parallel task: eight groups hold a whole number of bytes of codes at any width,
+ * so no two threads write the same byte. */
+#define TASK_GROUPS 8
+/* Elements per parallel task when selecting candidates. */
+#define SELECT_BLOCK 65536
+#define PERIOD_BITS 16
+#define ROTATION_KEY 0x1E3779B9u
+#define MAX_FINITE_BF16_BITS 0x7F7Fu
+
+static inline uint32_t lowbias32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return x;
+}
+
+/* noise.py's noise_at: the seeded hash of the element's place in its period's rotation. */
+static inline float noise_at(uint32_t seed, int64_t index) {
+    uint32_t rotation = lowbias32((uint32_t)(index >> PERIOD_BITS) ^ ROTATION_KEY) & 0xFFFFu;
+    uint32_t place = ((uint32_t)(index & 0xFFFF) + rotation) & 0xFFFFu;
+    return (float)(lowbias32(place ^ seed) >> 8) * 0x1p-24f;
+}
+
+static inline float bits_to_float(uint32_t bits) {
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+static inline uint32_t float_to_bits(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    return bits;
+}
+
+static inline __attribute__((always_inline)) float load(const void *x, int64_t i, const int dtype) {
+    if (dtype == 0) return ((const float *)x)[i];
+    return bits_to_float((uint32_t)((const uint16_t *)x)[i] << 16);
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 cast does for finite values. */
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits = float_to_bits(value);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* quantize.py's round_up_to_bf16, for a non-negative float32. */
+static inline float round_up_to_bf16(float value) {
+    uint32_t upper = (float_to_bits(value) + 0xFFFFu) >> 16;
+    if (upper > MAX_FINITE_BF16_BITS) upper = MAX_FINITE_BF16_BITS;
+    return bits_to_float(upper << 16);
+}
+
+/* Codes of a group are made a tile at a time into a buffer in cache, then packed. */
+#define TILE 256
+/* Lanes of the min/max pass: sixteen running minima and maxima make it a vector loop (a
+ * single running minimum is a serial chain the compiler leaves scalar). */
+#define LANES 16
+
+static inline __attribute__((always_inline)) void group_range(const void *x, int64_t start, int64_t stop,
+                                                              float *low_out, float *high_out, const int dtype) {
+    float low[LANES], high[LANES];
+    for (int lane = 0; lane < LANES; lane++) {
+        low[lane] = INFINITY;
+        high[lane] = -INFINITY;
+    }
+    int64_t i = start;
+    for (; i + LANES <= stop; i += LANES) {
+        for (int lane = 0; lane < LANES; lane++) {
+            const float value = load(x, i + lane, dtype);
+            low[lane] = value < low[lane] ? value : low[lane];
+            high[lane] = value > high[lane] ? value : high[lane];
+        }
+    }
+    for (; i < stop; i++) {
+        const float value = load(x, i, dtype);
+        low[0] = value < low[0] ? value : low[0];
+        high[0] = value > high[0] ? value : high[0];
+    }
+    for (int lane = 1; lane < LANES; lane++) {
+        low[0] = low[lane] < low[0] ? low[lane] : low[0];
+        high[0] = high[lane] > high[0] ? high[lane] : high[0];
+    }
+    *low_out = low[0];
+    *high_out = high[0];
+}
+
+static inline __attribute__((always_inline)) void quantize(
+    const void *x, int64_t count, int64_t group, uint32_t seed, uint8_t *codes, void *offset, uint16_t *scale,
+    int threads, const int dtype, const int bits) {
+    const int64_t groups = (count + group - 1) / group;
+    const int64_t tasks = (groups + TASK_GROUPS - 1) / TASK_GROUPS;
+    const float levels = (float)((1 << bits) - 1);
+    const int per_byte = 8 / bits;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t first = task * TASK_GROUPS;
+        const int64_t last = first + TASK_GROUPS < groups ? first + TASK_GROUPS : groups;
+        if (bits < 8) {
+            const int64_t begin = first * group * bits / 8;
+            const int64_t stop = last * group < count ? last * group : count;
+            memset(codes + begin, 0, (size_t)((stop * bits + 7) / 8 - begin));
+        }
+        uint8_t tile[TILE];
+        for (int64_t g = first; g < last; g++) {
+            const int64_t start = g * group;
+            const int64_t stop = start + group < count ? start + group : count;
+            float low, high;
+            group_range(x, start, stop, &low, &high, dtype);
+            /* max/levels - min/levels cannot overflow where (max - min) could. */
+            const float step = round_up_to_bf16(high / levels - low / levels);
+            const float inverse = 1.0f / (step > 0.0f ? step : 1.0f);
+            if (dtype == 0) ((float *)offset)[g] = low;
+            else ((uint16_t *)offset)[g] = (uint16_t)(float_to_bits(low) >> 16); /* exact: low is a bf16 */
+            scale[g] = (uint16_t)(float_to_bits(step) >> 16); /* exact: rounded to a bf16 above */
+            for (int64_t at = start; at < stop; at += TILE) {
+                const int length = stop - at < TILE ? (int)(stop - at) : TILE;
+                for (int k = 0; k < length; k++) {
+                    float code = (load(x, at + k, dtype) - low) * inverse + noise_at(seed, at + k);
+                    code = code < 0.0f ? 0.0f : code;
+                    code = code > levels ? levels : code;
+                    tile[k] = (uint8_t)(int32_t)code; /* truncation: floor of a non-negative */
+                }
+                if (bits == 8) {
+                    memcpy(codes + at, tile, (size_t)length);
+                } else if (at % per_byte == 0) {
+                    const int whole = length / per_byte;
+                    uint8_t *out = codes + at / per_byte;
+                    for (int j = 0; j < whole; j++) {
+                        uint8_t byte = 0;
+                        for (int field = 0; field < per_byte; field++)
+                            byte |= (uint8_t)(tile[j * per_byte + field] << (field * bits));
+                        out[j] = byte;
+                    }
+                    for (int k = whole * per_byte; k < length; k++)
+                        out[k / per_byte] |= (uint8_t)(tile[k] << ((k % per_byte) * bits));
+                } else {
+                    for (int k = 0; k < length; k++)
+                        codes[(at + k) / per_byte] |= (uint8_t)(tile[k] << (((at + k) % per_byte) * bits));
+                }
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void dequantize(
+    const uint8_t *codes, const void *offset, const uint16_t *scale, int64_t count, int64_t group,
+    const int bits, void *out, int threads, const int dtype) {
+    const int64_t groups = (count + group - 1) / group;
+    const int64_t tasks = (groups + TASK_GROUPS - 1) / TASK_GROUPS;
+    const int per_byte = 8 / bits;
+    const uint8_t mask = (uint8_t)((1 << bits) - 1);
+    /* The rounded-up scale can step past the dtype's largest value; saturate. */
+    const float limit = dtype == 0 ? 3.4028234663852886e38f : 3.3895313892515355e38f;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t last = (task + 1) * TASK_GROUPS < groups ? (task + 1) * TASK_GROUPS : groups;
+        for (int64_t g = task * TASK_GROUPS; g < last; g++) {
+            const int64_t start = g * group;
+            const int64_t stop = start + group < count ? start + group : count;
+            const float low = load(offset, g, dtype);
+            const float step = bits_to_float((uint32_t)scale[g] << 16);
+            for (int64_t i = start; i < stop; i++) {
+                const uint8_t code = bits == 8 ? codes[i]
+                                               : (uint8_t)((codes[i / per_byte] >> ((i % per_byte) * bits)) & mask);
+                /* A multiply-add, as ATen's addcmul is on CPU: an 8-bit code times a bf16 scale is
+                 * exact in float32 unless it overflows, and there only the fused form agrees. */
+                float value = fmaf((float)code, step, low);
+                value = value < -limit ? -limit : value;
+                value = value > limit ? limit : value;
+                if (dtype == 0) ((float *)out)[i] = value;
+                else ((uint16_t *)out)[i] = float_to_bf16(value);
+            }
+        }
+    }
+}
+
+#define BY_BITS(CALL)                \
+    switch (bits) {                  \
+        case 8: CALL(8); break;      \
+        case 4: CALL(4); break;      \
+        default: CALL(2); break;     \
+    }
+
+/* seed: noise.py's noise_seed, an int64 scalar tensor's data holding 32 bits; read here, so
+ * that no value goes back to Python. */
+void actcomp_quantize_f32(const float *x, int64_t count, int64_t group, int bits, const int64_t *seed,
+                          uint8_t *codes, float *offset, uint16_t *scale, int threads) {
+#define QUANTIZE_F32(B) quantize(x, count, group, (uint32_t)*seed, codes, offset, scale, threads, 0, B)
+    BY_BITS(QUANTIZE_F32)
+}
+
+void actcomp_quantize_bf16(const uint16_t *x, int64_t count, int64_t group, int bits, const int64_t *seed,
+                           uint8_t *codes, uint16_t *offset, uint16_t *scale, int threads) {
+#define QUANTIZE_BF16(B) quantize(x, count, group, (uint32_t)*seed, codes, offset, scale, threads, 1, B)
+    BY_BITS(QUANTIZE_BF16)
+}
+
+void actcomp_dequantize_f32(const uint8_t *codes, const float *offset, const uint16_t *scale, int64_t count,
+                            int64_t group, int bits, float *out, int threads) {
+#define DEQUANTIZE_F32(B) dequantize(codes, offset, scale, count, group, B, out, threads, 0)
+    BY_BITS(DEQUANTIZE_F32)
+}
+
+void actcomp_dequantize_bf16(const uint8_t *codes, const uint16_t *offset, const uint16_t *scale, int64_t count,
+                             int64_t group, int bits, uint16_t *out, int threads) {
+#define DEQUANTIZE_BF16(B) dequantize(codes, offset, scale, count, group, B, out, threads, 1)
+    BY_BITS(DEQUANTIZE_BF16)
+}
+
+/* Magnitude keys (the bits without the sign) at least floor: their positions (int32, ascending)
+ * and keys, written when there are at most capacity of them. Returns how many there are
+ * (more than capacity: nothing written, call again with room), or -1 if out of memory. */
+#define CANDIDATES(NAME, KEY, SIGN_MASK)                                                              \
+    int64_t NAME(const KEY *x, int64_t count, int64_t floor, int32_t *positions, KEY *keys,         \
+                 int64_t capacity, int threads) {                                                   \
+        const int64_t blocks = (count + SELECT_BLOCK - 1) / SELECT_BLOCK;                           \
+        int64_t *found = malloc((size_t)(blocks + 1) * sizeof(int64_t));                            \
+        if (!found) return -1;                                                                      \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                           \
+        for (int64_t b = 0; b < blocks; b++) {                                                      \
+            const int64_t stop = (b + 1) * SELECT_BLOCK < count ? (b + 1) * SELECT_BLOCK : count;   \
+            int64_t n = 0;                                                                          \
+            for (int64_t i = b * SELECT_BLOCK; i < stop; i++) n += (x[i] & SIGN_MASK) >= floor;     \
+            found[b + 1] = n;                                                                       \
+        }                                                                                           \
+        found[0] = 0;                                                                               \
+        for (int64_t b = 0; b < blocks; b++) found[b + 1] += found[b];                              \
+        const int64_t total = found[blocks];                                                        \
+        if (total <= capacity) {                                                                    \
+            _Pragma("omp parallel for num_threads(threads) schedule(static)")                       \
+            for (int64_t b = 0; b < blocks; b++) {                                                  \
+                const int64_t stop = (b + 1) * SELECT_BLOCK < count ? (b + 1) * SELECT_BLOCK : count; \
+                int64_t at = found[b];                                                              \
+                for (int64_t i = b * SELECT_BLOCK; i < stop; i++) {                                 \
+                    const KEY key = (KEY)(x[i] & SIGN_MASK);                                        \
+                    if (key >= floor) {                                                             \
+                        positions[at] = (int32_t)i;                                                 \
+                        keys[at++] = key;                                                           \
+                    }                                                                               \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        free(found);                                                                                \
+        return total;                                                                               \
+    }
+
+CANDIDATES(actcomp_candidates_32, int32_t, 0x7FFFFFFF)
+CANDIDATES(actcomp_candidates_16, int16_t, 0x7FFF)

@@ -1,0 +1,195 @@
+"""Native CPU kernels: the eager codecs' hot loops as one C pass each, built at first use.
+
+On a CPU, an eager codec is a string of ATen operations, each a pass over memory with its own
+temporaries: an int8 round trip cost 7x a ``clone()``, the min-k candidate search
+(``nonzero`` a chunk at a time) 14x its chunk's clone. The same loops written once in C
+(``native_cpu.c``) read the input once and write only their outputs, on every thread
+``torch.get_num_threads()`` allows. Each kernel gives its eager reference's bytes bit for bit
+(``tests/test_native_cpu.py`` compares them), so the choice of path changes the time, never
+a code.
+
+The library is built the first time a kernel is asked for, by the system C compiler (``$CC``,
+else ``cc``, ``gcc`` or ``clang``; about a second), into a cache directory keyed by the source,
+the compiler and the CPU (``$ACTCOMP_CACHE_DIR``, else ``~/.cache/actcomp``); the same way
+Inductor builds its CPU kernels, so a machine that can ``torch.compile`` can build these. Where
+none can be built (no compiler, a failed build), :func:`library` warns once and returns None,
+and the codecs run their eager reference. ``ACTCOMP_COMPILE=0`` (:mod:`~actcomp.core.backends`)
+runs the eager reference everywhere.
+
+>>> import torch
+>>> native = library()
+>>> native is None or positions_and_keys(torch.tensor([1.0, -3.0, 0.5, 2.0]), floor=2.0)[0].tolist() == [1, 3]
+True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from actcomp.errors import warn_once
+
+SOURCE = Path(__file__).with_name("native_cpu.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
+# Positions are int32 (the position forms' own width), so the kernels take tensors below 2**31.
+MAX_ELEMENTS = 2**31 - 1
+_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_KEY_WIDTHS = {4: (torch.int32, "32"), 2: (torch.int16, "16")}
+_loaded: list[ctypes.CDLL | None] = []  # empty until the first call: [library] or [None]
+_allowed = True
+
+
+def allow(allowed: bool) -> bool:
+    """Let the kernels run (True) or make every caller take its eager reference (False);
+    returns the previous choice. :mod:`~actcomp.core.backends` turns them off for ``"eager"``."""
+    global _allowed
+    previous, _allowed = _allowed, allowed
+    return previous
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built on first use; None where they cannot be built (warned once)
+    or are not allowed (:func:`allow`)."""
+    if not _allowed:
+        return None
+    if not _loaded:
+        _loaded.append(_load())
+    return _loaded[0]
+
+
+def quantizes(device: torch.device, dtype: torch.dtype, count: int, bits: int) -> bool:
+    """Whether :func:`quantize` and :func:`dequantize` take ``count`` values of ``dtype`` on
+    ``device`` at ``bits`` bits: CPU float32 or bfloat16, 1 to 2**31 - 1 values, 8, 4 or 2
+    bits, and the kernels built."""
+    return (device.type == "cpu" and dtype in _DTYPES and bits in (2, 4, 8) and 0 < count <= MAX_ELEMENTS
+            and library() is not None)
+
+
+def quantize(flat: torch.Tensor, bits: int, group: int, seed: torch.Tensor, codes: torch.Tensor, offset: torch.Tensor,
+             scale: torch.Tensor) -> None:
+    """:func:`~actcomp.kernels.quantize.quantize_affine` of contiguous ``flat`` into ``codes``
+    (packed), ``offset`` and ``scale``, with :class:`~actcomp.kernels.noise.RoundingNoise`'s
+    noise of ``seed`` (:func:`~actcomp.kernels.noise.noise_seed`, read by the kernel: no sync)."""
+    if seed.dtype != torch.int64 or seed.numel() != 1:
+        raise ValueError(f"the noise seed must be one int64 value, got {seed.dtype} of shape {tuple(seed.shape)}")
+    function = getattr(library(), f"actcomp_quantize_{_DTYPES[flat.dtype]}")
+    function(_pointer(flat), ctypes.c_int64(flat.numel()), ctypes.c_int64(group), ctypes.c_int(bits),
+             _pointer(seed), _pointer(codes), _pointer(offset), _pointer(scale),
+             ctypes.c_int(torch.get_num_threads()))
+
+
+def dequantize(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, bits: int, group: int,
+               out: torch.Tensor) -> None:
+    """:func:`~actcomp.kernels.quantize.dequantize_affine` into contiguous ``out`` (its dtype
+    as :func:`quantizes` allows)."""
+    function = getattr(library(), f"actcomp_dequantize_{_DTYPES[out.dtype]}")
+    function(_pointer(codes), _pointer(offset), _pointer(scale), ctypes.c_int64(out.numel()), ctypes.c_int64(group),
+             ctypes.c_int(bits), _pointer(out), ctypes.c_int(torch.get_num_threads()))
+
+
+def selects(flat: torch.Tensor) -> bool:
+    """Whether :func:`positions_and_keys` takes ``flat``: a CPU tensor of 2- or 4-byte floats
+    below 2**31 elements, and the kernels built."""
+    return (flat.device.type == "cpu" and flat.is_floating_point() and flat.element_size() in _KEY_WIDTHS
+            and flat.numel() <= MAX_ELEMENTS and library() is not None)
+
+
+def positions_and_keys(flat: torch.Tensor, floor: float | torch.Tensor,
+                       capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ascending int32 positions and the magnitude keys
+    (:func:`~actcomp.kernels.thresholds.magnitude_keys`) of contiguous ``flat``'s elements whose
+    key is at least ``floor`` (a key, or a float magnitude). ``capacity``: the room allocated
+    first (None: none, the kernel counts first); when more turn up, the kernel says how many and
+    runs again into tensors of that size, so no temporary is larger than needed."""
+    key_dtype, width = _KEY_WIDTHS[flat.element_size()]
+    if not isinstance(floor, torch.Tensor):
+        floor = torch.tensor(float(floor), dtype=flat.dtype).view(key_dtype)
+    function = getattr(library(), f"actcomp_candidates_{width}")
+    room = 0 if capacity is None else min(capacity, flat.numel())  # 0: count, then write
+    while True:
+        positions = torch.empty(room, dtype=torch.int32)
+        keys = torch.empty(room, dtype=key_dtype)
+        found = function(_pointer(flat), ctypes.c_int64(flat.numel()), ctypes.c_int64(int(floor)), _pointer(positions),
+                         _pointer(keys), ctypes.c_int64(room), ctypes.c_int(torch.get_num_threads()))
+        if found < 0:
+            raise MemoryError("actcomp's native candidate search could not allocate its block counts")
+        if found <= room:
+            return positions[:found], keys[:found]
+        room = found
+
+
+def _pointer(tensor: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(tensor.data_ptr())
+
+
+def _load() -> ctypes.CDLL | None:
+    compiler = _compiler()
+    if compiler is None:
+        warn_once("native kernels", "actcomp: no C compiler found ($CC, cc, gcc or clang); the codecs run their "
+                  "eager reference, which is slower on CPU")
+        return None
+    try:
+        path = _built(compiler)
+        native = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", None) or str(error)
+        warn_once("native kernels", f"actcomp: building the native CPU kernels failed ({detail.strip()[:300]}); "
+                  "the codecs run their eager reference")
+        return None
+    _declare(native)
+    return native
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _built(compiler: str) -> Path:
+    """The shared library for this source, compiler and CPU, built once per cache directory."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *FLAGS, platform.machine(),
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    directory = Path(os.environ.get("ACTCOMP_CACHE_DIR") or Path.home() / ".cache" / "actcomp")
+    path = directory / f"native_cpu-{key}.so"
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        # Built under a temporary name and renamed: processes building at once (test workers)
+        # never load a half-written file.
+        handle, temporary = tempfile.mkstemp(suffix=".so", dir=directory)
+        os.close(handle)
+        try:
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", temporary], capture_output=True, text=True, check=True)
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+    return path
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: a library built with -march=native runs only where they match."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _declare(native: ctypes.CDLL) -> None:
+    for name in ("actcomp_candidates_32", "actcomp_candidates_16"):
+        getattr(native, name).restype = ctypes.c_int64
+    for name in ("actcomp_quantize_f32", "actcomp_quantize_bf16", "actcomp_dequantize_f32", "actcomp_dequantize_bf16"):
+        getattr(native, name).restype = None

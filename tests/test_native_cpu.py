@@ -1,0 +1,164 @@
+"""The native CPU kernels give their eager references' bytes bit for bit, at any thread count,
+run where they are asked for, and fall back to the references with one warning where they
+cannot be built."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import actcomp
+from actcomp import errors
+from actcomp.compressors.affine import GroupQuant
+from actcomp.core.backends import use_backend
+from actcomp.kernels import eager_select, native_cpu
+from actcomp.kernels.thresholds import magnitude_keys
+
+needs_native = pytest.mark.skipif(native_cpu.library() is None, reason="no C compiler to build the native kernels")
+
+
+def values(count: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Gaussian values with what breaks quantizers built in: huge outliers of both signs, a
+    constant run, zeros of both signs."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(count, generator=generator) * 3
+    if count > 40:
+        x[3], x[17], x[30:40] = 1e30, -3e38, 0.25
+        x[-1] = 3e38
+        x[5], x[6] = 0.0, -0.0
+    return x.to(dtype)
+
+
+def both_ways(spec: str, x: torch.Tensor) -> tuple[tuple, tuple]:
+    """(tensors, decoded) under the eager reference and under the native backend."""
+    stage = actcomp.parse(spec)
+    results = []
+    for backend in ("eager", "native"):
+        with use_backend(backend):
+            packed = stage.compress(x)
+            results.append((packed.tensors, stage.decompress(packed)))
+    return results[0], results[1]
+
+
+def assert_same(reference: tuple, native: tuple) -> None:
+    for expected, got in zip(reference[0], native[0], strict=True):
+        assert expected.dtype == got.dtype and expected.shape == got.shape
+        # Bit patterns, so that -0.0 and 0.0 differ and NaN equals NaN.
+        assert torch.equal(expected.view(torch.uint8), got.view(torch.uint8))
+    assert torch.equal(reference[1].view(torch.uint8), native[1].view(torch.uint8))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", ["int8", "int4", "int2", "int8:group=64", "int4:group=100", "int2:group=7",
+                                  "int8:group=1", "int4:group=3"])
+@pytest.mark.parametrize("count", [1, 5, 999, 4096, 300_001])
+def test_quantizers_give_the_reference_bytes(spec, dtype, count):
+    assert_same(*both_ways(spec, values(count, dtype, seed=count)))
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_bytes_do_not_depend_on_the_thread_count(threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = values(1009 * 991, torch.float32)
+        for spec in ("int8", "int4:group=100", "mink0.9+int8", "smink0.8+int2"):
+            assert_same(*both_ways(spec, x.view(1009, 991)))
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_native
+def test_the_native_quantizer_runs_and_the_eager_one_does_not(monkeypatch):
+    calls = []
+    for method in ("encode", "decode"):
+        original = getattr(GroupQuant, method)
+        monkeypatch.setattr(GroupQuant, method, lambda self, *args, _o=original, _m=method: calls.append(_m) or _o(self, *args))
+    stage = actcomp.parse("int8")
+    x = torch.randn(4000)
+    stage.decompress(stage.compress(x))
+    assert calls == []
+    with use_backend("eager"):
+        stage.decompress(stage.compress(x))
+    assert calls == ["encode", "decode"]
+    # What the kernels do not take runs the reference: float16 values, an empty tensor.
+    for other in (x.half(), torch.zeros(0)):
+        calls.clear()
+        stage.decompress(stage.compress(other))
+        assert calls == ["encode", "decode"]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("capacity", [None, 0, 10, 10**9])
+def test_candidates_are_the_reference_positions_and_keys(dtype, capacity):
+    x = values(200_003, dtype)
+    floor = magnitude_keys(torch.tensor([2.5], dtype=dtype))[0]
+    positions, keys = native_cpu.positions_and_keys(x, floor, capacity)
+    expected = (magnitude_keys(x) >= floor).nonzero().view(-1)
+    assert positions.dtype == torch.int32 and torch.equal(positions.long(), expected)
+    assert torch.equal(keys, magnitude_keys(x)[expected])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", ["mink0.9", "smink0.9", "mink0.99+int8", "smink0.9+int4"])
+def test_sparsifiers_with_native_candidates_give_the_reference_bytes(spec, dtype, monkeypatch):
+    native_calls = []
+    search = native_cpu.positions_and_keys
+    monkeypatch.setattr(native_cpu, "positions_and_keys", lambda *a, **k: native_calls.append(1) or search(*a, **k))
+    x = values(65536 * 5 + 3, dtype)
+    x[1000:3000] = 1.0  # ties at the threshold
+    assert_same(*both_ways(spec, x))
+    assert native_calls, "the native candidate search did not run"
+
+
+def test_without_a_compiler_the_references_run_after_one_warning(monkeypatch):
+    monkeypatch.setattr(native_cpu, "_loaded", [])
+    monkeypatch.setattr(native_cpu, "_compiler", lambda: None)
+    monkeypatch.setattr(errors, "WARNED", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reference, native = both_ways("mink0.9+int8", values(70_000, torch.float32))
+        both_ways("int4", values(70_000, torch.float32))
+    assert_same(reference, native)
+    assert [str(w.message) for w in caught if "C compiler" in str(w.message)] == [
+        "actcomp: no C compiler found ($CC, cc, gcc or clang); the codecs run their eager reference, which is "
+        "slower on CPU"]
+
+
+def test_a_failed_build_warns_once_and_the_references_run(monkeypatch, tmp_path):
+    monkeypatch.setattr(native_cpu, "_loaded", [])
+    monkeypatch.setattr(native_cpu, "_compiler", lambda: "false")  # a "compiler" that always fails
+    monkeypatch.setenv("ACTCOMP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(errors, "WARNED", set())
+    with pytest.warns(UserWarning, match="building the native CPU kernels failed"):
+        reference, native = both_ways("int8", values(5000, torch.float32))
+    assert_same(reference, native)
+    assert native_cpu.library() is None and list(tmp_path.iterdir()) == []  # no half-built file left
+
+
+@needs_native
+def test_the_library_is_built_once_per_cache_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("ACTCOMP_CACHE_DIR", str(tmp_path))
+    compiler = native_cpu._compiler()
+    first = native_cpu._built(compiler)
+    stamp = first.stat().st_mtime_ns
+    assert native_cpu._built(compiler) == first and first.stat().st_mtime_ns == stamp
+    assert [path.name for path in tmp_path.iterdir()] == [first.name]
+
+
+@needs_native
+def test_eager_select_without_the_kernels_still_gives_the_same_positions(monkeypatch):
+    x = values(300_000, torch.float32)
+    with_native = eager_select.exact_kept_positions(x, 30_000)
+    previous = native_cpu.allow(False)
+    try:
+        without = eager_select.exact_kept_positions(x, 30_000)
+    finally:
+        native_cpu.allow(previous)
+    assert torch.equal(with_native, without)
