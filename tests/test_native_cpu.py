@@ -107,14 +107,15 @@ def test_candidates_are_the_reference_positions_and_keys(dtype, capacity):
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("spec", ["mink0.9", "smink0.9", "mink0.99+int8", "smink0.9+int4"])
-def test_sparsifiers_with_native_candidates_give_the_reference_bytes(spec, dtype, monkeypatch):
-    native_calls = []
-    search = native_cpu.positions_and_keys
-    monkeypatch.setattr(native_cpu, "positions_and_keys", lambda *a, **k: native_calls.append(1) or search(*a, **k))
-    x = values(65536 * 5 + 3, dtype)
-    x[1000:3000] = 1.0  # ties at the threshold
+def test_sparsifiers_with_native_kernels_give_the_reference_bytes(spec, dtype, monkeypatch):
+    native_calls = set()
+    for name in ("positions_and_keys", "compact", "elias_fano_encode", "elias_fano_scatter"):
+        kernel = getattr(native_cpu, name)
+        monkeypatch.setattr(native_cpu, name, lambda *a, _k=kernel, _n=name, **k: native_calls.add(_n) or _k(*a, **k))
+    # Values on a coarse grid: thousands of ties at every magnitude, the threshold's too.
+    x = (values(65536 * 5 + 3, torch.float32) * 2).round().div(2).to(dtype)
     assert_same(*both_ways(spec, x))
-    assert native_calls, "the native candidate search did not run"
+    assert native_calls == {"positions_and_keys", "compact", "elias_fano_encode", "elias_fano_scatter"}
 
 
 def test_without_a_compiler_the_references_run_after_one_warning(monkeypatch):

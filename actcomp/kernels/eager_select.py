@@ -67,7 +67,7 @@ def exact_kept_positions(flat: torch.Tensor, kept: int) -> torch.Tensor | None:
     # with an int64 index each on CPU (0.4x a fp32 input at 10% kept).
     threshold = select_threshold(lambda start, stop: keys[start:stop], keys.numel(), kept,
                                  key_bits(flat.dtype), flat.device)
-    return _with_ties(positions, keys > threshold.key, keys, threshold.key, int(threshold.ties))
+    return _kept_among(positions, keys, threshold.key, int(threshold.ties))
 
 
 def kept_positions_over(flat: torch.Tensor, threshold: Threshold, kept: int) -> torch.Tensor:
@@ -76,7 +76,7 @@ def kept_positions_over(flat: torch.Tensor, threshold: Threshold, kept: int) -> 
     for each slot left empty."""
     # Past the threshold: the kept and the ties among them, about kept.
     positions, keys = _candidates(flat, threshold.key, capacity=kept + kept // 16 + 64)
-    chosen = _with_ties(positions, keys > threshold.key, keys, threshold.key, int(threshold.ties))[:kept]
+    chosen = _kept_among(positions, keys, threshold.key, int(threshold.ties))[:kept]
     return torch.cat([chosen, chosen.new_full((kept - chosen.numel(),), flat.numel())])
 
 
@@ -102,6 +102,14 @@ def _candidates(flat: torch.Tensor, floor: torch.Tensor,
         positions[filled:filled + found] += start
         filled += found
     return positions, keys
+
+
+def _kept_among(positions: torch.Tensor, keys: torch.Tensor, key: torch.Tensor, ties: int) -> torch.Tensor:
+    """The candidates' positions whose key is above ``key``, and the first ``ties`` equal to it,
+    moved to the front of ``positions``: a view of it."""
+    if native_cpu.compacts(positions, keys):
+        return native_cpu.compact(positions, keys, int(key), ties)
+    return _with_ties(positions, keys > key, keys, key, ties)
 
 
 def _with_ties(positions: torch.Tensor, chosen: torch.Tensor, keys: torch.Tensor, key: torch.Tensor,

@@ -10,6 +10,10 @@
  */
 #include <math.h>
 #include <stdint.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define ACTCOMP_AVX512 1
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -226,10 +230,48 @@ void actcomp_dequantize_bf16(const uint8_t *codes, const uint16_t *offset, const
     BY_BITS(DEQUANTIZE_BF16)
 }
 
+#ifdef ACTCOMP_AVX512
+/* Sixteen lanes at a time: the chosen lanes compressed into a register, then a masked store
+ * (a compressing store straight to memory is microcoded, and slow, on some CPUs). */
+static inline __m512i keys_of(const int32_t *x, int64_t i) {
+    return _mm512_and_si512(_mm512_loadu_si512(x + i), _mm512_set1_epi32(0x7FFFFFFF));
+}
+static inline __m512i keys16_of(const int16_t *x, int64_t i) {
+    return _mm512_and_si512(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(x + i))),
+                            _mm512_set1_epi32(0x7FFF));
+}
+static inline void store_keys(int32_t *keys, int64_t at, __mmask16 room, __m512i chosen) {
+    _mm512_mask_storeu_epi32(keys + at, room, chosen);
+}
+static inline void store_keys16(int16_t *keys, int64_t at, __mmask16 room, __m512i chosen) {
+    _mm256_mask_storeu_epi16(keys + at, room, _mm512_cvtepi32_epi16(chosen));
+}
+#define VECTOR_CANDIDATES(LOAD, STORE)                                                            \
+    {                                                                                             \
+        const __m512i low = _mm512_set1_epi32((int32_t)floor);                                    \
+        __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int32_t)i),                          \
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));             \
+        for (; i + 16 <= stop; i += 16) {                                                         \
+            const __m512i key = LOAD(x, i);                                                       \
+            const __mmask16 take = _mm512_cmpge_epi32_mask(key, low);                             \
+            if (take) {                                                                           \
+                const int n = __builtin_popcount(take);                                           \
+                const __mmask16 room = (__mmask16)((1u << n) - 1u);                               \
+                _mm512_mask_storeu_epi32(positions + at, room, _mm512_maskz_compress_epi32(take, index)); \
+                STORE(keys, at, room, _mm512_maskz_compress_epi32(take, key));                    \
+                at += n;                                                                          \
+            }                                                                                     \
+            index = _mm512_add_epi32(index, _mm512_set1_epi32(16));                               \
+        }                                                                                         \
+    }
+#else
+#define VECTOR_CANDIDATES(LOAD, STORE)
+#endif
+
 /* Magnitude keys (the bits without the sign) at least floor: their positions (int32, ascending)
  * and keys, written when there are at most capacity of them. Returns how many there are
  * (more than capacity: nothing written, call again with room), or -1 if out of memory. */
-#define CANDIDATES(NAME, KEY, SIGN_MASK)                                                              \
+#define CANDIDATES(NAME, KEY, SIGN_MASK, LOAD, STORE)                                                 \
     int64_t NAME(const KEY *x, int64_t count, int64_t floor, int32_t *positions, KEY *keys,         \
                  int64_t capacity, int threads) {                                                   \
         const int64_t blocks = (count + SELECT_BLOCK - 1) / SELECT_BLOCK;                           \
@@ -250,7 +292,9 @@ void actcomp_dequantize_bf16(const uint8_t *codes, const uint16_t *offset, const
             for (int64_t b = 0; b < blocks; b++) {                                                  \
                 const int64_t stop = (b + 1) * SELECT_BLOCK < count ? (b + 1) * SELECT_BLOCK : count; \
                 int64_t at = found[b];                                                              \
-                for (int64_t i = b * SELECT_BLOCK; i < stop; i++) {                                 \
+                int64_t i = b * SELECT_BLOCK;                                                       \
+                VECTOR_CANDIDATES(LOAD, STORE)                                                      \
+                for (; i < stop; i++) {                                                             \
                     const KEY key = (KEY)(x[i] & SIGN_MASK);                                        \
                     if (key >= floor) {                                                             \
                         positions[at] = (int32_t)i;                                                 \
@@ -263,5 +307,107 @@ void actcomp_dequantize_bf16(const uint8_t *codes, const uint16_t *offset, const
         return total;                                                                               \
     }
 
-CANDIDATES(actcomp_candidates_32, int32_t, 0x7FFFFFFF)
-CANDIDATES(actcomp_candidates_16, int16_t, 0x7FFF)
+CANDIDATES(actcomp_candidates_32, int32_t, 0x7FFFFFFF, keys_of, store_keys)
+CANDIDATES(actcomp_candidates_16, int16_t, 0x7FFF, keys16_of, store_keys16)
+
+/* eager_select.py's _with_ties: the positions of the candidates whose key is above key, and of
+ * the first ties ones equal to it, moved to the front of positions in order (never past where
+ * they are read). Returns how many. */
+#define COMPACT(NAME, KEY)                                                                           \
+    int64_t NAME(int32_t *positions, const KEY *keys, int64_t count, int64_t key, int64_t ties) {   \
+        int64_t at = 0;                                                                              \
+        for (int64_t i = 0; i < count; i++) {                                                        \
+            const int above = keys[i] > key;                                                         \
+            const int tie = keys[i] == key && ties > 0;                                              \
+            ties -= tie;                                                                             \
+            positions[at] = positions[i];                                                            \
+            at += above | tie;                                                                       \
+        }                                                                                            \
+        return at;                                                                                   \
+    }
+
+COMPACT(actcomp_compact_32, int32_t)
+COMPACT(actcomp_compact_16, int16_t)
+
+/* Elias-Fano positions (positions.py's EliasFano): slot j's position p sets bit (p >> low_bits) + j
+ * of the high stream, and its low low_bits bits are code j of the low stream (little-endian,
+ * code j at bit j * low_bits). Both streams are zeroed by the caller. One pass over the slots:
+ * they are a tenth of the elements or fewer. */
+void actcomp_ef_encode(const int32_t *positions, int64_t capacity, int low_bits, uint8_t *high, uint8_t *low) {
+    const uint32_t mask = (1u << low_bits) - 1u;
+    for (int64_t j = 0; j < capacity; j++) {
+        const int64_t position = positions[j];
+        const int64_t bit = (position >> low_bits) + j;
+        high[bit >> 3] |= (uint8_t)(1u << (bit & 7));
+        if (low_bits) {
+            const uint32_t code = (uint32_t)position & mask;
+            const int64_t at = j * low_bits;
+            const int shift = (int)(at & 7);
+            low[at >> 3] |= (uint8_t)(code << shift);
+            if (shift + low_bits > 8) low[(at >> 3) + 1] |= (uint8_t)(code >> (8 - shift));
+        }
+    }
+}
+
+/* Bytes of the high stream per parallel task when scattering. */
+#define SCATTER_BYTES 8192
+
+static inline uint32_t read_code(const uint8_t *low, int64_t low_bytes, int64_t slot, int low_bits) {
+    const int64_t at = slot * low_bits;
+    const int64_t byte = at >> 3;
+    uint32_t pair = low[byte];
+    if (byte + 1 < low_bytes) pair |= (uint32_t)low[byte + 1] << 8;
+    return (pair >> (at & 7)) & ((1u << low_bits) - 1u);
+}
+
+/* EliasFano.scatter: a tensor of count zeros with each slot's value (its bits, 2 or 4 bytes wide)
+ * put at its position; slots whose position is count (left empty) put nothing. Tasks of the
+ * high stream run in parallel, each starting at the slot its bits' popcount before it says. */
+#define EF_SCATTER(NAME, WORD)                                                                        \
+    int64_t NAME(const WORD *values, int64_t capacity, const uint8_t *high, int64_t high_bytes,       \
+                 const uint8_t *low, int64_t low_bytes, int low_bits, int64_t count, WORD *out,        \
+                 int threads) {                                                                       \
+        const int64_t tasks = (high_bytes + SCATTER_BYTES - 1) / SCATTER_BYTES;                       \
+        int64_t *first_slot = malloc((size_t)(tasks + 1) * sizeof(int64_t));                          \
+        if (!first_slot) return -1;                                                                   \
+        _Pragma("omp parallel num_threads(threads)")                                                   \
+        {                                                                                             \
+            _Pragma("omp for schedule(static)")                                                        \
+            for (int64_t i = 0; i < count; i++) out[i] = 0;                                           \
+            _Pragma("omp for schedule(static)")                                                        \
+            for (int64_t task = 0; task < tasks; task++) {                                            \
+                const int64_t stop = (task + 1) * SCATTER_BYTES < high_bytes ? (task + 1) * SCATTER_BYTES \
+                                                                                : high_bytes;          \
+                int64_t ones = 0;                                                                     \
+                for (int64_t b = task * SCATTER_BYTES; b < stop; b++) ones += __builtin_popcount(high[b]); \
+                first_slot[task + 1] = ones;                                                          \
+            }                                                                                         \
+            _Pragma("omp single")                                                                      \
+            {                                                                                         \
+                first_slot[0] = 0;                                                                    \
+                for (int64_t task = 0; task < tasks; task++) first_slot[task + 1] += first_slot[task]; \
+            }                                                                                         \
+            _Pragma("omp for schedule(static)")                                                        \
+            for (int64_t task = 0; task < tasks; task++) {                                            \
+                const int64_t stop = (task + 1) * SCATTER_BYTES < high_bytes ? (task + 1) * SCATTER_BYTES \
+                                                                                : high_bytes;          \
+                int64_t slot = first_slot[task];                                                      \
+                for (int64_t b = task * SCATTER_BYTES; b < stop; b++) {                               \
+                    uint32_t byte = high[b];                                                          \
+                    while (byte && slot < capacity) {                                                 \
+                        const int64_t bit = b * 8 + __builtin_ctz(byte);                              \
+                        byte &= byte - 1;                                                             \
+                        const int64_t position = ((bit - slot) << low_bits)                           \
+                            | (low_bits ? read_code(low, low_bytes, slot, low_bits) : 0);             \
+                        if (position < count) out[position] = values[slot];                           \
+                        slot++;                                                                       \
+                    }                                                                                 \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+        free(first_slot);                                                                             \
+        return 0;                                                                                     \
+    }
+
+EF_SCATTER(actcomp_ef_scatter_16, uint16_t)
+EF_SCATTER(actcomp_ef_scatter_32, uint32_t)

@@ -126,6 +126,56 @@ def positions_and_keys(flat: torch.Tensor, floor: float | torch.Tensor,
         room = found
 
 
+def compacts(positions: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether :func:`compact` takes these candidates: contiguous int32 positions and 2- or
+    4-byte keys on a CPU, and the kernels built."""
+    return (positions.device.type == "cpu" and positions.dtype == torch.int32 and keys.element_size() in _KEY_WIDTHS
+            and positions.is_contiguous() and keys.is_contiguous() and library() is not None)
+
+
+def compact(positions: torch.Tensor, keys: torch.Tensor, key: int, ties: int) -> torch.Tensor:
+    """The positions of the candidates (:func:`positions_and_keys`' outputs, contiguous) whose
+    key is above ``key``, and of the first ``ties`` equal to it, moved to the front of
+    ``positions`` in order; returns that front, a view."""
+    width = _KEY_WIDTHS[keys.element_size()][1]
+    kept = getattr(library(), f"actcomp_compact_{width}")(
+        _pointer(positions), _pointer(keys), ctypes.c_int64(keys.numel()), ctypes.c_int64(key), ctypes.c_int64(ties))
+    return positions[:kept]
+
+
+def codes_positions(positions: torch.Tensor) -> bool:
+    """Whether :func:`elias_fano_encode` takes ``positions``: int32 on a CPU, and the kernels built."""
+    return positions.device.type == "cpu" and positions.dtype == torch.int32 and library() is not None
+
+
+def elias_fano_encode(positions: torch.Tensor, low_bits: int, high: torch.Tensor, low: torch.Tensor) -> None:
+    """:meth:`EliasFano.from_positions <actcomp.kernels.positions.EliasFano.from_positions>`:
+    sets the bits of contiguous ``positions`` (ascending, int32) in the zeroed streams ``high``
+    and ``low``."""
+    library().actcomp_ef_encode(_pointer(positions), ctypes.c_int64(positions.numel()), ctypes.c_int(low_bits),
+                                _pointer(high), _pointer(low))
+
+
+def scatters(values: torch.Tensor) -> bool:
+    """Whether :func:`elias_fano_scatter` takes ``values``: 2- or 4-byte elements on a CPU."""
+    return values.device.type == "cpu" and values.element_size() in _KEY_WIDTHS and library() is not None
+
+
+def elias_fano_scatter(values: torch.Tensor, high: torch.Tensor, low: torch.Tensor, low_bits: int,
+                       count: int) -> torch.Tensor:
+    """:meth:`EliasFano.scatter <actcomp.kernels.positions.EliasFano.scatter>`: ``count`` zeros
+    with each slot's value at its position, from contiguous ``values``, ``high`` and ``low``."""
+    out = values.new_empty(count)
+    width = _KEY_WIDTHS[values.element_size()][1]
+    status = getattr(library(), f"actcomp_ef_scatter_{width}")(
+        _pointer(values), ctypes.c_int64(values.numel()), _pointer(high), ctypes.c_int64(high.numel()), _pointer(low),
+        ctypes.c_int64(low.numel()), ctypes.c_int(low_bits), ctypes.c_int64(count), _pointer(out),
+        ctypes.c_int(torch.get_num_threads()))
+    if status < 0:
+        raise MemoryError("actcomp's native Elias-Fano scatter could not allocate its slot counts")
+    return out
+
+
 def _pointer(tensor: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(tensor.data_ptr())
 
@@ -189,7 +239,9 @@ def _cpu_flags() -> str:
 
 
 def _declare(native: ctypes.CDLL) -> None:
-    for name in ("actcomp_candidates_32", "actcomp_candidates_16"):
+    for name in ("actcomp_candidates_32", "actcomp_candidates_16", "actcomp_ef_scatter_16", "actcomp_ef_scatter_32",
+                 "actcomp_compact_32", "actcomp_compact_16"):
         getattr(native, name).restype = ctypes.c_int64
-    for name in ("actcomp_quantize_f32", "actcomp_quantize_bf16", "actcomp_dequantize_f32", "actcomp_dequantize_bf16"):
+    for name in ("actcomp_quantize_f32", "actcomp_quantize_bf16", "actcomp_dequantize_f32", "actcomp_dequantize_bf16",
+                 "actcomp_ef_encode"):
         getattr(native, name).restype = None

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from actcomp.errors import ActcompError
-from actcomp.kernels import eager_cpu
+from actcomp.kernels import eager_cpu, native_cpu
 from actcomp.kernels.bitpack import pack_bits, pack_codes, packed_size, unpack_bits
 from actcomp.kernels.chunks import aligned_length, spans
 
@@ -111,6 +111,10 @@ class EliasFano:
         bit ``(position >> b) + slot`` of the high stream, and each position's low bits."""
         bits = self.low_bits
         high = torch.zeros(packed_size(self.high_length, 1), dtype=torch.uint8, device=positions.device)
+        if eager_cpu.applies(positions) and native_cpu.codes_positions(positions):
+            low = torch.zeros(packed_size(self.capacity, bits), dtype=torch.uint8)
+            native_cpu.elias_fano_encode(positions.contiguous(), bits, high, low)
+            return high, low
         codes = torch.empty(self.capacity, dtype=torch.uint8, device=positions.device)
         # A chunk of slots at a time: the int32 temporaries are a chunk's, not k's.
         for start, stop in spans(self.capacity, index_chunk_length(positions.device, self.capacity)):
@@ -123,6 +127,9 @@ class EliasFano:
     def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
         high, low = saved
         device = values.device
+        if eager_cpu.applies(values) and native_cpu.scatters(values):
+            return native_cpu.elias_fano_scatter(values.contiguous(), high.contiguous(), low.contiguous(),
+                                                 self.low_bits, self.count)
         if eager_cpu.applies(values):
             return self._scatter_found(values, high, low)
         # Set bit i of the high stream is slot j's, j its rank among the set bits, and i - j its
