@@ -24,6 +24,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -31,7 +32,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,6 +48,7 @@ _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _KEY_WIDTHS = {4: (torch.int32, "32"), 2: (torch.int16, "16")}
 _loaded: list[ctypes.CDLL | None] = []  # empty until the first call: [library] or [None]
 _allowed = True
+_observers: list[Any] = []
 
 
 def allow(allowed: bool) -> bool:
@@ -80,19 +84,18 @@ def quantize(flat: torch.Tensor, bits: int, group: int, seed: torch.Tensor, code
     noise of ``seed`` (:func:`~actcomp.kernels.noise.noise_seed`, read by the kernel: no sync)."""
     if seed.dtype != torch.int64 or seed.numel() != 1:
         raise ValueError(f"the noise seed must be one int64 value, got {seed.dtype} of shape {tuple(seed.shape)}")
-    function = getattr(library(), f"actcomp_quantize_{_DTYPES[flat.dtype]}")
-    function(_pointer(flat), ctypes.c_int64(flat.numel()), ctypes.c_int64(group), ctypes.c_int(bits),
-             _pointer(seed), _pointer(codes), _pointer(offset), _pointer(scale),
-             ctypes.c_int(torch.get_num_threads()))
+    _call(f"actcomp_quantize_{_DTYPES[flat.dtype]}", (flat, codes, offset, scale),
+          _pointer(flat), ctypes.c_int64(flat.numel()), ctypes.c_int64(group), ctypes.c_int(bits),
+          _pointer(seed), _pointer(codes), _pointer(offset), _pointer(scale), _threads())
 
 
 def dequantize(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, bits: int, group: int,
                out: torch.Tensor) -> None:
     """:func:`~actcomp.kernels.quantize.dequantize_affine` into contiguous ``out`` (its dtype
     as :func:`quantizes` allows)."""
-    function = getattr(library(), f"actcomp_dequantize_{_DTYPES[out.dtype]}")
-    function(_pointer(codes), _pointer(offset), _pointer(scale), ctypes.c_int64(out.numel()), ctypes.c_int64(group),
-             ctypes.c_int(bits), _pointer(out), ctypes.c_int(torch.get_num_threads()))
+    _call(f"actcomp_dequantize_{_DTYPES[out.dtype]}", (codes, offset, scale, out),
+          _pointer(codes), _pointer(offset), _pointer(scale), ctypes.c_int64(out.numel()), ctypes.c_int64(group),
+          ctypes.c_int(bits), _pointer(out), _threads())
 
 
 def selects(flat: torch.Tensor) -> bool:
@@ -112,13 +115,13 @@ def positions_and_keys(flat: torch.Tensor, floor: float | torch.Tensor,
     key_dtype, width = _KEY_WIDTHS[flat.element_size()]
     if not isinstance(floor, torch.Tensor):
         floor = torch.tensor(float(floor), dtype=flat.dtype).view(key_dtype)
-    function = getattr(library(), f"actcomp_candidates_{width}")
     room = 0 if capacity is None else min(capacity, flat.numel())  # 0: count, then write
     while True:
         positions = torch.empty(room, dtype=torch.int32)
         keys = torch.empty(room, dtype=key_dtype)
-        found = function(_pointer(flat), ctypes.c_int64(flat.numel()), ctypes.c_int64(int(floor)), _pointer(positions),
-                         _pointer(keys), ctypes.c_int64(room), ctypes.c_int(torch.get_num_threads()))
+        found = _call(f"actcomp_candidates_{width}", (flat, positions, keys),
+                      _pointer(flat), ctypes.c_int64(flat.numel()), ctypes.c_int64(int(floor)), _pointer(positions),
+                      _pointer(keys), ctypes.c_int64(room), _threads(), data_sized=True)
         if found < 0:
             raise MemoryError("actcomp's native candidate search could not allocate its block counts")
         if found <= room:
@@ -138,8 +141,9 @@ def compact(positions: torch.Tensor, keys: torch.Tensor, key: int, ties: int) ->
     key is above ``key``, and of the first ``ties`` equal to it, moved to the front of
     ``positions`` in order; returns that front, a view."""
     width = _KEY_WIDTHS[keys.element_size()][1]
-    kept = getattr(library(), f"actcomp_compact_{width}")(
-        _pointer(positions), _pointer(keys), ctypes.c_int64(keys.numel()), ctypes.c_int64(key), ctypes.c_int64(ties))
+    kept = _call(f"actcomp_compact_{width}", (positions, keys),
+                 _pointer(positions), _pointer(keys), ctypes.c_int64(keys.numel()), ctypes.c_int64(key),
+                 ctypes.c_int64(ties), data_sized=True)
     return positions[:kept]
 
 
@@ -152,8 +156,8 @@ def elias_fano_encode(positions: torch.Tensor, low_bits: int, high: torch.Tensor
     """:meth:`EliasFano.from_positions <actcomp.kernels.positions.EliasFano.from_positions>`:
     sets the bits of contiguous ``positions`` (ascending, int32) in the zeroed streams ``high``
     and ``low``."""
-    library().actcomp_ef_encode(_pointer(positions), ctypes.c_int64(positions.numel()), ctypes.c_int(low_bits),
-                                _pointer(high), _pointer(low))
+    _call("actcomp_ef_encode", (positions, high, low),
+          _pointer(positions), ctypes.c_int64(positions.numel()), ctypes.c_int(low_bits), _pointer(high), _pointer(low))
 
 
 def scatters(values: torch.Tensor) -> bool:
@@ -167,16 +171,47 @@ def elias_fano_scatter(values: torch.Tensor, high: torch.Tensor, low: torch.Tens
     with each slot's value at its position, from contiguous ``values``, ``high`` and ``low``."""
     out = values.new_empty(count)
     width = _KEY_WIDTHS[values.element_size()][1]
-    status = getattr(library(), f"actcomp_ef_scatter_{width}")(
-        _pointer(values), ctypes.c_int64(values.numel()), _pointer(high), ctypes.c_int64(high.numel()), _pointer(low),
-        ctypes.c_int64(low.numel()), ctypes.c_int(low_bits), ctypes.c_int64(count), _pointer(out),
-        ctypes.c_int(torch.get_num_threads()))
+    status = _call(f"actcomp_ef_scatter_{width}", (values, high, low, out),
+                   _pointer(values), ctypes.c_int64(values.numel()), _pointer(high), ctypes.c_int64(high.numel()),
+                   _pointer(low), ctypes.c_int64(low.numel()), ctypes.c_int(low_bits), ctypes.c_int64(count),
+                   _pointer(out), _threads())
     if status < 0:
         raise MemoryError("actcomp's native Elias-Fano scatter could not allocate its slot counts")
     return out
 
 
+@contextlib.contextmanager
+def observed(observer: Any) -> Iterator[None]:
+    """Inside the block, every kernel call runs inside ``observer.kernel(name, tensors,
+    data_sized)`` (a context manager): what :func:`~actcomp.tools.codec_cost.codec_cost` counts
+    and times, as it does the ATen operations the kernels replace. ``tensors``: those the call
+    reads and writes; ``data_sized``: whether its result's size depends on the data, as ``nonzero``'s."""
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
+
+
+def _call(name: str, tensors: tuple[torch.Tensor, ...], *args: Any, data_sized: bool = False) -> Any:
+    function = getattr(library(), name)
+    if not _observers:
+        return function(*args)
+    with contextlib.ExitStack() as stack:
+        for observer in _observers:
+            stack.enter_context(observer.kernel(name, tensors, data_sized))
+        return function(*args)
+
+
+def _threads() -> ctypes.c_int:
+    return ctypes.c_int(torch.get_num_threads())
+
+
 def _pointer(tensor: torch.Tensor) -> ctypes.c_void_p:
+    # The kernels index flat memory: a strided view would be read as the wrong elements.
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError(f"actcomp's native kernels take contiguous CPU tensors, got strides {tensor.stride()} "
+                         f"on {tensor.device}")
     return ctypes.c_void_p(tensor.data_ptr())
 
 

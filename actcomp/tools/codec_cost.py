@@ -11,7 +11,10 @@ Wall-clock ratios on a shared machine swing with its load; these do not (or bare
   the time inside their ATen operations, as the profiler splits it. The one timed figure.
 
 Bytes are those of the tensors each non-view operation takes and returns: an upper bound of the
-memory traffic (a gather is charged its whole source). The step runs twice: once under the
+memory traffic (a gather is charged its whole source). A native kernel
+(:mod:`~actcomp.kernels.native_cpu`) counts as one operation, charged the tensors it reads and
+writes, a host sync when its result's size depends on the data (as ``nonzero``), and its time
+as an operation's, not Python's. The step runs twice: once under the
 profiler (each top-level codec call, noted through :mod:`actcomp.core.watchers`, a range), once
 under a ``TorchDispatchMode`` that counts.
 
@@ -26,7 +29,8 @@ under a ``TorchDispatchMode`` that counts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from actcomp.core import watchers
+from actcomp.kernels import native_cpu
 
 _aten = torch.ops.aten
 # Ops that read values back to the host, or whose output size depends on the data.
@@ -85,6 +90,10 @@ class _Marker:
         if self.depth == 0:
             self.ranges.pop().__exit__(None, None, None)
 
+    def kernel(self, name: str, tensors: tuple[torch.Tensor, ...], data_sized: bool) -> Any:
+        # A range of its own, a child of the codec's: its time is a kernel's, not Python's.
+        return torch.autograd.profiler.record_function(f"actcomp.native.{name}")
+
 
 _RANGE = "actcomp.codec"
 
@@ -110,6 +119,14 @@ class _Counter(TorchDispatchMode):
         else:
             self.unpacks += 1
 
+    @contextlib.contextmanager
+    def kernel(self, name: str, tensors: tuple[torch.Tensor, ...], data_sized: bool) -> Iterator[None]:
+        yield
+        self.ops += 1
+        self.moved += sum(t.nbytes for t in tensors)
+        self.syncs += data_sized
+        self.codec_syncs += data_sized and self.depth > 0
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.depth:
@@ -130,14 +147,14 @@ def codec_cost(step: Callable[[], Any]) -> CodecCost:
     """:class:`CodecCost` of ``step`` (a training step: forward and backward), run twice."""
     marker = _Marker()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile, \
-            watchers.watching(marker):
+            watchers.watching(marker), native_cpu.observed(marker):
         step()
     # Python time: a codec call's range minus its ATen operations, the gaps between them.
     ranges = [event for event in profile.events() if event.name == _RANGE]
     python_us = sum(event.cpu_time_total - sum(child.cpu_time_total for child in event.cpu_children)
                     for event in ranges)
     counter = _Counter()
-    with watchers.watching(counter), counter:
+    with watchers.watching(counter), native_cpu.observed(counter), counter:
         step()
     return CodecCost(packs=counter.packs, unpacks=counter.unpacks, bytes_freed=counter.freed,
                      bytes_moved=counter.moved, aten_ops=counter.ops, host_syncs=counter.syncs,
