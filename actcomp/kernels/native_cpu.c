@@ -73,6 +73,35 @@ static inline float round_up_to_bf16(float value) {
     return bits_to_float(upper << 16);
 }
 
+/* Eight codes of bits bits <-> eight bytes: one bit-field extract or deposit per eight codes
+ * where the CPU has BMI2, a loop over the fields elsewhere. */
+#if defined(__BMI2__)
+#include <immintrin.h>
+#endif
+static inline uint64_t byte_fields(int bits) {
+    return bits == 4 ? 0x0F0F0F0F0F0F0F0Full : 0x0303030303030303ull;
+}
+
+static inline uint64_t pack_eight(uint64_t bytes, const int bits) {
+#if defined(__BMI2__)
+    return _pext_u64(bytes, byte_fields(bits));
+#else
+    uint64_t packed = 0;
+    for (int k = 0; k < 8; k++) packed |= ((bytes >> (8 * k)) & 0xFFu) << (k * bits);
+    return packed;
+#endif
+}
+
+static inline uint64_t unpack_eight(uint64_t packed, const int bits) {
+#if defined(__BMI2__)
+    return _pdep_u64(packed, byte_fields(bits));
+#else
+    uint64_t bytes = 0;
+    for (int k = 0; k < 8; k++) bytes |= ((packed >> (k * bits)) & ((1u << bits) - 1u)) << (8 * k);
+    return bytes;
+#endif
+}
+
 /* Codes of a group are made a tile at a time into a buffer in cache, then packed. */
 #define TILE 256
 /* Lanes of the min/max pass: sixteen running minima and maxima make it a vector loop (a
@@ -107,6 +136,15 @@ static inline __attribute__((always_inline)) void group_range(const void *x, int
     *high_out = high[0];
 }
 
+/* floor((value - low) * inverse + noise), clamped to [0, levels]: quantize.py's arithmetic, each
+ * operation rounded as there. */
+static inline uint8_t code_of(float value, float low, float inverse, float noise, float levels) {
+    float code = (value - low) * inverse + noise;
+    code = code < 0.0f ? 0.0f : code;
+    code = code > levels ? levels : code;
+    return (uint8_t)(int32_t)code; /* truncation: floor of a non-negative */
+}
+
 static inline __attribute__((always_inline)) void quantize(
     const void *x, int64_t count, int64_t group, uint32_t seed, uint8_t *codes, void *offset, uint16_t *scale,
     int threads, const int dtype, const int bits) {
@@ -137,25 +175,32 @@ static inline __attribute__((always_inline)) void quantize(
             scale[g] = (uint16_t)(float_to_bits(step) >> 16); /* exact: rounded to a bf16 above */
             for (int64_t at = start; at < stop; at += TILE) {
                 const int length = stop - at < TILE ? (int)(stop - at) : TILE;
-                for (int k = 0; k < length; k++) {
-                    float code = (load(x, at + k, dtype) - low) * inverse + noise_at(seed, at + k);
-                    code = code < 0.0f ? 0.0f : code;
-                    code = code > levels ? levels : code;
-                    tile[k] = (uint8_t)(int32_t)code; /* truncation: floor of a non-negative */
+                if ((at >> PERIOD_BITS) == ((at + length - 1) >> PERIOD_BITS)) {
+                    /* The tile within one period of the noise: its rotation hashed once, not per
+                     * element (half the hashing, which is most of the arithmetic). */
+                    const uint32_t rotation = lowbias32((uint32_t)(at >> PERIOD_BITS) ^ ROTATION_KEY) & 0xFFFFu;
+                    for (int k = 0; k < length; k++) {
+                        const uint32_t place = ((uint32_t)((at + k) & 0xFFFF) + rotation) & 0xFFFFu;
+                        const float noise = (float)(lowbias32(place ^ seed) >> 8) * 0x1p-24f;
+                        tile[k] = code_of(load(x, at + k, dtype), low, inverse, noise, levels);
+                    }
+                } else {
+                    for (int k = 0; k < length; k++)
+                        tile[k] = code_of(load(x, at + k, dtype), low, inverse, noise_at(seed, at + k), levels);
                 }
                 if (bits == 8) {
                     memcpy(codes + at, tile, (size_t)length);
-                } else if (at % per_byte == 0) {
-                    const int whole = length / per_byte;
-                    uint8_t *out = codes + at / per_byte;
-                    for (int j = 0; j < whole; j++) {
-                        uint8_t byte = 0;
-                        for (int field = 0; field < per_byte; field++)
-                            byte |= (uint8_t)(tile[j * per_byte + field] << (field * bits));
-                        out[j] = byte;
+                } else if (at % 8 == 0) {
+                    /* Eight codes fill bits whole bytes; a last run of fewer is or-ed in. */
+                    const int whole = length / 8 * 8;
+                    for (int k = 0; k < whole; k += 8) {
+                        uint64_t bytes;
+                        memcpy(&bytes, tile + k, 8);
+                        const uint64_t packed = pack_eight(bytes, bits);
+                        memcpy(codes + (at + k) / per_byte, &packed, (size_t)bits);
                     }
-                    for (int k = whole * per_byte; k < length; k++)
-                        out[k / per_byte] |= (uint8_t)(tile[k] << ((k % per_byte) * bits));
+                    for (int k = whole; k < length; k++)
+                        codes[(at + k) / per_byte] |= (uint8_t)(tile[k] << (((at + k) % per_byte) * bits));
                 } else {
                     for (int k = 0; k < length; k++)
                         codes[(at + k) / per_byte] |= (uint8_t)(tile[k] << (((at + k) % per_byte) * bits));
@@ -182,16 +227,33 @@ static inline __attribute__((always_inline)) void dequantize(
             const int64_t stop = start + group < count ? start + group : count;
             const float low = load(offset, g, dtype);
             const float step = bits_to_float((uint32_t)scale[g] << 16);
-            for (int64_t i = start; i < stop; i++) {
-                const uint8_t code = bits == 8 ? codes[i]
-                                               : (uint8_t)((codes[i / per_byte] >> ((i % per_byte) * bits)) & mask);
-                /* A multiply-add, as ATen's addcmul is on CPU: an 8-bit code times a bf16 scale is
-                 * exact in float32 unless it overflows, and there only the fused form agrees. */
-                float value = fmaf((float)code, step, low);
-                value = value < -limit ? -limit : value;
-                value = value > limit ? limit : value;
-                if (dtype == 0) ((float *)out)[i] = value;
-                else ((uint16_t *)out)[i] = float_to_bf16(value);
+            uint8_t tile[TILE];
+            for (int64_t at = start; at < stop; at += TILE) {
+                const int length = stop - at < TILE ? (int)(stop - at) : TILE;
+                int k = 0;
+                if (bits == 8) {
+                    memcpy(tile, codes + at, (size_t)length);
+                    k = length;
+                } else if (at % 8 == 0) {
+                    /* Whole runs of eight codes, never reading past the stream's last byte. */
+                    for (; k + 8 <= length; k += 8) {
+                        uint64_t packed = 0;
+                        memcpy(&packed, codes + (at + k) / per_byte, (size_t)bits);
+                        const uint64_t bytes = unpack_eight(packed, bits);
+                        memcpy(tile + k, &bytes, 8);
+                    }
+                }
+                for (; k < length; k++)
+                    tile[k] = (uint8_t)((codes[(at + k) / per_byte] >> (((at + k) % per_byte) * bits)) & mask);
+                for (int j = 0; j < length; j++) {
+                    /* A multiply-add, as ATen's addcmul is on CPU: an 8-bit code times a bf16 scale
+                     * is exact in float32 unless it overflows, and there only the fused form agrees. */
+                    float value = fmaf((float)tile[j], step, low);
+                    value = value < -limit ? -limit : value;
+                    value = value > limit ? limit : value;
+                    if (dtype == 0) ((float *)out)[at + j] = value;
+                    else ((uint16_t *)out)[at + j] = float_to_bf16(value);
+                }
             }
         }
     }
