@@ -109,13 +109,14 @@ def test_candidates_are_the_reference_positions_and_keys(dtype, capacity):
 @pytest.mark.parametrize("spec", ["mink0.9", "smink0.9", "mink0.99+int8", "smink0.9+int4"])
 def test_sparsifiers_with_native_kernels_give_the_reference_bytes(spec, dtype, monkeypatch):
     native_calls = set()
-    for name in ("positions_and_keys", "compact", "elias_fano_encode", "elias_fano_scatter"):
+    for name in ("positions_and_keys", "select", "compact", "gather", "elias_fano_encode", "elias_fano_scatter"):
         kernel = getattr(native_cpu, name)
         monkeypatch.setattr(native_cpu, name, lambda *a, _k=kernel, _n=name, **k: native_calls.add(_n) or _k(*a, **k))
     # Values on a coarse grid: thousands of ties at every magnitude, the threshold's too.
     x = (values(65536 * 5 + 3, torch.float32) * 2).round().div(2).to(dtype)
     assert_same(*both_ways(spec, x))
-    assert native_calls == {"positions_and_keys", "compact", "elias_fano_encode", "elias_fano_scatter"}
+    assert native_calls == {"positions_and_keys", "select", "compact", "gather", "elias_fano_encode",
+                            "elias_fano_scatter"}
 
 
 def test_without_a_compiler_the_references_run_after_one_warning(monkeypatch):
@@ -151,6 +152,16 @@ def test_the_library_is_built_once_per_cache_directory(monkeypatch, tmp_path):
     stamp = first.stat().st_mtime_ns
     assert native_cpu._built(compiler) == first and first.stat().st_mtime_ns == stamp
     assert [path.name for path in tmp_path.iterdir()] == [first.name]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_radix_select_is_topk_and_its_ties(dtype):
+    keys = magnitude_keys((values(100_003, torch.float32) * 4).round().to(dtype))  # many ties
+    for kept in (1, 7, 10_000, 50_001, 100_003):
+        key, ties = native_cpu.select(keys, kept)
+        assert key == int(torch.topk(keys, kept).values.min())
+        assert ties == kept - int((keys > key).sum()) and 1 <= ties <= int((keys == key).sum())
 
 
 @needs_native

@@ -37,7 +37,7 @@ from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
 from actcomp.kernels import eager_cpu
 from actcomp.kernels.chunks import aligned_length, spans
-from actcomp.kernels.eager_select import exact_kept_positions, kept_positions_over, worth_it
+from actcomp.kernels.eager_select import exact_kept_positions, sampled_kept_positions, worth_it
 from actcomp.kernels.positions import (
     Bitmask,
     Dense,
@@ -171,7 +171,7 @@ class SampledMinK(_ElementSparsifier):
     def kept_positions(self, flat: torch.Tensor, kept: int) -> torch.Tensor | None:
         if flat.numel() <= self.sample:
             return exact_kept_positions(flat, kept)
-        return kept_positions_over(flat, sampled_threshold(flat, kept, self.sample), kept)
+        return sampled_kept_positions(flat, kept, self.sample)
 
 
 @register_compressor

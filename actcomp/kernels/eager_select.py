@@ -34,7 +34,16 @@ import torch
 from actcomp.kernels import native_cpu
 from actcomp.kernels.chunks import aligned_length, spans
 from actcomp.kernels.positions import index_chunk_length
-from actcomp.kernels.thresholds import SAMPLE, Threshold, key_bits, magnitude_keys, sample_of, select_threshold
+from actcomp.kernels.thresholds import (
+    SAMPLE,
+    Threshold,
+    key_bits,
+    magnitude_keys,
+    sample_of,
+    sampled_rank,
+    sampled_threshold,
+    select_threshold,
+)
 
 # As smink's: the sample's quantile is moved this many of its standard deviations toward
 # keeping more, so that fewer than k candidates turn up only about once in 30,000 tensors.
@@ -57,17 +66,35 @@ def exact_kept_positions(flat: torch.Tensor, kept: int) -> torch.Tensor | None:
     share = kept / count
     margin = _MARGIN_SIGMAS * math.sqrt(share * (1 - share) * sample.numel()) + 1
     rank = math.ceil(share * sample.numel() + margin)
-    floor = torch.topk(sample, rank, sorted=False).values.min() if rank < sample.numel() else sample.new_zeros(())
+    floor = _largest(sample, rank) if rank < sample.numel() else 0
     # Room for the candidates the sample predicts, and a little more: a native search that finds
     # more says so and runs again, so the estimate costs time only when it is short.
     positions, keys = _candidates(flat, floor, capacity=math.ceil(count * rank / sample.numel() * 1.05) + 64)
     if keys.numel() < kept:
         return None
+    if native_cpu.compacts(positions, keys):
+        key, ties = native_cpu.select(keys, kept)
+        return native_cpu.compact(positions, keys, key, ties)
     # Radix select over the candidates, a chunk at a time: topk and kthvalue copy all of them
     # with an int64 index each on CPU (0.4x a fp32 input at 10% kept).
     threshold = select_threshold(lambda start, stop: keys[start:stop], keys.numel(), kept,
                                  key_bits(flat.dtype), flat.device)
     return _kept_among(positions, keys, threshold.key, int(threshold.ties))
+
+
+def sampled_kept_positions(flat: torch.Tensor, kept: int, size: int) -> torch.Tensor:
+    """:func:`kept_positions_over` the :func:`~actcomp.kernels.thresholds.sampled_threshold` of
+    ``flat``, the same positions: where the native kernels run, the threshold's count of keys
+    above its key is read off the candidates instead of a pass over ``flat``."""
+    if not native_cpu.selects(flat):
+        return kept_positions_over(flat, sampled_threshold(flat, kept, size), kept)
+    sample = magnitude_keys(sample_of(flat, size))
+    key = _largest(sample, sampled_rank(flat.numel(), kept, sample.numel()))
+    positions, keys = _candidates(flat, key, capacity=kept + kept // 16 + 64)
+    above = int((keys > key).count_nonzero())
+    ties = max(kept - above, 0) if key > 0 else 0
+    chosen = native_cpu.compact(positions, keys, key, ties)[:kept]
+    return torch.cat([chosen, chosen.new_full((kept - chosen.numel(),), flat.numel())])
 
 
 def kept_positions_over(flat: torch.Tensor, threshold: Threshold, kept: int) -> torch.Tensor:
@@ -80,7 +107,14 @@ def kept_positions_over(flat: torch.Tensor, threshold: Threshold, kept: int) -> 
     return torch.cat([chosen, chosen.new_full((kept - chosen.numel(),), flat.numel())])
 
 
-def _candidates(flat: torch.Tensor, floor: torch.Tensor,
+def _largest(keys: torch.Tensor, rank: int) -> int | torch.Tensor:
+    """The ``rank``-th largest of ``keys`` (as ``topk(keys, rank).values.min()``)."""
+    if native_cpu.takes_keys(keys):
+        return native_cpu.select(keys, rank)[0]
+    return torch.topk(keys, rank, sorted=False).values.min()
+
+
+def _candidates(flat: torch.Tensor, floor: int | torch.Tensor,
                 capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions (int32) and magnitude keys of the elements whose key is at least ``floor``.
     Counted first, so that both are written once into tensors of their size: pieces joined by

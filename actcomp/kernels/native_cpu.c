@@ -473,3 +473,47 @@ static inline uint32_t read_code(const uint8_t *low, int64_t low_bytes, int64_t 
 
 EF_SCATTER(actcomp_ef_scatter_16, uint16_t)
 EF_SCATTER(actcomp_ef_scatter_32, uint32_t)
+
+/* thresholds.py's select_threshold over keys (non-negative, of key_bits bits): the kept-th
+ * largest key, returned, and in *ties how many keys equal to it are kept (kept less those
+ * above it). Radix select: a histogram of the top digit, then one of the rest among the keys
+ * sharing it. The answer is unique, so it is the ATen path's bit for bit. Returns -1 if out
+ * of memory. */
+#define SELECT(NAME, KEY)                                                                            \
+    int64_t NAME(const KEY *keys, int64_t count, int64_t kept, int key_bits, int64_t *ties) {        \
+        const int low_bits = key_bits > 16 ? 16 : 0;                                                  \
+        const int64_t top_bins = (int64_t)1 << (key_bits - low_bits);                                 \
+        uint32_t *histogram = calloc((size_t)(top_bins > 65536 ? top_bins : 65536), sizeof(uint32_t)); \
+        if (!histogram) return -1;                                                                    \
+        for (int64_t i = 0; i < count; i++) histogram[keys[i] >> low_bits]++;                         \
+        int64_t above = 0, digit = top_bins - 1;                                                      \
+        for (; digit > 0 && above + histogram[digit] < kept; digit--) above += histogram[digit];      \
+        int64_t wanted = kept - above, key = digit;                                                   \
+        if (low_bits) {                                                                               \
+            memset(histogram, 0, 65536 * sizeof(uint32_t));                                           \
+            for (int64_t i = 0; i < count; i++)                                                       \
+                if ((keys[i] >> low_bits) == digit) histogram[keys[i] & 0xFFFF]++;                    \
+            int64_t below_top = 0, rest = 65535;                                                      \
+            for (; rest > 0 && below_top + histogram[rest] < wanted; rest--) below_top += histogram[rest]; \
+            wanted -= below_top;                                                                      \
+            key = (digit << low_bits) | rest;                                                         \
+        }                                                                                             \
+        free(histogram);                                                                              \
+        *ties = wanted;                                                                               \
+        return key;                                                                                   \
+    }
+
+SELECT(actcomp_select_32, int32_t)
+SELECT(actcomp_select_16, int16_t)
+
+/* positions.py's encode_positions: the values at the slots' positions, +0 (all bits clear) for
+ * an empty slot (position count). */
+#define GATHER(NAME, WORD)                                                                            \
+    void NAME(const WORD *flat, int64_t count, const int32_t *positions, int64_t slots, WORD *out,    \
+              int threads) {                                                                          \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                             \
+        for (int64_t j = 0; j < slots; j++) out[j] = positions[j] < count ? flat[positions[j]] : 0;   \
+    }
+
+GATHER(actcomp_gather_16, uint16_t)
+GATHER(actcomp_gather_32, uint32_t)

@@ -18,7 +18,8 @@ runs the eager reference everywhere.
 
 >>> import torch
 >>> native = library()
->>> native is None or positions_and_keys(torch.tensor([1.0, -3.0, 0.5, 2.0]), floor=2.0)[0].tolist() == [1, 3]
+>>> x = torch.tensor([1.0, -3.0, 0.5, 2.0])
+>>> native is None or positions_and_keys(x, floor=int(x[3:].view(torch.int32)))[0].tolist() == [1, 3]
 True
 """
 
@@ -105,16 +106,14 @@ def selects(flat: torch.Tensor) -> bool:
             and flat.numel() <= MAX_ELEMENTS and library() is not None)
 
 
-def positions_and_keys(flat: torch.Tensor, floor: float | torch.Tensor,
+def positions_and_keys(flat: torch.Tensor, floor: int | torch.Tensor,
                        capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ascending int32 positions and the magnitude keys
     (:func:`~actcomp.kernels.thresholds.magnitude_keys`) of contiguous ``flat``'s elements whose
-    key is at least ``floor`` (a key, or a float magnitude). ``capacity``: the room allocated
-    first (None: none, the kernel counts first); when more turn up, the kernel says how many and
-    runs again into tensors of that size, so no temporary is larger than needed."""
+    key is at least the key ``floor``. ``capacity``: the room allocated first (None: none, the
+    kernel counts first); when more turn up, the kernel says how many and runs again into
+    tensors of that size, so no temporary is larger than needed."""
     key_dtype, width = _KEY_WIDTHS[flat.element_size()]
-    if not isinstance(floor, torch.Tensor):
-        floor = torch.tensor(float(floor), dtype=flat.dtype).view(key_dtype)
     room = 0 if capacity is None else min(capacity, flat.numel())  # 0: count, then write
     while True:
         positions = torch.empty(room, dtype=torch.int32)
@@ -129,11 +128,18 @@ def positions_and_keys(flat: torch.Tensor, floor: float | torch.Tensor,
         room = found
 
 
+def takes_keys(keys: torch.Tensor) -> bool:
+    """Whether :func:`select` takes ``keys``: contiguous 2- or 4-byte integers on a CPU, and the
+    kernels built."""
+    return (keys.device.type == "cpu" and not keys.is_floating_point() and keys.element_size() in _KEY_WIDTHS
+            and keys.is_contiguous() and library() is not None)
+
+
 def compacts(positions: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether :func:`compact` takes these candidates: contiguous int32 positions and 2- or
-    4-byte keys on a CPU, and the kernels built."""
-    return (positions.device.type == "cpu" and positions.dtype == torch.int32 and keys.element_size() in _KEY_WIDTHS
-            and positions.is_contiguous() and keys.is_contiguous() and library() is not None)
+    """Whether :func:`compact` takes these candidates: contiguous int32 positions and keys
+    :func:`takes_keys` takes."""
+    return positions.device.type == "cpu" and positions.dtype == torch.int32 and positions.is_contiguous() \
+        and takes_keys(keys)
 
 
 def compact(positions: torch.Tensor, keys: torch.Tensor, key: int, ties: int) -> torch.Tensor:
@@ -145,6 +151,29 @@ def compact(positions: torch.Tensor, keys: torch.Tensor, key: int, ties: int) ->
                  _pointer(positions), _pointer(keys), ctypes.c_int64(keys.numel()), ctypes.c_int64(key),
                  ctypes.c_int64(ties), data_sized=True)
     return positions[:kept]
+
+
+def select(keys: torch.Tensor, kept: int) -> tuple[int, int]:
+    """``(key, ties)`` of :func:`~actcomp.kernels.thresholds.select_threshold` over contiguous
+    ``keys`` (:func:`positions_and_keys`' or a sample's, 1 to ``keys.numel()`` kept): the
+    ``kept``-th largest key, and how many equal to it are kept."""
+    key_dtype, width = _KEY_WIDTHS[keys.element_size()]
+    ties = ctypes.c_int64(0)
+    key = _call(f"actcomp_select_{width}", (keys,), _pointer(keys), ctypes.c_int64(keys.numel()), ctypes.c_int64(kept),
+                ctypes.c_int(8 * keys.element_size() - 1), ctypes.byref(ties))
+    if key < 0:
+        raise MemoryError("actcomp's native radix select could not allocate its histogram")
+    return key, ties.value
+
+
+def gather(flat: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The values of contiguous ``flat`` at int32 ``positions``, bit for bit, and +0.0 where a
+    position is ``flat.numel()`` (an empty slot)."""
+    out = torch.empty(positions.numel(), dtype=flat.dtype)
+    width = _KEY_WIDTHS[flat.element_size()][1]
+    _call(f"actcomp_gather_{width}", (flat, positions, out), _pointer(flat), ctypes.c_int64(flat.numel()),
+          _pointer(positions), ctypes.c_int64(positions.numel()), _pointer(out), _threads())
+    return out
 
 
 def codes_positions(positions: torch.Tensor) -> bool:
@@ -275,8 +304,8 @@ def _cpu_flags() -> str:
 
 def _declare(native: ctypes.CDLL) -> None:
     for name in ("actcomp_candidates_32", "actcomp_candidates_16", "actcomp_ef_scatter_16", "actcomp_ef_scatter_32",
-                 "actcomp_compact_32", "actcomp_compact_16"):
+                 "actcomp_compact_32", "actcomp_compact_16", "actcomp_select_32", "actcomp_select_16"):
         getattr(native, name).restype = ctypes.c_int64
     for name in ("actcomp_quantize_f32", "actcomp_quantize_bf16", "actcomp_dequantize_f32", "actcomp_dequantize_bf16",
-                 "actcomp_ef_encode"):
+                 "actcomp_ef_encode", "actcomp_gather_16", "actcomp_gather_32"):
         getattr(native, name).restype = None

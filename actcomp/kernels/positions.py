@@ -315,6 +315,8 @@ def encode_positions(flat: torch.Tensor, positions: torch.Tensor, form: Bitmask 
     ([2.0, 3.0, 8.0, 0.0], True)
     """
     count = flat.numel()
+    if eager_cpu.applies(flat) and native_cpu.codes_positions(positions) and native_cpu.scatters(flat):
+        return native_cpu.gather(flat.contiguous(), positions.contiguous()), form.from_positions(positions), form
     values = _bits_of(flat).index_select(0, positions.clamp(max=count - 1))
     values.masked_fill_(positions == count, 0)  # an empty slot holds +0.0
     return values.view(flat.dtype), form.from_positions(positions), form
