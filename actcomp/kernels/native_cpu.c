@@ -454,14 +454,17 @@ static inline uint32_t read_code(const uint8_t *low, int64_t low_bytes, int64_t 
                 const int64_t stop = (task + 1) * SCATTER_BYTES < high_bytes ? (task + 1) * SCATTER_BYTES \
                                                                                 : high_bytes;          \
                 int64_t slot = first_slot[task];                                                      \
-                for (int64_t b = task * SCATTER_BYTES; b < stop; b++) {                               \
-                    uint32_t byte = high[b];                                                          \
-                    while (byte && slot < capacity) {                                                 \
-                        const int64_t bit = b * 8 + __builtin_ctz(byte);                              \
-                        byte &= byte - 1;                                                             \
+                /* Eight bytes at a time (a word's set bits visited by count-trailing-zeros): one  \
+                 * unpredictable loop exit per word, not per byte. */                              \
+                for (int64_t b = task * SCATTER_BYTES; b < stop; b += 8) {                            \
+                    uint64_t word = 0;                                                                \
+                    memcpy(&word, high + b, (size_t)(stop - b < 8 ? stop - b : 8));                   \
+                    while (word) {                                                                    \
+                        const int64_t bit = b * 8 + __builtin_ctzll(word);                            \
+                        word &= word - 1;                                                             \
                         const int64_t position = ((bit - slot) << low_bits)                           \
                             | (low_bits ? read_code(low, low_bytes, slot, low_bits) : 0);             \
-                        if (position < count) out[position] = values[slot];                           \
+                        if (position < count && slot < capacity) out[position] = values[slot];        \
                         slot++;                                                                       \
                     }                                                                                 \
                 }                                                                                     \
