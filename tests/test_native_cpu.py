@@ -12,6 +12,7 @@ import torch
 import actcomp
 from actcomp import errors
 from actcomp.compressors.affine import GroupQuant
+from actcomp.compressors.casts import Fp8
 from actcomp.core.backends import use_backend
 from actcomp.kernels import eager_select, native_cpu
 from actcomp.kernels.thresholds import magnitude_keys
@@ -46,14 +47,14 @@ def assert_same(reference: tuple, native: tuple) -> None:
     for expected, got in zip(reference[0], native[0], strict=True):
         assert expected.dtype == got.dtype and expected.shape == got.shape
         # Bit patterns, so that -0.0 and 0.0 differ and NaN equals NaN.
-        assert torch.equal(expected.view(torch.uint8), got.view(torch.uint8))
-    assert torch.equal(reference[1].view(torch.uint8), native[1].view(torch.uint8))
+        assert torch.equal(expected.reshape(-1).view(torch.uint8), got.reshape(-1).view(torch.uint8))
+    assert torch.equal(reference[1].reshape(-1).view(torch.uint8), native[1].reshape(-1).view(torch.uint8))
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("spec", ["int8", "int4", "int2", "int8:group=64", "int4:group=100", "int2:group=7",
-                                  "int8:group=1", "int4:group=3"])
+                                  "int8:group=1", "int4:group=3", "fp8"])
 @pytest.mark.parametrize("count", [1, 5, 999, 4096, 300_001])
 def test_quantizers_give_the_reference_bytes(spec, dtype, count):
     assert_same(*both_ways(spec, values(count, dtype, seed=count)))
@@ -73,12 +74,13 @@ def test_the_bytes_do_not_depend_on_the_thread_count(threads):
 
 
 @needs_native
-def test_the_native_quantizer_runs_and_the_eager_one_does_not(monkeypatch):
+@pytest.mark.parametrize("spec, klass", [("int8", GroupQuant), ("int2", GroupQuant), ("fp8", Fp8)])
+def test_the_native_codec_runs_and_the_eager_one_does_not(spec, klass, monkeypatch):
     calls = []
     for method in ("encode", "decode"):
-        original = getattr(GroupQuant, method)
-        monkeypatch.setattr(GroupQuant, method, lambda self, *args, _o=original, _m=method: calls.append(_m) or _o(self, *args))
-    stage = actcomp.parse("int8")
+        original = getattr(klass, method)
+        monkeypatch.setattr(klass, method, lambda self, *args, _o=original, _m=method: calls.append(_m) or _o(self, *args))
+    stage = actcomp.parse(spec)
     x = torch.randn(4000)
     stage.decompress(stage.compress(x))
     assert calls == []

@@ -20,6 +20,7 @@ import torch
 
 from actcomp.core.codec import Compressor, Encoded, Hints
 from actcomp.core.registry import register_compressor
+from actcomp.kernels import native_cpu
 from actcomp.kernels.chunks import map_chunks
 
 _FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -87,3 +88,20 @@ class Fp8(Compressor):
         limit = torch.finfo(meta).max
         values = map_chunks(payload.reshape(-1), meta, lambda part: (part.float() * saved[0]).clamp(-limit, limit))
         return values.view(payload.shape)
+
+    def native_encode(self, x: torch.Tensor, hints: Hints) -> Encoded | None:
+        """:meth:`encode` in two passes of :mod:`~actcomp.kernels.native_cpu` (the range, then
+        the codes), on CPU float32 and bfloat16."""
+        if not native_cpu.casts(x.device, x.dtype, x.numel()):
+            return None
+        flat = x.reshape(-1).contiguous()
+        scale = native_cpu.fp8_amax(flat) / _FP8_MAX
+        # The scale as encode computes it: zero (or an underflow) keeps 1.
+        scale = torch.where(scale > 0, scale, 1.0)
+        return Encoded(native_cpu.fp8_encode(flat, scale).view(x.shape), (scale,), x.dtype)
+
+    def native_decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor | None:
+        if not native_cpu.casts(payload.device, meta, payload.numel()) or saved[0].dtype != torch.float32:
+            return None
+        codes = payload.reshape(-1).contiguous().view(torch.uint8)
+        return native_cpu.fp8_decode(codes, saved[0].contiguous(), meta).view(payload.shape)

@@ -520,3 +520,101 @@ SELECT(actcomp_select_16, int16_t)
 
 GATHER(actcomp_gather_16, uint16_t)
 GATHER(actcomp_gather_32, uint32_t)
+
+/* fp8 e4m3fn, as torch converts: round to nearest even, subnormals included (through a float
+ * addition that aligns their bits); the encoder clamps to +-448 first, so no NaN is made. */
+static inline uint8_t float_to_e4m3fn(float value) {
+    uint32_t bits = float_to_bits(value);
+    const uint32_t sign = bits & 0x80000000u;
+    bits ^= sign;
+    uint8_t result;
+    if (bits >= (1087u << 20)) {
+        result = 0x7F;
+    } else if (bits < (121u << 23)) {
+        const uint32_t denormal = 141u << 23;
+        result = (uint8_t)(float_to_bits(bits_to_float(bits) + bits_to_float(denormal)) - denormal);
+    } else {
+        const uint32_t odd = (bits >> 20) & 1u;
+        bits += ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + odd;
+        result = (uint8_t)(bits >> 20);
+    }
+    return result | (uint8_t)(sign >> 24);
+}
+
+static inline float e4m3fn_to_float(uint8_t code) {
+    const uint32_t sign = (uint32_t)(code & 0x80) << 24, exponent = (code >> 3) & 0xF, mantissa = code & 7;
+    if (exponent == 0xF && mantissa == 7) return NAN;
+    if (exponent == 0) return bits_to_float(sign) + (sign ? -1.0f : 1.0f) * (float)mantissa * 0x1p-9f;
+    return bits_to_float(sign | ((exponent + 120) << 23) | (mantissa << 20));
+}
+
+/* casts.py's Fp8: *amax = max(-min, max) of x (its dtype's values, exact in float). */
+static inline __attribute__((always_inline)) void fp8_range(const void *x, int64_t count, float *amax,
+                                                            int threads, const int dtype) {
+    float low = INFINITY, high = -INFINITY;
+#pragma omp parallel num_threads(threads)
+    {
+        float my_low = INFINITY, my_high = -INFINITY;
+#pragma omp for schedule(static) nowait
+        for (int64_t start = 0; start < count; start += TILE * 64) {
+            const int64_t stop = start + TILE * 64 < count ? start + TILE * 64 : count;
+            float part_low, part_high;
+            group_range(x, start, stop, &part_low, &part_high, dtype);
+            my_low = part_low < my_low ? part_low : my_low;
+            my_high = part_high > my_high ? part_high : my_high;
+        }
+#pragma omp critical
+        {
+            low = my_low < low ? my_low : low;
+            high = my_high > high ? my_high : high;
+        }
+    }
+    *amax = count ? (-low > high ? -low : high) : 0.0f;
+}
+
+static inline __attribute__((always_inline)) void fp8_encode(const void *x, int64_t count, const float *scale,
+                                                             uint8_t *codes, int threads, const int dtype) {
+    const float step = *scale;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < count; i++) {
+        float value = load(x, i, dtype) / step;
+        value = value < -448.0f ? -448.0f : value;
+        value = value > 448.0f ? 448.0f : value;
+        codes[i] = float_to_e4m3fn(value);
+    }
+}
+
+static inline __attribute__((always_inline)) void fp8_decode(const uint8_t *codes, int64_t count, const float *scale,
+                                                             void *out, int threads, const int dtype) {
+    const float step = *scale;
+    const float limit = dtype == 0 ? 3.4028234663852886e38f : 3.3895313892515355e38f;
+    float table[256]; /* every code's value: a load from L1 instead of a branchy conversion */
+    for (int code = 0; code < 256; code++) table[code] = e4m3fn_to_float((uint8_t)code);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < count; i++) {
+        float value = table[codes[i]] * step;
+        value = value < -limit ? -limit : value;
+        value = value > limit ? limit : value;
+        if (dtype == 0) ((float *)out)[i] = value;
+        else ((uint16_t *)out)[i] = float_to_bf16(value);
+    }
+}
+
+void actcomp_fp8_range_f32(const float *x, int64_t count, float *amax, int threads) {
+    fp8_range(x, count, amax, threads, 0);
+}
+void actcomp_fp8_range_bf16(const uint16_t *x, int64_t count, float *amax, int threads) {
+    fp8_range(x, count, amax, threads, 1);
+}
+void actcomp_fp8_encode_f32(const float *x, int64_t count, const float *scale, uint8_t *codes, int threads) {
+    fp8_encode(x, count, scale, codes, threads, 0);
+}
+void actcomp_fp8_encode_bf16(const uint16_t *x, int64_t count, const float *scale, uint8_t *codes, int threads) {
+    fp8_encode(x, count, scale, codes, threads, 1);
+}
+void actcomp_fp8_decode_f32(const uint8_t *codes, int64_t count, const float *scale, float *out, int threads) {
+    fp8_decode(codes, count, scale, out, threads, 0);
+}
+void actcomp_fp8_decode_bf16(const uint8_t *codes, int64_t count, const float *scale, uint16_t *out, int threads) {
+    fp8_decode(codes, count, scale, out, threads, 1);
+}

@@ -99,6 +99,36 @@ def dequantize(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, b
           ctypes.c_int(bits), _pointer(out), _threads())
 
 
+def casts(device: torch.device, dtype: torch.dtype, count: int) -> bool:
+    """Whether the fp8 kernels take ``count`` values of ``dtype`` on ``device``: CPU float32 or
+    bfloat16, 1 to 2**31 - 1 values, and the kernels built."""
+    return device.type == "cpu" and dtype in _DTYPES and 0 < count <= MAX_ELEMENTS and library() is not None
+
+
+def fp8_amax(flat: torch.Tensor) -> torch.Tensor:
+    """``max(-flat.min(), flat.max())`` as a float32 scalar tensor (0 for no values)."""
+    amax = torch.zeros((), dtype=torch.float32)
+    _call(f"actcomp_fp8_range_{_DTYPES[flat.dtype]}", (flat,), _pointer(flat), ctypes.c_int64(flat.numel()),
+          _pointer(amax), _threads())
+    return amax
+
+
+def fp8_encode(flat: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(flat / scale).clamp(-448, 448)`` cast to float8_e4m3fn, as torch rounds."""
+    codes = torch.empty(flat.numel(), dtype=torch.uint8)
+    _call(f"actcomp_fp8_encode_{_DTYPES[flat.dtype]}", (flat, codes), _pointer(flat), ctypes.c_int64(flat.numel()),
+          _pointer(scale), _pointer(codes), _threads())
+    return codes.view(torch.float8_e4m3fn)
+
+
+def fp8_decode(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``codes * scale`` saturated to ``dtype``'s range, in ``dtype``."""
+    out = torch.empty(codes.numel(), dtype=dtype)
+    _call(f"actcomp_fp8_decode_{_DTYPES[dtype]}", (codes, out), _pointer(codes), ctypes.c_int64(codes.numel()),
+          _pointer(scale), _pointer(out), _threads())
+    return out
+
+
 def selects(flat: torch.Tensor) -> bool:
     """Whether :func:`positions_and_keys` takes ``flat``: a CPU tensor of 2- or 4-byte floats
     below 2**31 elements, and the kernels built."""
@@ -307,5 +337,7 @@ def _declare(native: ctypes.CDLL) -> None:
                  "actcomp_compact_32", "actcomp_compact_16", "actcomp_select_32", "actcomp_select_16"):
         getattr(native, name).restype = ctypes.c_int64
     for name in ("actcomp_quantize_f32", "actcomp_quantize_bf16", "actcomp_dequantize_f32", "actcomp_dequantize_bf16",
-                 "actcomp_ef_encode", "actcomp_gather_16", "actcomp_gather_32"):
+                 "actcomp_ef_encode", "actcomp_gather_16", "actcomp_gather_32", "actcomp_fp8_range_f32",
+                 "actcomp_fp8_range_bf16", "actcomp_fp8_encode_f32", "actcomp_fp8_encode_bf16", "actcomp_fp8_decode_f32",
+                 "actcomp_fp8_decode_bf16"):
         getattr(native, name).restype = None
