@@ -14,6 +14,7 @@ from actcomp import errors
 from actcomp.compressors.affine import GroupQuant
 from actcomp.compressors.casts import Fp8
 from actcomp.core.backends import use_backend
+from actcomp.core.registry import codec_class
 from actcomp.kernels import eager_select, native_cpu
 from actcomp.kernels.thresholds import magnitude_keys
 
@@ -176,3 +177,31 @@ def test_eager_select_without_the_kernels_still_gives_the_same_positions(monkeyp
     finally:
         native_cpu.allow(previous)
     assert torch.equal(with_native, without)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["relu-mask", "leaky-relu-mask", "dropout-mask"])
+@pytest.mark.parametrize("count", [1, 7, 8, 15, 16, 17, 1000, 300_001])
+def test_masks_give_the_reference_bytes(name, dtype, count, monkeypatch):
+    native_calls = []
+    for kernel_name in ("mask_pack", "mask_unpack"):
+        kernel = getattr(native_cpu, kernel_name)
+        monkeypatch.setattr(native_cpu, kernel_name, lambda *a, _k=kernel, _n=kernel_name: native_calls.append(_n) or _k(*a))
+    codec = codec_class(name)()
+    x = values(count, torch.float32, seed=count)
+    x[::5] = 0.0
+    x[1::7] = -0.0
+    if count > 30:
+        x[20:23] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    if name == "dropout-mask":
+        x = torch.where(x > 0, 2.0, 0.0)  # a dropout output: 0 or the scale
+    x = x.to(dtype)
+    results = []
+    for backend in ("eager", "native"):
+        with use_backend(backend):
+            packed = codec.compress(x)
+            results.append((packed.tensors, codec.decompress(packed)))
+    assert_same(*results)
+    # Dropout's mask decodes to its kept scale: it keeps its own (eager) decode.
+    assert native_calls == ([] if name == "dropout-mask" else ["mask_pack", "mask_unpack"])

@@ -618,3 +618,96 @@ void actcomp_fp8_decode_f32(const uint8_t *codes, int64_t count, const float *sc
 void actcomp_fp8_decode_bf16(const uint8_t *codes, int64_t count, const float *scale, uint16_t *out, int threads) {
     fp8_decode(codes, count, scale, out, threads, 1);
 }
+
+/* exact_codecs.py's one-bit masks. Encode: bit i (of byte i / 8, little end first) set where
+ * the predicate holds, mode 0 ReLU's not (x <= 0) (NaN holds), mode 1 x > 0; a last partial
+ * byte's spare bits clear. Decode: each element the word inside where its bit is set, outside
+ * where not (the values' bits, 2 or 4 bytes wide). */
+static inline int mask_holds(float value, int mode) {
+    return mode == 0 ? !(value <= 0.0f) : value > 0.0f;
+}
+
+static inline __attribute__((always_inline)) void mask_pack(const void *x, int64_t count, int mode,
+                                                            uint8_t *bits, int threads, const int dtype) {
+    const int64_t bytes = (count + 7) / 8;
+    const int64_t whole = count / 8;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t block = 0; block < (whole + 1) / 2; block++) {
+        const int64_t first = block * 16;
+#ifdef ACTCOMP_AVX512
+        if (first + 16 <= count) {
+            __m512 values = dtype == 0 ? _mm512_loadu_ps((const float *)x + first)
+                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                      _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + first))), 16));
+            const __mmask16 held = mode == 0 ? _mm512_cmp_ps_mask(values, _mm512_setzero_ps(), _CMP_NLE_UQ)
+                                             : _mm512_cmp_ps_mask(values, _mm512_setzero_ps(), _CMP_GT_OQ);
+            memcpy(bits + block * 2, &held, 2);
+            continue;
+        }
+#endif
+        for (int64_t byte = block * 2; byte < block * 2 + 2 && byte < whole; byte++) {
+            uint8_t packed = 0;
+            for (int k = 0; k < 8; k++) packed |= (uint8_t)(mask_holds(load(x, byte * 8 + k, dtype), mode) << k);
+            bits[byte] = packed;
+        }
+    }
+    if (bytes > whole) {
+        uint8_t packed = 0;
+        for (int64_t i = whole * 8; i < count; i++) packed |= (uint8_t)(mask_holds(load(x, i, dtype), mode) << (i - whole * 8));
+        bits[whole] = packed;
+    }
+}
+
+void actcomp_mask_pack_f32(const float *x, int64_t count, int mode, uint8_t *bits, int threads) {
+    mask_pack(x, count, mode, bits, threads, 0);
+}
+void actcomp_mask_pack_bf16(const uint16_t *x, int64_t count, int mode, uint8_t *bits, int threads) {
+    mask_pack(x, count, mode, bits, threads, 1);
+}
+
+#ifdef ACTCOMP_AVX512
+/* Sixteen elements from two bytes of bits: one masked blend of the two stand-ins. */
+#define MASK_UNPACK_16_LANES(WORD)                                                                    \
+    if (sizeof(WORD) == 4) {                                                                          \
+        const __m512i outside_lanes = _mm512_set1_epi32((int32_t)outside);                            \
+        const __m512i inside_lanes = _mm512_set1_epi32((int32_t)inside);                              \
+        for (; byte + 2 <= stop_byte && (byte + 2) * 8 <= count; byte += 2) {                         \
+            uint16_t held;                                                                            \
+            memcpy(&held, bits + byte, 2);                                                            \
+            _mm512_storeu_si512((void *)(out + byte * 8), _mm512_mask_blend_epi32(held, outside_lanes, inside_lanes)); \
+        }                                                                                             \
+    } else {                                                                                          \
+        const __m256i outside_lanes = _mm256_set1_epi16((int16_t)outside);                            \
+        const __m256i inside_lanes = _mm256_set1_epi16((int16_t)inside);                              \
+        for (; byte + 2 <= stop_byte && (byte + 2) * 8 <= count; byte += 2) {                         \
+            uint16_t held;                                                                            \
+            memcpy(&held, bits + byte, 2);                                                            \
+            _mm256_storeu_si256((__m256i *)(out + byte * 8), _mm256_mask_blend_epi16(held, outside_lanes, inside_lanes)); \
+        }                                                                                             \
+    }
+#else
+#define MASK_UNPACK_16_LANES(WORD)
+#endif
+
+/* Bytes of bits per parallel task when unpacking. */
+#define UNPACK_BYTES 4096
+
+#define MASK_UNPACK(NAME, WORD)                                                                       \
+    void NAME(const uint8_t *bits, int64_t count, const WORD *standins, WORD *out, int threads) {    \
+        const WORD outside = standins[0], inside = standins[1];                                      \
+        const int64_t bytes = (count + 7) / 8;                                                        \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                             \
+        for (int64_t task = 0; task < (bytes + UNPACK_BYTES - 1) / UNPACK_BYTES; task++) {            \
+            int64_t byte = task * UNPACK_BYTES;                                                       \
+            const int64_t stop_byte = byte + UNPACK_BYTES < bytes ? byte + UNPACK_BYTES : bytes;      \
+            MASK_UNPACK_16_LANES(WORD)                                                                \
+            for (; byte < stop_byte; byte++) {                                                        \
+                const uint8_t packed = bits[byte];                                                    \
+                const int64_t stop = byte * 8 + 8 < count ? byte * 8 + 8 : count;                    \
+                for (int64_t i = byte * 8; i < stop; i++) out[i] = (packed >> (i - byte * 8)) & 1 ? inside : outside; \
+            }                                                                                         \
+        }                                                                                             \
+    }
+
+MASK_UNPACK(actcomp_mask_unpack_16, uint16_t)
+MASK_UNPACK(actcomp_mask_unpack_32, uint32_t)

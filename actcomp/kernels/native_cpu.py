@@ -129,6 +129,34 @@ def fp8_decode(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return out
 
 
+MASK_MODES = {"not_at_most_zero": 0, "above_zero": 1}
+
+
+def mask_pack(flat: torch.Tensor, mode: str) -> torch.Tensor:
+    """A bit per element of contiguous ``flat`` (float32 or bfloat16, :func:`casts`), set where
+    ``mode`` holds (``"not_at_most_zero"``: ``not (x <= 0)``, NaN included; ``"above_zero"``:
+    ``x > 0``), eight to a byte, little end first."""
+    bits = torch.empty((flat.numel() + 7) // 8, dtype=torch.uint8)
+    _call(f"actcomp_mask_pack_{_DTYPES[flat.dtype]}", (flat, bits), _pointer(flat), ctypes.c_int64(flat.numel()),
+          ctypes.c_int(MASK_MODES[mode]), _pointer(bits), _threads())
+    return bits
+
+
+def unpacks_mask(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :func:`mask_unpack` writes ``dtype`` on ``device``: 2- or 4-byte elements on a CPU."""
+    return device.type == "cpu" and dtype.itemsize in _KEY_WIDTHS and library() is not None
+
+
+def mask_unpack(bits: torch.Tensor, count: int, standins: torch.Tensor) -> torch.Tensor:
+    """``count`` elements of ``standins``' dtype: ``standins[1]`` where the bit is set,
+    ``standins[0]`` where not, bit for bit."""
+    out = torch.empty(count, dtype=standins.dtype)
+    width = _KEY_WIDTHS[standins.element_size()][1]
+    _call(f"actcomp_mask_unpack_{width}", (bits, out), _pointer(bits), ctypes.c_int64(count), _pointer(standins),
+          _pointer(out), _threads())
+    return out
+
+
 def selects(flat: torch.Tensor) -> bool:
     """Whether :func:`positions_and_keys` takes ``flat``: a CPU tensor of 2- or 4-byte floats
     below 2**31 elements, and the kernels built."""
@@ -339,5 +367,6 @@ def _declare(native: ctypes.CDLL) -> None:
     for name in ("actcomp_quantize_f32", "actcomp_quantize_bf16", "actcomp_dequantize_f32", "actcomp_dequantize_bf16",
                  "actcomp_ef_encode", "actcomp_gather_16", "actcomp_gather_32", "actcomp_fp8_range_f32",
                  "actcomp_fp8_range_bf16", "actcomp_fp8_encode_f32", "actcomp_fp8_encode_bf16", "actcomp_fp8_decode_f32",
-                 "actcomp_fp8_decode_bf16"):
+                 "actcomp_fp8_decode_bf16", "actcomp_mask_pack_f32", "actcomp_mask_pack_bf16",
+                 "actcomp_mask_unpack_16", "actcomp_mask_unpack_32"):
         getattr(native, name).restype = None

@@ -36,6 +36,7 @@ import torch
 
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_codec
+from actcomp.kernels import native_cpu
 from actcomp.kernels.bitpack import pack_bits, pack_codes, packed_size, unpack_bits, unpack_codes
 from actcomp.kernels.chunks import aligned_length, spans
 
@@ -76,6 +77,8 @@ class BitMask(Compressor):
     sets_aside_non_finite = False
     inside: ClassVar[float] = 1.0
     outside: ClassVar[float] = 0.0
+    # The native kernel's name for the predicate (native_cpu.MASK_MODES), None if it has none.
+    native_predicate: ClassVar[str | None] = None
 
     def predicate(self, part: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -98,6 +101,23 @@ class BitMask(Compressor):
             return mask.view(torch.uint8).to(dtype)
         return select(mask, torch.tensor([outside, inside], dtype=dtype, device=payload.device))
 
+    def native_encode(self, x: torch.Tensor, hints: Hints) -> Encoded | None:
+        """:meth:`encode` in one pass of :mod:`~actcomp.kernels.native_cpu`, for the predicates it knows."""
+        if (self.native_predicate is None or type(self).encode is not BitMask.encode
+                or not native_cpu.casts(x.device, x.dtype, x.numel())):
+            return None
+        flat = x.reshape(-1).contiguous()
+        return Encoded(native_cpu.mask_pack(flat, self.native_predicate), (), (flat.numel(), x.dtype))
+
+    def native_decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor | None:
+        count, dtype = meta
+        # Only where decode is this class's own (a subclass may decode otherwise: dropout's scale).
+        if (type(self).decode is not BitMask.decode or self.native_predicate is None
+                or not native_cpu.unpacks_mask(payload.device, dtype) or count == 0):
+            return None
+        standins = torch.tensor(self.standins(dtype), dtype=dtype)
+        return native_cpu.mask_unpack(payload.contiguous(), count, standins)
+
 
 @register_codec
 @dataclass(frozen=True)
@@ -105,6 +125,7 @@ class ReluMask(BitMask):
     """ReLU's saved output: its backward passes the gradient where ``not (y <= 0)`` (NaN too)."""
 
     name = "relu-mask"
+    native_predicate = "not_at_most_zero"
 
     def predicate(self, part: torch.Tensor) -> torch.Tensor:
         return ~(part <= 0)
@@ -116,6 +137,7 @@ class LeakyReluMask(BitMask):
     """LeakyReLU's saved input (or output, in place): its backward branches on ``x > 0``."""
 
     name = "leaky-relu-mask"
+    native_predicate = "above_zero"
 
     @property
     def label(self) -> str:
