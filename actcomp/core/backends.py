@@ -8,7 +8,8 @@ there, and what the tests compare every other implementation against. :func:`enc
 - ``"eager"``: the reference, nothing else;
 - ``"native"`` (the default): a codec's native CPU kernel where it has one and it takes the
   tensor (:meth:`~actcomp.core.codec.Compressor.native_encode`; today the int8/int4/int2
-  quantizers, and the min-k candidate search inside the eager sparsifiers), built once per
+  quantizers, fp8 and the ReLU masks, and the min-k selection and positions inside the eager
+  sparsifiers), built once per
   machine by :mod:`~actcomp.kernels.native_cpu`; the reference elsewhere. Its bytes are the
   reference's, bit for bit; only the time differs (``benchmarks/bench_compressors.py``);
 - ``"compiled"``: the pair under ``torch.compile(fullgraph=True)``, compiled once per codec
