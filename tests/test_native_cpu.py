@@ -33,9 +33,10 @@ def values(count: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return x.to(dtype)
 
 
-def both_ways(spec: str, x: torch.Tensor) -> tuple[tuple, tuple]:
-    """(tensors, decoded) under the eager reference and under the native backend."""
-    stage = actcomp.parse(spec)
+def both_ways(spec, x: torch.Tensor) -> tuple[tuple, tuple]:
+    """(tensors, decoded) under the eager reference and under the native backend, of a spec
+    string or a codec."""
+    stage = actcomp.parse(spec) if isinstance(spec, str) else spec
     results = []
     for backend in ("eager", "native"):
         with use_backend(backend):
@@ -196,12 +197,6 @@ def test_masks_give_the_reference_bytes(name, dtype, count, monkeypatch):
         x[20:23] = torch.tensor([float("nan"), float("inf"), -float("inf")])
     if name == "dropout-mask":
         x = torch.where(x > 0, 2.0, 0.0)  # a dropout output: 0 or the scale
-    x = x.to(dtype)
-    results = []
-    for backend in ("eager", "native"):
-        with use_backend(backend):
-            packed = codec.compress(x)
-            results.append((packed.tensors, codec.decompress(packed)))
-    assert_same(*results)
+    assert_same(*both_ways(codec, x.to(dtype)))
     # Dropout's mask decodes to its kept scale: it keeps its own (eager) decode.
     assert native_calls == ([] if name == "dropout-mask" else ["mask_pack", "mask_unpack"])

@@ -74,8 +74,7 @@ def quantizes(device: torch.device, dtype: torch.dtype, count: int, bits: int) -
     """Whether :func:`quantize` and :func:`dequantize` take ``count`` values of ``dtype`` on
     ``device`` at ``bits`` bits: CPU float32 or bfloat16, 1 to 2**31 - 1 values, 8, 4 or 2
     bits, and the kernels built."""
-    return (device.type == "cpu" and dtype in _DTYPES and bits in (2, 4, 8) and 0 < count <= MAX_ELEMENTS
-            and library() is not None)
+    return bits in (2, 4, 8) and casts(device, dtype, count)
 
 
 def quantize(flat: torch.Tensor, bits: int, group: int, seed: torch.Tensor, codes: torch.Tensor, offset: torch.Tensor,
