@@ -10,6 +10,9 @@
  */
 #include <math.h>
 #include <stdint.h>
+#if defined(__AVX512F__) || defined(__FMA__) || defined(__BMI2__)
+#include <immintrin.h>
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define ACTCOMP_AVX512 1
@@ -104,36 +107,137 @@ static inline uint64_t unpack_eight(uint64_t packed, const int bits) {
 
 /* Codes of a group are made a tile at a time into a buffer in cache, then packed. */
 #define TILE 256
-/* Lanes of the min/max pass: sixteen running minima and maxima make it a vector loop (a
- * single running minimum is a serial chain the compiler leaves scalar). */
+/* Lanes of the min/max pass: sixteen running minima and maxima make it a vector loop. They are
+ * GCC/Clang vector types, so they stay in registers (as a float array they were spilled and
+ * reloaded every iteration, a store-to-load chain that took a third of the encode). Per lane
+ * the comparisons are the scalar ones, `value < low ? value : low`, so signed zeros resolve
+ * as before. */
 #define LANES 16
+typedef float lanes_f32 __attribute__((vector_size(4 * LANES)));
+typedef int32_t lanes_i32 __attribute__((vector_size(4 * LANES)));
+typedef uint32_t lanes_u32 __attribute__((vector_size(4 * LANES)));
+typedef uint16_t lanes_u16 __attribute__((vector_size(2 * LANES)));
+
+static inline lanes_f32 lanes_load(const void *x, int64_t i, const int dtype) {
+    lanes_f32 value;
+    if (dtype == 0) {
+        memcpy(&value, (const float *)x + i, sizeof value);
+    } else {
+        lanes_u16 raw;
+        memcpy(&raw, (const uint16_t *)x + i, sizeof raw);
+        const lanes_u32 wide = __builtin_convertvector(raw, lanes_u32) << 16;
+        memcpy(&value, &wide, sizeof value);
+    }
+    return value;
+}
+
+/* Per lane: when ? a : b (C has no vector ?:, so a bit select). */
+static inline lanes_f32 lanes_pick(lanes_i32 when, lanes_f32 a, lanes_f32 b) {
+    lanes_i32 ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    const lanes_i32 bits = (ai & when) | (bi & ~when);
+    lanes_f32 picked;
+    memcpy(&picked, &bits, sizeof picked);
+    return picked;
+}
+
+#if defined(ACTCOMP_AVX512)
+static inline __attribute__((always_inline)) __m512 load_sixteen(const void *x, int64_t i, const int dtype) {
+    if (dtype == 0) return _mm512_loadu_ps((const float *)x + i);
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))), 16));
+}
+
+/* lowbias32, per lane. */
+static inline __m512i lowbias32_lanes(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int32_t)0x846CA68Bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+/* The noise at places place + 0..15 (mod 2**16), hashed in registers. (A table of the period,
+ * built per call and read per value, was slower: its allocation and build cost more than the
+ * hashing it saves.) */
+static inline __attribute__((always_inline)) __m512 noise_sixteen(uint32_t place, uint32_t seed) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i places = _mm512_and_si512(_mm512_add_epi32(_mm512_set1_epi32((int32_t)place), lane),
+                                            _mm512_set1_epi32(0xFFFF));
+    const __m512i hashed = lowbias32_lanes(_mm512_xor_si512(places, _mm512_set1_epi32((int32_t)seed)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(hashed, 8)), _mm512_set1_ps(0x1p-24f));
+}
+
+/* code_of for the sixteen elements from at, as int32: 0 to levels, or INT32_MIN for a NaN
+ * (MAXPS/MINPS with the value second keep a NaN, as code_of's clamps do, and the truncating
+ * conversion makes it INT32_MIN, which code_of's (uint8_t)(int32_t) makes 0). */
+static inline __attribute__((always_inline)) __m512i codes_sixteen(const void *x, int64_t at, __m512 noise, float low,
+                                                                   float inverse, float levels, const int dtype) {
+    __m512 code = _mm512_add_ps(
+        _mm512_mul_ps(_mm512_sub_ps(load_sixteen(x, at, dtype), _mm512_set1_ps(low)), _mm512_set1_ps(inverse)), noise);
+    code = _mm512_min_ps(_mm512_set1_ps(levels), _mm512_max_ps(_mm512_setzero_ps(), code));
+    return _mm512_cvttps_epi32(code);
+}
+
+/* Sixty-four such codes as bytes, in order. Saturating packs give the truncation's bytes for
+ * every value codes_sixteen returns (0 to 255, and INT32_MIN -> 0), and cost far less than a
+ * narrowing store (VPMOVDB to memory is microcoded on Zen 4). */
+static inline void store_sixty_four(uint8_t *to, __m512i a, __m512i b, __m512i c, __m512i d) {
+    const __m512i bytes = _mm512_packus_epi16(_mm512_packs_epi32(a, b), _mm512_packs_epi32(c, d));
+    /* Each 128-bit lane holds four codes of a, b, c, d in turn: gather a's, then b's, ... */
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    _mm512_storeu_si512((void *)to, _mm512_permutexvar_epi32(order, bytes));
+}
+#endif
 
 static inline __attribute__((always_inline)) void group_range(const void *x, int64_t start, int64_t stop,
                                                               float *low_out, float *high_out, const int dtype) {
-    float low[LANES], high[LANES];
+    lanes_f32 low, high;
     for (int lane = 0; lane < LANES; lane++) {
         low[lane] = INFINITY;
         high[lane] = -INFINITY;
     }
     int64_t i = start;
+#if defined(ACTCOMP_AVX512)
+    /* MINPS/MAXPS are exactly `value < low ? value : low` and `value > high ? value : high`. */
+    __m512 low_lanes = _mm512_set1_ps(INFINITY), high_lanes = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
     for (; i + LANES <= stop; i += LANES) {
-        for (int lane = 0; lane < LANES; lane++) {
-            const float value = load(x, i + lane, dtype);
-            low[lane] = value < low[lane] ? value : low[lane];
-            high[lane] = value > high[lane] ? value : high[lane];
-        }
+        const __m512 value = load_sixteen(x, i, dtype);
+        low_lanes = _mm512_min_ps(value, low_lanes);
+        high_lanes = _mm512_max_ps(value, high_lanes);
+        unordered |= _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
     }
+    low = (lanes_f32)low_lanes;
+    high = (lanes_f32)high_lanes;
+    int nan = unordered != 0;
+#else
+    lanes_i32 unordered = {0};
+    for (; i + LANES <= stop; i += LANES) {
+        const lanes_f32 value = lanes_load(x, i, dtype);
+        low = lanes_pick(value < low, value, low);
+        high = lanes_pick(value > high, value, high);
+        unordered |= value != value;
+    }
+    int nan = 0;
+    for (int lane = 0; lane < LANES; lane++) nan |= unordered[lane] != 0;
+#endif
+    float low0 = low[0], high0 = high[0];
     for (; i < stop; i++) {
         const float value = load(x, i, dtype);
-        low[0] = value < low[0] ? value : low[0];
-        high[0] = value > high[0] ? value : high[0];
+        low0 = value < low0 ? value : low0;
+        high0 = value > high0 ? value : high0;
+        nan |= value != value;
     }
     for (int lane = 1; lane < LANES; lane++) {
-        low[0] = low[lane] < low[0] ? low[lane] : low[0];
-        high[0] = high[lane] > high[0] ? high[lane] : high[0];
+        low0 = low[lane] < low0 ? low[lane] : low0;
+        high0 = high[lane] > high0 ? high[lane] : high0;
     }
-    *low_out = low[0];
-    *high_out = high[0];
+    /* torch's amin/amax: a NaN anywhere makes both NaN (the comparisons above pass it over). It
+     * reaches here only when non-finite values were not set aside. */
+    *low_out = nan ? NAN : low0;
+    *high_out = nan ? NAN : high0;
 }
 
 /* floor((value - low) * inverse + noise), clamped to [0, levels]: quantize.py's arithmetic, each
@@ -145,151 +249,206 @@ static inline uint8_t code_of(float value, float low, float inverse, float noise
     return (uint8_t)(int32_t)code; /* truncation: floor of a non-negative */
 }
 
-static inline __attribute__((always_inline)) void quantize(
-    const void *x, int64_t count, int64_t group, uint32_t seed, uint8_t *codes, void *offset, uint16_t *scale,
-    int threads, const int dtype, const int bits) {
-    const int64_t groups = (count + group - 1) / group;
-    const int64_t tasks = (groups + TASK_GROUPS - 1) / TASK_GROUPS;
+/* GCC outlines an OpenMP region before it inlines, so a constant argument of an always_inline
+ * function does not reach the code inside its parallel loop: bits and dtype stayed run-time
+ * values there (a memcpy call of `bits` bytes, a division by 8 / bits, per eight codes). The
+ * parallel loops therefore call the task bodies through this switch, whose literal constants
+ * make one specialized copy per case. */
+#define SPECIALIZED(bits, dtype, CALL)                                                         \
+    if ((dtype) == 0) {                                                                        \
+        switch (bits) { case 8: CALL(8, 0); break; case 4: CALL(4, 0); break; default: CALL(2, 0); } \
+    } else {                                                                                   \
+        switch (bits) { case 8: CALL(8, 1); break; case 4: CALL(4, 1); break; default: CALL(2, 1); } \
+    }
+
+/* Groups first to last of quantize(). */
+static inline __attribute__((always_inline)) void quantize_groups(
+    const void *x, int64_t count, int64_t group, int64_t first, int64_t last, uint32_t seed, uint8_t *codes,
+    void *offset, uint16_t *scale, const int dtype, const int bits) {
     const float levels = (float)((1 << bits) - 1);
     const int per_byte = 8 / bits;
+    if (bits < 8) {
+        const int64_t begin = first * group * bits / 8;
+        const int64_t stop = last * group < count ? last * group : count;
+        memset(codes + begin, 0, (size_t)((stop * bits + 7) / 8 - begin));
+    }
+    uint8_t tile[TILE];
+    for (int64_t g = first; g < last; g++) {
+        const int64_t start = g * group;
+        const int64_t stop = start + group < count ? start + group : count;
+        float low, high;
+        group_range(x, start, stop, &low, &high, dtype);
+        /* max/levels - min/levels cannot overflow where (max - min) could. */
+        const float step = round_up_to_bf16(high / levels - low / levels);
+        const float inverse = 1.0f / (step > 0.0f ? step : 1.0f);
+        if (dtype == 0) ((float *)offset)[g] = low;
+        else ((uint16_t *)offset)[g] = (uint16_t)(float_to_bits(low) >> 16); /* exact: low is a bf16 */
+        scale[g] = (uint16_t)(float_to_bits(step) >> 16); /* exact: rounded to a bf16 above */
+        for (int64_t at = start; at < stop; at += TILE) {
+            const int length = stop - at < TILE ? (int)(stop - at) : TILE;
+            if ((at >> PERIOD_BITS) == ((at + length - 1) >> PERIOD_BITS)) {
+                /* The tile within one period of the noise: its rotation hashed once, not per
+                 * element (half the hashing, which is most of the arithmetic). */
+                const uint32_t rotation = lowbias32((uint32_t)(at >> PERIOD_BITS) ^ ROTATION_KEY) & 0xFFFFu;
+                int k = 0;
+#if defined(ACTCOMP_AVX512)
+#define CODES_SIXTEEN(K)                                                                                    \
+    codes_sixteen(x, at + (K), noise_sixteen(((uint32_t)((at + (K)) & 0xFFFF) + rotation) & 0xFFFFu, seed), \
+                  low, inverse, levels, dtype)
+                for (; k + 4 * LANES <= length; k += 4 * LANES)
+                    store_sixty_four(tile + k, CODES_SIXTEEN(k), CODES_SIXTEEN(k + 16), CODES_SIXTEEN(k + 32),
+                                     CODES_SIXTEEN(k + 48));
+#undef CODES_SIXTEEN
+#endif
+                for (; k < length; k++) {
+                    const uint32_t place = ((uint32_t)((at + k) & 0xFFFF) + rotation) & 0xFFFFu;
+                    const float noise = (float)(lowbias32(place ^ seed) >> 8) * 0x1p-24f;
+                    tile[k] = code_of(load(x, at + k, dtype), low, inverse, noise, levels);
+                }
+            } else {
+                for (int k = 0; k < length; k++)
+                    tile[k] = code_of(load(x, at + k, dtype), low, inverse, noise_at(seed, at + k), levels);
+            }
+            if (bits == 8) {
+                memcpy(codes + at, tile, (size_t)length);
+            } else if (at % 8 == 0) {
+                /* Eight codes fill bits whole bytes; a last run of fewer is or-ed in. */
+                const int whole = length / 8 * 8;
+                for (int k = 0; k < whole; k += 8) {
+                    uint64_t bytes;
+                    memcpy(&bytes, tile + k, 8);
+                    const uint64_t packed = pack_eight(bytes, bits);
+                    memcpy(codes + (at + k) / per_byte, &packed, (size_t)bits);
+                }
+                for (int k = whole; k < length; k++)
+                    codes[(at + k) / per_byte] |= (uint8_t)(tile[k] << (((at + k) % per_byte) * bits));
+            } else {
+                for (int k = 0; k < length; k++)
+                    codes[(at + k) / per_byte] |= (uint8_t)(tile[k] << (((at + k) % per_byte) * bits));
+            }
+        }
+    }
+}
+
+static void quantize(const void *x, int64_t count, int64_t group, uint32_t seed, uint8_t *codes, void *offset,
+                     uint16_t *scale, int threads, int dtype, int bits) {
+    const int64_t groups = (count + group - 1) / group;
+    const int64_t tasks = (groups + TASK_GROUPS - 1) / TASK_GROUPS;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t first = task * TASK_GROUPS;
         const int64_t last = first + TASK_GROUPS < groups ? first + TASK_GROUPS : groups;
-        if (bits < 8) {
-            const int64_t begin = first * group * bits / 8;
-            const int64_t stop = last * group < count ? last * group : count;
-            memset(codes + begin, 0, (size_t)((stop * bits + 7) / 8 - begin));
-        }
-        uint8_t tile[TILE];
-        for (int64_t g = first; g < last; g++) {
-            const int64_t start = g * group;
-            const int64_t stop = start + group < count ? start + group : count;
-            float low, high;
-            group_range(x, start, stop, &low, &high, dtype);
-            /* max/levels - min/levels cannot overflow where (max - min) could. */
-            const float step = round_up_to_bf16(high / levels - low / levels);
-            const float inverse = 1.0f / (step > 0.0f ? step : 1.0f);
-            if (dtype == 0) ((float *)offset)[g] = low;
-            else ((uint16_t *)offset)[g] = (uint16_t)(float_to_bits(low) >> 16); /* exact: low is a bf16 */
-            scale[g] = (uint16_t)(float_to_bits(step) >> 16); /* exact: rounded to a bf16 above */
-            for (int64_t at = start; at < stop; at += TILE) {
-                const int length = stop - at < TILE ? (int)(stop - at) : TILE;
-                if ((at >> PERIOD_BITS) == ((at + length - 1) >> PERIOD_BITS)) {
-                    /* The tile within one period of the noise: its rotation hashed once, not per
-                     * element (half the hashing, which is most of the arithmetic). */
-                    const uint32_t rotation = lowbias32((uint32_t)(at >> PERIOD_BITS) ^ ROTATION_KEY) & 0xFFFFu;
-                    for (int k = 0; k < length; k++) {
-                        const uint32_t place = ((uint32_t)((at + k) & 0xFFFF) + rotation) & 0xFFFFu;
-                        const float noise = (float)(lowbias32(place ^ seed) >> 8) * 0x1p-24f;
-                        tile[k] = code_of(load(x, at + k, dtype), low, inverse, noise, levels);
-                    }
-                } else {
-                    for (int k = 0; k < length; k++)
-                        tile[k] = code_of(load(x, at + k, dtype), low, inverse, noise_at(seed, at + k), levels);
-                }
-                if (bits == 8) {
-                    memcpy(codes + at, tile, (size_t)length);
-                } else if (at % 8 == 0) {
-                    /* Eight codes fill bits whole bytes; a last run of fewer is or-ed in. */
-                    const int whole = length / 8 * 8;
-                    for (int k = 0; k < whole; k += 8) {
-                        uint64_t bytes;
-                        memcpy(&bytes, tile + k, 8);
-                        const uint64_t packed = pack_eight(bytes, bits);
-                        memcpy(codes + (at + k) / per_byte, &packed, (size_t)bits);
-                    }
-                    for (int k = whole; k < length; k++)
-                        codes[(at + k) / per_byte] |= (uint8_t)(tile[k] << (((at + k) % per_byte) * bits));
-                } else {
-                    for (int k = 0; k < length; k++)
-                        codes[(at + k) / per_byte] |= (uint8_t)(tile[k] << (((at + k) % per_byte) * bits));
-                }
-            }
-        }
+#define QUANTIZE_GROUPS(B, D) quantize_groups(x, count, group, first, last, seed, codes, offset, scale, D, B)
+        SPECIALIZED(bits, dtype, QUANTIZE_GROUPS)
     }
 }
 
-static inline __attribute__((always_inline)) void dequantize(
-    const uint8_t *codes, const void *offset, const uint16_t *scale, int64_t count, int64_t group,
-    const int bits, void *out, int threads, const int dtype) {
-    const int64_t groups = (count + group - 1) / group;
-    const int64_t tasks = (groups + TASK_GROUPS - 1) / TASK_GROUPS;
+/* One dequantized value: fmaf, as ATen's addcmul is on CPU (an 8-bit code times a bf16 scale is
+ * exact in float32 unless it overflows, and there only the fused form agrees), saturated to
+ * the dtype's range (the rounded-up scale can step past its largest value). */
+static inline __attribute__((always_inline)) void decode_one(uint8_t code, float step, float low, float limit,
+                                                             void *out, int64_t at, const int dtype) {
+    float value = fmaf((float)code, step, low);
+    value = value < -limit ? -limit : value;
+    value = value > limit ? limit : value;
+    if (dtype == 0) ((float *)out)[at] = value;
+    else ((uint16_t *)out)[at] = float_to_bf16(value);
+}
+
+/* Sixteen codes (one per byte of bytes) decoded into out[at:at + 16], in registers where the
+ * CPU has AVX-512: a byte buffer written eight bytes at a time and read back sixteen wide
+ * cannot be forwarded from the store queue, which stalled int4/int2 at 3x the time of int8. */
+static inline __attribute__((always_inline)) void decode_sixteen(const uint64_t bytes[2], float step, float low,
+                                                                 float limit, void *out, int64_t at, const int dtype) {
+#if defined(ACTCOMP_AVX512)
+    const __m128i codes = _mm_set_epi64x((long long)bytes[1], (long long)bytes[0]);
+    __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), _mm512_set1_ps(step),
+                                   _mm512_set1_ps(low));
+    /* The value as the second operand: max/min return it when it is NaN, as the clamps above do
+     * (a NaN reaches here only when non-finite values were not set aside). */
+    value = _mm512_min_ps(_mm512_set1_ps(limit), _mm512_max_ps(_mm512_set1_ps(-limit), value));
+    if (dtype == 0) {
+        _mm512_storeu_ps((float *)out + at, value);
+    } else {
+        __m512i wide = _mm512_castps_si512(value); /* float_to_bf16, per lane */
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(wide, 16), _mm512_set1_epi32(1));
+        wide = _mm512_add_epi32(wide, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(wide, 16)));
+    }
+#else
+    for (int k = 0; k < 16; k++)
+        decode_one((uint8_t)(bytes[k / 8] >> (8 * (k % 8))), step, low, limit, out, at + k, dtype);
+#endif
+}
+
+/* Groups first to last of dequantize(). */
+static inline __attribute__((always_inline)) void dequantize_groups(
+    const uint8_t *codes, const void *offset, const uint16_t *scale, int64_t count, int64_t group, int64_t first,
+    int64_t last, const int bits, void *out, const int dtype) {
     const int per_byte = 8 / bits;
     const uint8_t mask = (uint8_t)((1 << bits) - 1);
     /* The rounded-up scale can step past the dtype's largest value; saturate. */
     const float limit = dtype == 0 ? 3.4028234663852886e38f : 3.3895313892515355e38f;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t task = 0; task < tasks; task++) {
-        const int64_t last = (task + 1) * TASK_GROUPS < groups ? (task + 1) * TASK_GROUPS : groups;
-        for (int64_t g = task * TASK_GROUPS; g < last; g++) {
-            const int64_t start = g * group;
-            const int64_t stop = start + group < count ? start + group : count;
-            const float low = load(offset, g, dtype);
-            const float step = bits_to_float((uint32_t)scale[g] << 16);
-            uint8_t tile[TILE];
-            for (int64_t at = start; at < stop; at += TILE) {
-                const int length = stop - at < TILE ? (int)(stop - at) : TILE;
-                int k = 0;
+    for (int64_t g = first; g < last; g++) {
+        const int64_t start = g * group;
+        const int64_t stop = start + group < count ? start + group : count;
+        const float low = load(offset, g, dtype);
+        const float step = bits_to_float((uint32_t)scale[g] << 16);
+        int64_t at = start;
+        if (start % 8 == 0) {
+            for (; at + LANES <= stop; at += LANES) {
+                uint64_t bytes[2];
                 if (bits == 8) {
-                    memcpy(tile, codes + at, (size_t)length);
-                    k = length;
-                } else if (at % 8 == 0) {
-                    /* Whole runs of eight codes, never reading past the stream's last byte. */
-                    for (; k + 8 <= length; k += 8) {
-                        uint64_t packed = 0;
-                        memcpy(&packed, codes + (at + k) / per_byte, (size_t)bits);
-                        const uint64_t bytes = unpack_eight(packed, bits);
-                        memcpy(tile + k, &bytes, 8);
-                    }
+                    memcpy(bytes, codes + at, sizeof bytes);
+                } else {
+                    uint64_t packed[2] = {0, 0};
+                    memcpy(&packed[0], codes + at / per_byte, (size_t)bits);
+                    memcpy(&packed[1], codes + (at + 8) / per_byte, (size_t)bits);
+                    bytes[0] = unpack_eight(packed[0], bits);
+                    bytes[1] = unpack_eight(packed[1], bits);
                 }
-                for (; k < length; k++)
-                    tile[k] = (uint8_t)((codes[(at + k) / per_byte] >> (((at + k) % per_byte) * bits)) & mask);
-                for (int j = 0; j < length; j++) {
-                    /* A multiply-add, as ATen's addcmul is on CPU: an 8-bit code times a bf16 scale
-                     * is exact in float32 unless it overflows, and there only the fused form agrees. */
-                    float value = fmaf((float)tile[j], step, low);
-                    value = value < -limit ? -limit : value;
-                    value = value > limit ? limit : value;
-                    if (dtype == 0) ((float *)out)[at + j] = value;
-                    else ((uint16_t *)out)[at + j] = float_to_bf16(value);
-                }
+                decode_sixteen(bytes, step, low, limit, out, at, dtype);
             }
         }
+        for (; at < stop; at++)
+            decode_one((uint8_t)((codes[at / per_byte] >> ((at % per_byte) * bits)) & mask), step, low, limit,
+                       out, at, dtype);
     }
 }
 
-#define BY_BITS(CALL)                \
-    switch (bits) {                  \
-        case 8: CALL(8); break;      \
-        case 4: CALL(4); break;      \
-        default: CALL(2); break;     \
+static void dequantize(const uint8_t *codes, const void *offset, const uint16_t *scale, int64_t count,
+                       int64_t group, int bits, void *out, int threads, int dtype) {
+    const int64_t groups = (count + group - 1) / group;
+    const int64_t tasks = (groups + TASK_GROUPS - 1) / TASK_GROUPS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t first = task * TASK_GROUPS;
+        const int64_t last = first + TASK_GROUPS < groups ? first + TASK_GROUPS : groups;
+#define DEQUANTIZE_GROUPS(B, D) dequantize_groups(codes, offset, scale, count, group, first, last, B, out, D)
+        SPECIALIZED(bits, dtype, DEQUANTIZE_GROUPS)
     }
+}
 
 /* seed: noise.py's noise_seed, an int64 scalar tensor's data holding 32 bits; read here, so
  * that no value goes back to Python. */
 void actcomp_quantize_f32(const float *x, int64_t count, int64_t group, int bits, const int64_t *seed,
                           uint8_t *codes, float *offset, uint16_t *scale, int threads) {
-#define QUANTIZE_F32(B) quantize(x, count, group, (uint32_t)*seed, codes, offset, scale, threads, 0, B)
-    BY_BITS(QUANTIZE_F32)
+    quantize(x, count, group, (uint32_t)*seed, codes, offset, scale, threads, 0, bits);
 }
 
 void actcomp_quantize_bf16(const uint16_t *x, int64_t count, int64_t group, int bits, const int64_t *seed,
                            uint8_t *codes, uint16_t *offset, uint16_t *scale, int threads) {
-#define QUANTIZE_BF16(B) quantize(x, count, group, (uint32_t)*seed, codes, offset, scale, threads, 1, B)
-    BY_BITS(QUANTIZE_BF16)
+    quantize(x, count, group, (uint32_t)*seed, codes, offset, scale, threads, 1, bits);
 }
 
 void actcomp_dequantize_f32(const uint8_t *codes, const float *offset, const uint16_t *scale, int64_t count,
                             int64_t group, int bits, float *out, int threads) {
-#define DEQUANTIZE_F32(B) dequantize(codes, offset, scale, count, group, B, out, threads, 0)
-    BY_BITS(DEQUANTIZE_F32)
+    dequantize(codes, offset, scale, count, group, bits, out, threads, 0);
 }
 
 void actcomp_dequantize_bf16(const uint8_t *codes, const uint16_t *offset, const uint16_t *scale, int64_t count,
                              int64_t group, int bits, uint16_t *out, int threads) {
-#define DEQUANTIZE_BF16(B) dequantize(codes, offset, scale, count, group, B, out, threads, 1)
-    BY_BITS(DEQUANTIZE_BF16)
+    dequantize(codes, offset, scale, count, group, bits, out, threads, 1);
 }
 
 #ifdef ACTCOMP_AVX512
@@ -560,16 +719,17 @@ static inline __attribute__((always_inline)) void fp8_range(const void *x, int64
             const int64_t stop = start + TILE * 64 < count ? start + TILE * 64 : count;
             float part_low, part_high;
             group_range(x, start, stop, &part_low, &part_high, dtype);
-            my_low = part_low < my_low ? part_low : my_low;
-            my_high = part_high > my_high ? part_high : my_high;
+            /* A NaN part (see group_range) stays NaN. */
+            my_low = part_low < my_low || part_low != part_low ? part_low : my_low;
+            my_high = part_high > my_high || part_high != part_high ? part_high : my_high;
         }
 #pragma omp critical
         {
-            low = my_low < low ? my_low : low;
-            high = my_high > high ? my_high : high;
+            low = my_low < low || my_low != my_low ? my_low : low;
+            high = my_high > high || my_high != my_high ? my_high : high;
         }
     }
-    *amax = count ? (-low > high ? -low : high) : 0.0f;
+    *amax = !count ? 0.0f : low != low ? NAN : (-low > high ? -low : high);
 }
 
 static inline __attribute__((always_inline)) void fp8_encode(const void *x, int64_t count, const float *scale,
