@@ -4,6 +4,7 @@ cannot be built."""
 
 from __future__ import annotations
 
+import platform
 import warnings
 
 import pytest
@@ -178,6 +179,25 @@ def test_a_failed_build_warns_once_and_the_references_run(monkeypatch, tmp_path)
         reference, native = both_ways("int8", values(5000, torch.float32))
     assert_same(reference, native)
     assert native_cpu.library() is None and list(tmp_path.iterdir()) == []  # no half-built file left
+
+
+@needs_native
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the baseline target is x86-64's")
+def test_the_portable_build_gives_the_reference_bytes(monkeypatch, tmp_path):
+    # A CPU without AVX-512, FMA or BMI2 runs the kernels' portable loops; this machine's build
+    # never does, so build for the x86-64 baseline and compare those loops too.
+    monkeypatch.setattr(native_cpu, "FLAGS", tuple("-march=x86-64" if flag == "-march=native" else flag
+                                                   for flag in native_cpu.FLAGS))
+    monkeypatch.setattr(native_cpu, "_loaded", [])
+    monkeypatch.setenv("ACTCOMP_CACHE_DIR", str(tmp_path))
+    assert native_cpu.library() is not None
+    x = values(70_001, torch.float32, seed=5)
+    x[::9] = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        for spec in ("int8", "int4", "int2:group=7", "fp8", "mink0.9+int8", "smink0.8+int4"):
+            assert_same(*both_ways(spec, x.to(dtype)))
+        for name in ("relu-mask", "leaky-relu-mask"):
+            assert_same(*both_ways(codec_class(name)(), x.to(dtype)))
 
 
 @needs_native
