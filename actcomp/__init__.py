@@ -23,6 +23,7 @@ from actcomp.core.registry import (
     unregister_compressor,
 )
 from actcomp.errors import ActcompError
+from actcomp.losses import linear_cross_entropy
 from actcomp.tools.memory import MemoryReport, memory_report
 from actcomp.whole_model.in_graph import compress_in_graph
 from actcomp.whole_model.session import register_op_codec, unregister_op_codec
@@ -34,7 +35,8 @@ legacy_paths.install()
 
 __all__ = [
     "ActcompError", "MemoryReport", "Packed", "Pipeline", "codec_class", "compress_in_graph", "compressed_layers", "compressors",
-    "from_compressed", "list_codecs", "list_compressors", "memory_report", "parse", "register_codec",
+    "from_compressed", "linear_cross_entropy", "list_codecs", "list_compressors", "memory_report", "parse",
+    "register_codec",
     "register_compressor", "register_op_codec", "to_compressed", "unregister_codec", "unregister_compressor",
     "unregister_op_codec",
 ]

@@ -25,12 +25,14 @@ from actcomp.core.pipeline import Pipeline, as_pipeline
 from actcomp.errors import ActcompError
 from actcomp.graph.model_inputs import unwatch_model_inputs, watch_model_inputs
 from actcomp.layers.compressed_layer import compress_layer, is_supported, uncompress_layer
+from actcomp.losses.causal_lm import route_causal_lm_loss, unroute_causal_lm_loss
 from actcomp.whole_model.compressed_model import check_whole_model_root, compress_whole_model, uncompress_whole_model
 from actcomp.whole_model.policy import RestPolicy
 
 PipelineLike = str | Pipeline
 PipelineChoice = PipelineLike | Mapping[str, PipelineLike | None]
 RestLike = PipelineLike | Mapping[str, PipelineLike | None] | RestPolicy
+LOSS_CHOICES = ("auto", "chunked", "plain")
 
 
 def to_compressed(
@@ -40,6 +42,7 @@ def to_compressed(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     first_layer: str | None = "auto",
     rest: RestLike | None = None,
+    loss: str = "auto",
 ) -> nn.Module:
     """Convert supported layers of ``model`` in place to cache compressed inputs; returns it.
 
@@ -73,12 +76,22 @@ def to_compressed(
     ``None`` (default) leaves the rest as it is (Linear/Conv mode), or as a previous conversion
     set it.
 
+    ``loss`` decides a Hugging Face causal LM's ``labels=`` loss (:mod:`actcomp.losses.causal_lm`):
+    ``"chunked"`` computes it by :func:`~actcomp.losses.linear_cross_entropy`, the logits a
+    chunk of tokens at a time and again in backward, never kept whole (then ``output.logits`` is
+    None in training calls with labels); ``"plain"`` leaves the model's own; ``"auto"`` (default)
+    is ``"chunked"`` unless ``rest`` is exact throughout (the chunked loss sums in another order:
+    equal to float rounding, not bit for bit). Models whose forward changes the logits before the
+    loss (a Gemma-2 softcap) keep their own.
+
     Converting an already converted model replaces the pipelines of the layers it selects
     (never nests); other layers keep theirs. A call that changes nothing (no layer selected, no
     ``rest``) warns.
     """
     if not isinstance(model, nn.Module):
         raise ActcompError(f"to_compressed expects an nn.Module, got {type(model).__name__}")
+    if loss not in LOSS_CHOICES:
+        raise ActcompError(f"to_compressed: loss={loss!r} is not one of {', '.join(map(repr, LOSS_CHOICES))}")
     choose = _chooser(pipeline)
     policy = None if rest is None else RestPolicy.parse(rest)
     if policy is not None:
@@ -110,6 +123,10 @@ def to_compressed(
         watch_model_inputs(model)
     else:
         unwatch_model_inputs(model)
+    if loss == "chunked" or (loss == "auto" and not (policy is not None and policy.is_exact())):
+        route_causal_lm_loss(model)
+    else:
+        unroute_causal_lm_loss(model)
     return model
 
 
@@ -128,6 +145,7 @@ def from_compressed(model: nn.Module) -> nn.Module:
     """Restore every converted layer of ``model`` (and a whole-model root) to its plain class, in
     place; returns it."""
     uncompress_whole_model(model)
+    unroute_causal_lm_loss(model)
     for module in model.modules():
         uncompress_layer(module)
     unwatch_model_inputs(model)

@@ -81,6 +81,14 @@ class RestPolicy:
     dropout: KeepAsIs | Exact
     other: Choice = AS_IS
 
+    def is_exact(self) -> bool:
+        """Whether every kind is kept exactly (``"exact"`` or as it is): gradients bit for bit.
+
+        >>> RestPolicy.parse("exact").is_exact(), RestPolicy.parse("8bit").is_exact()
+        (True, False)
+        """
+        return all(isinstance(getattr(self, field.name), KeepAsIs | Exact) for field in fields(self))
+
     @classmethod
     def parse(cls, rest: str | Pipeline | Mapping | RestPolicy) -> RestPolicy:
         """``rest`` as given to :func:`actcomp.to_compressed`: a preset (``"8bit"``, ``"4bit"``,

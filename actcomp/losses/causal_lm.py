@@ -1,0 +1,157 @@
+"""A Hugging Face causal LM's ``labels=`` loss through :func:`linear_cross_entropy`.
+
+``LlamaForCausalLM.forward`` (and Mistral's, Qwen2's, Phi3's, ... alike) computes
+``logits = self.lm_head(hidden_states)`` and then ``self.loss_function(logits=logits, labels=...)``:
+a (tokens, vocabulary) tensor, upcast to float32 and kept whole for backward. Routed, a training
+call with ``labels`` passes the hidden states past ``lm_head`` untouched, and the loss computes
+the logits chunk by chunk from them and ``lm_head.weight``, with the same shift, ``ignore_index``
+and ``num_items_in_batch`` as ``transformers.loss.loss_utils.ForCausalLMLoss``. The output's
+``logits`` is then ``None`` (they were never made; Liger Kernel's fused loss does the same); eval,
+``no_grad`` and calls without ``labels`` run the model's own forward.
+
+Only forwards whose source goes straight from ``self.lm_head(hidden_states)`` to
+``self.loss_function(logits=logits, ...)`` are routed (a Gemma-2 softcap in between is not), and
+only while the model's loss function is transformers' default causal-LM loss.
+
+>>> route_causal_lm_loss(torch.nn.Linear(2, 2))  # not a causal LM: left alone
+False
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import threading
+
+import torch
+from torch import nn
+
+from actcomp.losses.linear_cross_entropy import linear_cross_entropy
+
+
+class _Deferred(threading.local):
+    """The routed model whose forward is running in this thread with labels, if any."""
+
+    model: nn.Module | None = None
+
+
+_DEFERRED = _Deferred()
+_HANDLES = "_actcomp_loss_hooks"
+
+
+def route_causal_lm_loss(model: nn.Module) -> bool:
+    """Route ``model``'s ``labels=`` loss through :func:`linear_cross_entropy`, in place; True
+    where ``model`` is a causal LM whose forward allows it (see the module docstring)."""
+    if getattr(model, _HANDLES, None) is not None:
+        return True
+    if not _routable(model):
+        return False
+    plain_loss = model.loss_function
+    model.loss_function = functools.partial(_loss, model, plain_loss)
+    handles = (model.register_forward_pre_hook(_enter, with_kwargs=True),
+               model.register_forward_hook(_leave, with_kwargs=True, always_call=True))
+    setattr(model, _HANDLES, (handles, plain_loss))
+    return True
+
+
+def unroute_causal_lm_loss(model: nn.Module) -> None:
+    """Undo :func:`route_causal_lm_loss` (nothing where it was not routed)."""
+    installed = getattr(model, _HANDLES, None)
+    if installed is None:
+        return
+    handles, plain_loss = installed
+    for handle in handles:
+        handle.remove()
+    model.loss_function = plain_loss
+    delattr(model, _HANDLES)
+
+
+def is_routed(model: nn.Module) -> bool:
+    """Whether :func:`route_causal_lm_loss` routed ``model``'s loss."""
+    return getattr(model, _HANDLES, None) is not None
+
+
+def _routable(model: nn.Module) -> bool:
+    head = getattr(model, "lm_head", None)
+    config = getattr(model, "config", None)
+    if not isinstance(head, nn.Linear) or getattr(config, "vocab_size", None) != head.out_features:
+        return False
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:
+        return False
+    return getattr(model, "loss_function", None) is ForCausalLMLoss and _forward_goes_straight(_model_class(model))
+
+
+def _model_class(model: nn.Module) -> type:
+    """The model's own class, past any actcomp put in front of it (whole-model mode)."""
+    for cls in type(model).__mro__:
+        if "forward" in vars(cls) and not cls.__module__.startswith("actcomp."):
+            return cls
+    return type(model)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_goes_straight(cls: type) -> bool:
+    """Whether ``cls.forward`` takes ``self.lm_head(hidden_states)`` to the loss unchanged."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    head = re.search(r"^\s*logits = self\.lm_head\(hidden_states\)\s*$", source, re.MULTILINE)
+    loss = re.search(r"self\.loss_function\(\s*logits=logits,\s*labels=labels,\s*vocab_size=self\.config\.vocab_size",
+                     source)
+    if head is None or loss is None or loss.start() < head.end():
+        return False
+    # Nothing may rewrite the logits in between (a softcap, a scale).
+    return re.search(r"^\s*logits\s*[-+*/]?=", source[head.end():loss.start()], re.MULTILINE) is None
+
+
+def _enter(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    labels = kwargs.get("labels")
+    if labels is None or not (model.training and torch.is_grad_enabled()) or _DEFERRED.model is not None:
+        return
+    _DEFERRED.model = model
+    # The hidden states pass lm_head untouched; the loss reads the weight itself.
+    model.lm_head.forward = _hidden_states
+
+
+def _leave(model: nn.Module, args: tuple, kwargs: dict, output):
+    if _DEFERRED.model is not model:
+        return None
+    _DEFERRED.model = None
+    del model.lm_head.forward
+    if output is None:  # the forward raised: its error goes on
+        return None
+    # Never hand out the hidden states as logits.
+    if isinstance(output, tuple):
+        return (output[0], None, *output[2:])
+    output.logits = None
+    return output
+
+
+def _hidden_states(hidden_states: torch.Tensor) -> torch.Tensor:
+    return hidden_states
+
+
+def _loss(model: nn.Module, plain_loss, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+          shift_labels=None, **kwargs):
+    if _DEFERRED.model is not model:
+        return plain_loss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                          ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+    hidden = logits  # lm_head passed them through
+    if shift_labels is None:
+        # ForCausalLMLoss's shift: token t predicts token t + 1, the last predicts nothing.
+        labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+    shift_labels = shift_labels.to(hidden.device)
+    head = model.lm_head
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = linear_cross_entropy(hidden, head.weight, shift_labels.view(hidden.shape[:-1]), head.bias,
+                                ignore_index=ignore_index, reduction=reduction)
+    if reduction == "sum":
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss

@@ -1,0 +1,119 @@
+"""A Hugging Face causal LM's labels= loss routed through the chunked linear cross-entropy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+import actcomp  # noqa: E402
+from actcomp.losses.causal_lm import _forward_goes_straight, is_routed, route_causal_lm_loss  # noqa: E402
+
+
+def tiny_llama(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(config).to(dtype).train()
+
+
+def batch(seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, 300, (2, 24), generator=generator)
+    labels = input_ids.clone()
+    labels[0, :5] = -100  # a prompt that does not count
+    return input_ids, labels
+
+
+def grads(model):
+    return {name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.grad is not None}
+
+
+@pytest.mark.parametrize("num_items_in_batch", [None, 40])
+def test_the_routed_loss_and_gradients_are_plains(num_items_in_batch):
+    input_ids, labels = batch()
+    plain, routed = tiny_llama(), tiny_llama()
+    assert route_causal_lm_loss(routed) and is_routed(routed)
+    extra = {} if num_items_in_batch is None else {"num_items_in_batch": torch.tensor(num_items_in_batch)}
+    results = []
+    for model in (plain, routed):
+        output = model(input_ids=input_ids, labels=labels, **extra)
+        output.loss.backward()
+        results.append((output, grads(model)))
+    (plain_output, plain_grads), (routed_output, routed_grads) = results
+    assert plain_output.logits is not None and routed_output.logits is None  # never made
+    torch.testing.assert_close(routed_output.loss, plain_output.loss, rtol=1e-6, atol=1e-6)
+    assert routed_grads.keys() == plain_grads.keys()
+    for name, expected in plain_grads.items():
+        torch.testing.assert_close(routed_grads[name], expected, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_eval_no_grad_and_calls_without_labels_run_the_models_own_forward():
+    input_ids, labels = batch()
+    model = tiny_llama()
+    route_causal_lm_loss(model)
+    plain = tiny_llama()
+    assert torch.equal(model(input_ids=input_ids).logits, plain(input_ids=input_ids).logits)
+    with torch.no_grad():
+        output = model(input_ids=input_ids, labels=labels)
+        assert torch.equal(output.logits, plain(input_ids=input_ids, labels=labels).logits)
+    model.eval()
+    assert model(input_ids=input_ids, labels=labels).logits is not None
+
+
+def test_an_error_inside_the_forward_leaves_the_model_as_it_was():
+    model = tiny_llama()
+    route_causal_lm_loss(model)
+    with pytest.raises(Exception):  # noqa: B017 - whatever the model raises
+        model(input_ids=torch.tensor([[0, 1, 999]]), labels=torch.tensor([[0, 1, 2]]))  # 999: past the vocabulary
+    assert "forward" not in vars(model.lm_head)
+    input_ids, labels = batch()
+    assert model(input_ids=input_ids).logits.shape == (2, 24, 300)
+
+
+def test_to_compressed_routes_unless_rest_is_exact_and_from_compressed_undoes_it():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    model = tiny_llama(torch.float32)
+    actcomp.to_compressed(model, "int8", rest="8bit")
+    assert is_routed(model)
+    input_ids, labels = batch()
+    model(input_ids=input_ids, labels=labels).loss.backward()
+    actcomp.to_compressed(model, "int8", rest="exact")
+    assert not is_routed(model) and model.loss_function is ForCausalLMLoss
+    actcomp.to_compressed(model, "int8", rest="exact", loss="chunked")
+    assert is_routed(model)
+    actcomp.from_compressed(model)
+    assert not is_routed(model) and model.loss_function is ForCausalLMLoss
+    actcomp.to_compressed(model, "int8", loss="plain")
+    assert not is_routed(model)
+    with pytest.raises(actcomp.ActcompError, match="loss='fused' is not one of 'auto', 'chunked', 'plain'"):
+        actcomp.to_compressed(model, "int8", loss="fused")
+
+
+def test_the_routed_model_keeps_a_small_part_of_the_logits_bytes():
+    # Vocabulary 300 against hidden 32: the float32 logits' log-softmax (2 x 24 x 300) was most
+    # of what the head kept.
+    input_ids, labels = batch()
+    kept = []
+    for routed in (False, True):
+        model = tiny_llama()
+        if routed:
+            route_causal_lm_loss(model)
+        kept.append(actcomp.memory_report(model, input_ids=input_ids, labels=labels).total_bytes)
+    assert kept[1] < kept[0] - 2 * 24 * 300 * 4 * 0.9, kept
+
+
+def test_forwards_that_change_the_logits_first_are_not_routed():
+    # Gemma-2 softcaps the logits between lm_head and the loss: identity there would be wrong.
+    assert not _forward_goes_straight(transformers.Gemma2ForCausalLM)
+    assert _forward_goes_straight(transformers.LlamaForCausalLM)
+    assert _forward_goes_straight(transformers.Qwen2ForCausalLM)
+    assert _forward_goes_straight(transformers.MistralForCausalLM)
+    custom = tiny_llama()
+    custom.loss_function = lambda logits, labels, vocab_size, **kwargs: F.cross_entropy(
+        logits.view(-1, vocab_size), labels.view(-1))
+    assert not route_causal_lm_loss(custom)  # a loss of the user's own stays theirs
