@@ -114,19 +114,25 @@ def to_compressed(
             module.actcomp_name = name
             module.actcomp_plain_on_model_input = first_layer == "auto"
             converted += 1
+    if loss == "chunked" or (loss == "auto" and not (policy is not None and policy.is_exact())):
+        routed = route_causal_lm_loss(model)
+        if loss == "chunked" and not routed:
+            warnings.warn(f"to_compressed(loss='chunked'): the loss of this {type(model).__name__} stays its own: only a "
+                          "Hugging Face causal LM whose forward takes lm_head's output straight to transformers' "
+                          "default causal-LM loss is routed (call actcomp.linear_cross_entropy yourself otherwise)",
+                          UserWarning, stacklevel=2)
+    else:
+        routed = False
+        unroute_causal_lm_loss(model)
     if policy is not None:
         compress_whole_model(model, policy)
-    elif not converted:
+    elif not converted and not routed:
         # rest= alone still compresses what the other ops save: only a call that changes nothing warns.
         _warn_nothing_converted(model, [name for name, _ in candidates])
     if any(getattr(m, "actcomp_plain_on_model_input", False) for m in model.modules()):
         watch_model_inputs(model)
     else:
         unwatch_model_inputs(model)
-    if loss == "chunked" or (loss == "auto" and not (policy is not None and policy.is_exact())):
-        route_causal_lm_loss(model)
-    else:
-        unroute_causal_lm_loss(model)
     return model
 
 

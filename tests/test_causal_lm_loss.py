@@ -117,3 +117,16 @@ def test_forwards_that_change_the_logits_first_are_not_routed():
     custom.loss_function = lambda logits, labels, vocab_size, **kwargs: F.cross_entropy(
         logits.view(-1, vocab_size), labels.view(-1))
     assert not route_causal_lm_loss(custom)  # a loss of the user's own stays theirs
+    with pytest.warns(UserWarning, match="the loss of this LlamaForCausalLM stays its own"):
+        actcomp.to_compressed(custom, "int8", loss="chunked")
+
+
+def test_routing_the_loss_alone_is_a_change():
+    # No layer selected, but the loss routed: no "left unchanged" warning.
+    import warnings
+
+    model = tiny_llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        actcomp.to_compressed(model, "int8", filter_fn=lambda module, name: False, loss="chunked")
+    assert is_routed(model)

@@ -11,7 +11,8 @@ Kinds:
 ==============  ===========================================================================
 kind            ops
 ==============  ===========================================================================
-activation      ReLU family (exact 1-bit masks) and smooth activations (GELU, SiLU, ...)
+activation      ReLU family (exact 1-bit masks), smooth activations (GELU, SiLU, ...) and
+                gate products (a gated MLP's ``act(gate) * up``: see :func:`is_gate_product`)
 normalization   batch, layer, group, instance and RMS norms
 attention       softmax, scaled-dot-product attention, everything inside attention modules
 pooling         max pooling (exact window offsets)
@@ -105,6 +106,31 @@ _NAMED_KINDS = (
     ("attention", ("Attention",)),
     ("activation", ("GELU", "SiLU", "Swish", "Mish", "Activation")),
 )
+
+
+# The elementwise product, as a function and as the Tensor methods ``a * b`` calls.
+_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
+GATE = FunctionKind("activation", "gate")
+
+
+def is_gate_product(function, args: tuple) -> bool:
+    """Whether ``function(*args)`` multiplies two activations of one shape: a gated MLP's
+    ``act(gate) * up`` (SwiGLU, GeGLU, a chunked projection's halves), found by what it is, not
+    by a class name. Both operands are floating-point tensors that require grad and are not
+    parameters (a LayerScale's ``x * gamma`` is not a gate), of the same shape (no broadcast:
+    a scale or a mask is not a gate either). The product saves both, each as big as the MLP's
+    hidden layer: the largest tensors a language model keeps.
+
+    >>> a, b = torch.randn(2, 8, requires_grad=True), torch.randn(2, 8, requires_grad=True)
+    >>> is_gate_product(torch.mul, (a, b)), is_gate_product(torch.mul, (a, torch.randn(8)))
+    (True, False)
+    """
+    if function not in _PRODUCTS or len(args) < 2:
+        return False
+    first, second = args[0], args[1]
+    return all(isinstance(operand, torch.Tensor) and not isinstance(operand, nn.Parameter)
+               and operand.is_floating_point() and operand.requires_grad for operand in (first, second)) \
+        and first.shape == second.shape
 
 
 def register_function(function, kind: str, op: str) -> None:

@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from actcomp.errors import ActcompError
 from actcomp.graph.model_inputs import tensors_in
-from actcomp.graph.op_kinds import function_kind, module_kind
+from actcomp.graph.op_kinds import GATE, function_kind, is_gate_product, module_kind
 
 
 @dataclass
@@ -124,6 +124,9 @@ class _FunctionScopes(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         known = function_kind(func)
+        if known is None and _STATE.tracking and innermost_kind() is None and is_gate_product(func, args):
+            # A gated MLP's product outside any kind's scope (inside attention it stays attention's).
+            known = GATE
         if known is None or not _STATE.tracking:
             return func(*args, **kwargs)
         scopes = _STATE.scopes

@@ -31,8 +31,12 @@ import torch.nn.functional as F
 from actcomp.errors import ActcompError
 
 REDUCTIONS = ("mean", "sum", "none")
-# The default chunk: rows whose float32 logits take about this many bytes.
+# The default chunk: rows whose float32 logits take about this many bytes, and at least
+# MIN_CHUNK_ROWS rows. The chunk sets the loss's transient memory (backward holds two or three
+# such buffers); fewer rows make slow matrix products (2048 x 512 hidden, 32k vocabulary, fp32,
+# 2 threads, forward and backward: 6.5 s at 16 rows a chunk, 2.8 s at 65, 2.0 s at 262, 1.8 s at 1048).
 CHUNK_BYTES = 32 * 2**20
+MIN_CHUNK_ROWS = 128
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -45,7 +49,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     logits.
 
     ``hidden`` is (..., hidden_size), ``target`` the matching (...) class indices; ``chunk_rows``
-    rows are computed at a time (default: about 32 MiB of float32 logits). ``reduction="none"``
+    rows are computed at a time (default: about 32 MiB of float32 logits, at least 128 rows). ``reduction="none"``
     returns the per-token losses in ``target``'s shape, 0 where ignored.
     """
     _check(hidden, weight, target, bias, reduction, softcap, chunk_rows)
@@ -53,7 +57,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     flat_target = target.reshape(-1)
     vocabulary = weight.shape[0]
     if chunk_rows is None:
-        chunk_rows = max(1, CHUNK_BYTES // (4 * vocabulary))
+        chunk_rows = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * vocabulary))
     _check_targets(flat_target, vocabulary, ignore_index)
     losses = _LinearCrossEntropy.apply(flat_hidden, weight, bias, flat_target, ignore_index, softcap, chunk_rows)
     if reduction == "none":
@@ -94,11 +98,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # d loss_row / d logit = softmax - one_hot(class), times the row's incoming gradient.
         row_scale = torch.where(counted, grad_losses, 0.0)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        # The weight's and bias's gradients sum over every row: in float32 at least, so that
-        # adding chunk after chunk of a bf16 model loses no more than one product does.
-        wide = torch.promote_types(weight.dtype, torch.float32)
-        grad_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device) if ctx.needs_input_grad[1] else None
-        grad_bias = torch.zeros(bias.shape, dtype=wide, device=bias.device) \
+        # The weight's gradient sums over every chunk in the weight's own dtype, as Liger Kernel's
+        # fused loss does: a float32 sum would hold 2x a bf16 weight's bytes through backward
+        # (2 GiB for a 128k x 4096 head). Measured (2048 x 512 hidden, 32k vocabulary, bf16, 8
+        # chunks, against a float64 reference): relative error 0.0026 against plain's 0.0016,
+        # cosine 0.999997. The bias, one row, sums in float32 at least.
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.promote_types(bias.dtype, torch.float32), device=bias.device) \
             if bias is not None and ctx.needs_input_grad[2] else None
         for start in range(0, hidden.shape[0], chunk_rows):
             stop = min(start + chunk_rows, hidden.shape[0])
@@ -109,15 +115,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_logits.mul_(row_scale[start:stop, None])
             if capped is not None:  # d(c tanh(z / c)) / dz = 1 - tanh(z / c)^2
                 grad_logits.mul_(capped.mul_(capped).neg_().add_(1.0))
-            # The gradient reaches the linear layer in its output's dtype, as plain's .float() does.
+            # In the layer's dtype, as plain's .float() hands the gradient back (no copy in fp32).
             grad_linear = grad_logits.to(part.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:stop] = grad_linear @ weight
             if grad_weight is not None:
-                grad_weight.addmm_(grad_linear.t().to(wide), part.to(wide))
+                grad_weight.addmm_(grad_linear.t(), part)
             if grad_bias is not None:
-                grad_bias += grad_linear.to(wide).sum(0)
-        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                grad_bias += grad_logits.sum(0)
+        return (grad_hidden, grad_weight,
                 None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
 
 

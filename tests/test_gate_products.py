@@ -1,0 +1,124 @@
+"""Gated MLPs in whole-model mode: the product of two activations is found by what it is and
+compressed as an activation; products that are no gate stay as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import actcomp
+
+
+class FeedForward(nn.Module):
+    """A SwiGLU MLP (Llama's), or with chunk=True one projection cut in two halves (EVA's)."""
+
+    def __init__(self, width=64, hidden=176, chunk=False):
+        super().__init__()
+        self.chunk = chunk
+        self.gate = nn.Linear(width, 2 * hidden if chunk else hidden)
+        self.up = None if chunk else nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x):
+        if self.chunk:
+            gate, up = self.gate(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate(x), self.up(x)
+        return self.down(F.silu(gate) * up)
+
+
+class Net(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.inp = nn.Linear(32, 64)
+        self.block = block
+        self.out = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.out(self.block(self.inp(x)))
+
+
+def kinds(model, x):
+    report = actcomp.memory_report(model, x)
+    return {row.kind: (row.plain_bytes, row.kept_bytes) for row in report.kinds}, report.total_bytes
+
+
+@pytest.mark.parametrize("chunk", [False, True])
+def test_a_gated_mlps_product_is_compressed_as_an_activation(chunk):
+    torch.manual_seed(0)
+    model, x = Net(FeedForward(chunk=chunk)), torch.randn(16, 24, 32)
+    before, plain_total = kinds(model, x)
+    actcomp.to_compressed(model, "int8", rest="8bit")
+    after, kept_total = kinds(model, x)
+    # The product's two operands (16 x 24 x 176 fp32 each) count as activations (before: "other",
+    # kept as they were), beside the SiLU's input.
+    assert before["activation"][0] >= 3 * 16 * 24 * 176 * 4 and "other" not in before
+    assert "other" not in after
+    assert after["activation"][0] > after["activation"][1] * 3.5  # int8, its scales aside
+    assert plain_total > 3.5 * kept_total
+
+
+def test_the_gradient_stays_close_to_plains():
+    torch.manual_seed(0)
+    model, x = Net(FeedForward()), torch.randn(16, 24, 32)
+    model(x).square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    actcomp.to_compressed(model, "mink0", rest="8bit")  # Linear inputs exact: only the rest is lossy
+    model(x).square().mean().backward()
+    got = torch.cat([p.grad.view(-1) for p in model.parameters()])
+    cosine = F.cosine_similarity(got, torch.cat([g.view(-1) for g in expected]), dim=0)
+    assert cosine > 0.999, cosine
+
+
+class LayerScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(32, 64)
+        self.gamma = nn.Parameter(torch.full((64,), 0.1))
+        self.out = nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = self.inp(x)
+        mask = (torch.arange(64) % 2).float()  # a broadcast constant, not an activation
+        return self.out(torch.tanh(h) * self.gamma * mask)
+
+
+class SelfAttention(nn.Module):
+    """A product inside an attention module stays attention's."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.q(x) * self.k(x)
+
+
+def test_products_that_are_no_gate_are_not_taken_for_one():
+    from actcomp.graph.op_kinds import is_gate_product
+
+    a = torch.randn(4, 8, requires_grad=True)
+    assert not is_gate_product(torch.mul, (a, nn.Parameter(torch.randn(4, 8))))  # a scale
+    assert not is_gate_product(torch.mul, (a, torch.randn(4, 8)))  # a constant
+    assert not is_gate_product(torch.mul, (a, torch.randn(8, requires_grad=True)))  # broadcast
+    assert not is_gate_product(torch.add, (a, torch.randn(4, 8, requires_grad=True)))
+    torch.manual_seed(0)
+    model, x = LayerScale(), torch.randn(16, 32)
+    # The activations are tanh's output alone: the products with gamma and the mask are "other".
+    assert kinds(model, x)[0]["activation"][0] == 16 * 64 * 4
+    model, x = nn.Sequential(SelfAttention(), nn.Linear(32, 4)), torch.randn(16, 32)
+    assert "activation" not in kinds(model, x)[0]
+
+
+def test_rest_exact_keeps_the_product_exact():
+    torch.manual_seed(0)
+    model, x = Net(FeedForward()), torch.randn(16, 24, 32)
+    model(x).square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    actcomp.to_compressed(model, "mink0", rest="exact")
+    model(x).square().mean().backward()
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True))
