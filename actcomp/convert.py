@@ -23,6 +23,7 @@ from torch import nn
 
 from actcomp.core.pipeline import Pipeline, as_pipeline
 from actcomp.errors import ActcompError
+from actcomp.graph.adapters import adapter_pipeline
 from actcomp.graph.model_inputs import unwatch_model_inputs, watch_model_inputs
 from actcomp.layers.compressed_layer import compress_layer, is_supported, uncompress_layer
 from actcomp.losses.causal_lm import route_causal_lm_loss, unroute_causal_lm_loss
@@ -76,6 +77,11 @@ def to_compressed(
     ``None`` (default) leaves the rest as it is (Linear/Conv mode), or as a previous conversion
     set it.
 
+    A PEFT LoRA model's adapters get what keeps their gradients (the whole training signal)
+    accurate: each ``lora_A`` the pipeline's quantizers alone (``"mink0.9+int8"`` -> ``"int8"``),
+    each ``lora_B`` (whose input is r values a token) nothing; the frozen base layers keep nothing
+    anyway. Convert after PEFT has added the adapters (:mod:`actcomp.graph.adapters`).
+
     ``loss`` decides a Hugging Face causal LM's ``labels=`` loss (:mod:`actcomp.losses.causal_lm`):
     ``"chunked"`` computes it by :func:`~actcomp.losses.linear_cross_entropy`, the logits a
     chunk of tokens at a time and again in backward, never kept whole (then ``output.logits`` is
@@ -109,6 +115,9 @@ def to_compressed(
         if name == skipped or (filter_fn is not None and not filter_fn(module, name)):
             continue
         chosen = choose(name)
+        if chosen is not None:
+            # A LoRA adapter's layers: lora_A keeps the quantizers alone, lora_B stays plain.
+            chosen = adapter_pipeline(name, chosen)
         if chosen is not None:
             compress_layer(module, chosen.fresh())
             module.actcomp_name = name

@@ -12,7 +12,10 @@ its loss computed four ways:
   the output projection and the cross-entropy 8 chunks of tokens at a time, each under autograd;
 - ``actcomp-loss``: the model converted with ``to_compressed(model, "int8", filter_fn=lambda m, n:
   False, loss="chunked")``: only the loss changes (:func:`actcomp.linear_cross_entropy`);
-- ``actcomp-8bit``: ``to_compressed(model, "mink0.9+int8", rest="8bit")``, which routes the loss too.
+- ``actcomp-8bit``: ``to_compressed(model, "mink0.9+int8", rest="8bit")``, which routes the loss too;
+- ``checkpoint``: Hugging Face's ``gradient_checkpointing_enable()`` (non-reentrant), and
+  ``checkpoint+actcomp-8bit``: both (actcomp compresses what lies outside the checkpointed
+  layers, the loss routed too; the layers' stored inputs stay as checkpointing keeps them).
 
 Reported per dtype: bytes kept for backward (``actcomp.memory_report``, deduplicated by
 storage), split into the loss's (kept with labels minus kept without: the head's log-softmax,
@@ -40,7 +43,7 @@ from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, ra
 import actcomp
 from actcomp.tools.probe import run_probe
 
-METHODS = ("plain", "torch-chunked", "actcomp-loss", "actcomp-8bit")
+METHODS = ("plain", "torch-chunked", "actcomp-loss", "actcomp-8bit", "checkpoint", "checkpoint+actcomp-8bit")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COLUMNS = ["dtype", "method", "kept_mib", "loss_kept_mib", "rest_kept_mib", "loss_vs_plain", "rest_vs_plain",
            "peak_above_start_mib", "peak_vs_plain", "step_ratio", "step_p25", "step_p75", "step_s"]
@@ -56,6 +59,11 @@ def build(args: argparse.Namespace, dtype: torch.dtype, method: str):
                          num_attention_heads=8, num_key_value_heads=4, vocab_size=args.vocabulary,
                          max_position_embeddings=max(args.tokens, 128))
     model = LlamaForCausalLM(config).to(dtype).train()
+    if method.startswith("checkpoint"):
+        # Hugging Face's own, non-reentrant (as transformers recommends): each decoder layer's
+        # forward runs again in backward.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        method = method.removeprefix("checkpoint").removeprefix("+") or "plain"
     if method == "actcomp-loss":
         actcomp.to_compressed(model, "int8", filter_fn=lambda module, name: False, loss="chunked")
     elif method == "actcomp-8bit":

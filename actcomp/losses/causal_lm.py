@@ -41,35 +41,41 @@ _HANDLES = "_actcomp_loss_hooks"
 
 
 def route_causal_lm_loss(model: nn.Module) -> bool:
-    """Route ``model``'s ``labels=`` loss through :func:`linear_cross_entropy`, in place; True
-    where ``model`` is a causal LM whose forward allows it (see the module docstring)."""
-    if getattr(model, _HANDLES, None) is not None:
-        return True
-    if not _routable(model):
-        return False
+    """Route the ``labels=`` loss of ``model``, or of the outermost causal LM inside it (a PEFT
+    model wraps one), through :func:`linear_cross_entropy`, in place; True where there is a
+    causal LM whose forward allows it (see the module docstring)."""
+    for module in model.modules():
+        if getattr(module, _HANDLES, None) is not None:
+            return True
+        if _routable(module):
+            _route(module)
+            return True
+    return False
+
+
+def _route(model: nn.Module) -> None:
     plain_loss = model.loss_function
     model.loss_function = functools.partial(_loss, model, plain_loss)
     handles = (model.register_forward_pre_hook(_enter, with_kwargs=True),
                model.register_forward_hook(_leave, with_kwargs=True, always_call=True))
     setattr(model, _HANDLES, (handles, plain_loss))
-    return True
 
 
 def unroute_causal_lm_loss(model: nn.Module) -> None:
     """Undo :func:`route_causal_lm_loss` (nothing where it was not routed)."""
-    installed = getattr(model, _HANDLES, None)
-    if installed is None:
-        return
-    handles, plain_loss = installed
-    for handle in handles:
-        handle.remove()
-    model.loss_function = plain_loss
-    delattr(model, _HANDLES)
+    for module in model.modules():
+        installed = getattr(module, _HANDLES, None)
+        if installed is not None:
+            handles, plain_loss = installed
+            for handle in handles:
+                handle.remove()
+            module.loss_function = plain_loss
+            delattr(module, _HANDLES)
 
 
 def is_routed(model: nn.Module) -> bool:
-    """Whether :func:`route_causal_lm_loss` routed ``model``'s loss."""
-    return getattr(model, _HANDLES, None) is not None
+    """Whether :func:`route_causal_lm_loss` routed the loss of ``model`` or of a module inside it."""
+    return any(getattr(module, _HANDLES, None) is not None for module in model.modules())
 
 
 def _routable(model: nn.Module) -> bool:
