@@ -130,3 +130,18 @@ def test_routing_the_loss_alone_is_a_change():
         warnings.simplefilter("error")
         actcomp.to_compressed(model, "int8", filter_fn=lambda module, name: False, loss="chunked")
     assert is_routed(model)
+
+
+def test_a_compiled_model_computes_the_routed_loss():
+    # The hooks and the swapped lm_head forward under torch.compile: the same loss, no logits,
+    # and label-less calls still give them.
+    input_ids, labels = batch()
+    plain, routed = tiny_llama(), tiny_llama()
+    route_causal_lm_loss(routed)
+    compiled = torch.compile(routed)
+    for _ in range(2):
+        output = compiled(input_ids=input_ids, labels=labels)
+        output.loss.backward()
+        assert output.logits is None
+    torch.testing.assert_close(output.loss, plain(input_ids=input_ids, labels=labels).loss, rtol=1e-6, atol=1e-6)
+    assert compiled(input_ids=input_ids).logits.shape == (2, 24, 300)

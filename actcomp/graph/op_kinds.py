@@ -109,8 +109,16 @@ _NAMED_KINDS = (
 
 
 # The elementwise product, as a function and as the Tensor methods ``a * b`` calls.
-_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
+PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
 GATE = FunctionKind("activation", "gate")
+
+
+def is_product(function) -> bool:
+    """Whether ``function`` is the elementwise product (one set lookup: asked of every torch call)."""
+    try:
+        return function in PRODUCTS
+    except TypeError:  # unhashable callables
+        return False
 
 
 def is_gate_product(function, args: tuple) -> bool:
@@ -125,7 +133,7 @@ def is_gate_product(function, args: tuple) -> bool:
     >>> is_gate_product(torch.mul, (a, b)), is_gate_product(torch.mul, (a, torch.randn(8)))
     (True, False)
     """
-    if function not in _PRODUCTS or len(args) < 2:
+    if not is_product(function) or len(args) < 2:
         return False
     first, second = args[0], args[1]
     return all(isinstance(operand, torch.Tensor) and not isinstance(operand, nn.Parameter)

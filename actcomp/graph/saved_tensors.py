@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from actcomp.errors import ActcompError
 from actcomp.graph.model_inputs import tensors_in
-from actcomp.graph.op_kinds import GATE, function_kind, is_gate_product, module_kind
+from actcomp.graph.op_kinds import GATE, function_kind, is_gate_product, is_product, module_kind
 
 
 @dataclass
@@ -124,7 +124,9 @@ class _FunctionScopes(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         known = function_kind(func)
-        if known is None and _STATE.tracking and innermost_kind() is None and is_gate_product(func, args):
+        # The cheap test first: this runs for every torch call of the model.
+        if known is None and is_product(func) and _STATE.tracking and innermost_kind() is None \
+                and is_gate_product(func, args):
             # A gated MLP's product outside any kind's scope (inside attention it stays attention's).
             known = GATE
         if known is None or not _STATE.tracking:
