@@ -85,10 +85,11 @@ def to_compressed(
     ``loss`` decides a Hugging Face causal LM's ``labels=`` loss (:mod:`actcomp.losses.causal_lm`):
     ``"chunked"`` computes it by :func:`~actcomp.losses.linear_cross_entropy`, the logits a
     chunk of tokens at a time and again in backward, never kept whole (then ``output.logits`` is
-    None in training calls with labels); ``"plain"`` leaves the model's own; ``"auto"`` (default)
-    is ``"chunked"`` unless ``rest`` is exact throughout (the chunked loss sums in another order:
-    equal to float rounding, not bit for bit). Models whose forward changes the logits before the
-    loss (a Gemma-2 softcap) keep their own.
+    a placeholder in training calls with labels, which names this option when used);
+    ``"plain"`` leaves the model's own; ``"auto"`` (default) is ``"chunked"`` where the
+    conversion is lossy anyway (a lossy layer pipeline or ``rest``) and ``"plain"`` where it is
+    exact (the chunked loss sums in another order: equal to float rounding, not bit for bit).
+    Models whose forward changes the logits before the loss (a Gemma-2 softcap) keep their own.
 
     Converting an already converted model replaces the pipelines of the layers it selects
     (never nests); other layers keep theirs. A call that changes nothing (no layer selected, no
@@ -110,7 +111,7 @@ def to_compressed(
                 "their first forward, which would drop compression; run one forward pass before to_compressed"
             )
     skipped = _first_layer_name(candidates, first_layer)
-    converted = 0
+    converted, lossy = 0, policy is not None and not policy.is_exact()
     for name, module in candidates:
         if name == skipped or (filter_fn is not None and not filter_fn(module, name)):
             continue
@@ -119,11 +120,12 @@ def to_compressed(
             # A LoRA adapter's layers: lora_A keeps the quantizers alone, lora_B stays plain.
             chosen = adapter_pipeline(name, chosen)
         if chosen is not None:
+            lossy = lossy or not chosen.lossless()
             compress_layer(module, chosen.fresh())
             module.actcomp_name = name
             module.actcomp_plain_on_model_input = first_layer == "auto"
             converted += 1
-    if loss == "chunked" or (loss == "auto" and not (policy is not None and policy.is_exact())):
+    if loss == "chunked" or (loss == "auto" and lossy):
         routed = route_causal_lm_loss(model)
         if loss == "chunked" and not routed:
             warnings.warn(f"to_compressed(loss='chunked'): the loss of this {type(model).__name__} stays its own: only a "

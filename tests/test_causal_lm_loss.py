@@ -9,7 +9,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 import actcomp  # noqa: E402
-from actcomp.losses.causal_lm import _forward_goes_straight, is_routed, route_causal_lm_loss  # noqa: E402
+from actcomp.losses.causal_lm import NOT_COMPUTED, _forward_goes_straight, is_routed, route_causal_lm_loss  # noqa: E402
 
 
 def tiny_llama(dtype=torch.float32, seed=0):
@@ -44,7 +44,9 @@ def test_the_routed_loss_and_gradients_are_plains(num_items_in_batch):
         output.loss.backward()
         results.append((output, grads(model)))
     (plain_output, plain_grads), (routed_output, routed_grads) = results
-    assert plain_output.logits is not None and routed_output.logits is None  # never made
+    assert plain_output.logits is not None and routed_output.logits is NOT_COMPUTED  # never made
+    with pytest.raises(actcomp.ActcompError, match="the logits were not computed.*loss='plain'"):
+        routed_output.logits.argmax(-1)
     torch.testing.assert_close(routed_output.loss, plain_output.loss, rtol=1e-6, atol=1e-6)
     assert routed_grads.keys() == plain_grads.keys()
     for name, expected in plain_grads.items():
@@ -74,7 +76,7 @@ def test_an_error_inside_the_forward_leaves_the_model_as_it_was():
     assert model(input_ids=input_ids).logits.shape == (2, 24, 300)
 
 
-def test_to_compressed_routes_unless_rest_is_exact_and_from_compressed_undoes_it():
+def test_to_compressed_routes_where_the_conversion_is_lossy_and_from_compressed_undoes_it():
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     model = tiny_llama(torch.float32)
@@ -82,9 +84,15 @@ def test_to_compressed_routes_unless_rest_is_exact_and_from_compressed_undoes_it
     assert is_routed(model)
     input_ids, labels = batch()
     model(input_ids=input_ids, labels=labels).loss.backward()
-    actcomp.to_compressed(model, "int8", rest="exact")
+    # An exact conversion stays bit for bit: the loss is the model's own.
+    actcomp.to_compressed(model, "mink0", rest="exact")
     assert not is_routed(model) and model.loss_function is ForCausalLMLoss
-    actcomp.to_compressed(model, "int8", rest="exact", loss="chunked")
+    actcomp.to_compressed(model, "mink0")
+    assert not is_routed(model)
+    # Lossy layers make the conversion lossy, whatever rest is.
+    actcomp.to_compressed(model, "int8", rest="exact")
+    assert is_routed(model)
+    actcomp.to_compressed(model, "mink0", rest="exact", loss="chunked")
     assert is_routed(model)
     actcomp.from_compressed(model)
     assert not is_routed(model) and model.loss_function is ForCausalLMLoss
@@ -142,6 +150,6 @@ def test_a_compiled_model_computes_the_routed_loss():
     for _ in range(2):
         output = compiled(input_ids=input_ids, labels=labels)
         output.loss.backward()
-        assert output.logits is None
+        assert output.logits is NOT_COMPUTED
     torch.testing.assert_close(output.loss, plain(input_ids=input_ids, labels=labels).loss, rtol=1e-6, atol=1e-6)
     assert compiled(input_ids=input_ids).logits.shape == (2, 24, 300)

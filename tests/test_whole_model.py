@@ -153,7 +153,9 @@ class SigmoidNet(nn.Module):
 
 
 def whole(model: nn.Module, rest="exact", spec: str = "mink0", **kwargs) -> nn.Module:
-    """A converted deep copy (every layer with ``spec``, the rest with ``rest``)."""
+    """A converted deep copy (every layer with ``spec``, the rest with ``rest``; a causal LM keeps
+    its own loss, so that its logits compare with plain's)."""
+    kwargs.setdefault("loss", "plain")
     return actcomp.to_compressed(copy.deepcopy(model), spec, first_layer=None, rest=rest, **kwargs)
 
 

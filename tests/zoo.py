@@ -178,7 +178,8 @@ def preset_gradients(entry: ZooModel, rest) -> tuple[dict, dict]:
 
     torch.manual_seed(0)
     plain = entry.build()
-    model = actcomp.to_compressed(copy.deepcopy(plain), "mink0", first_layer=None, rest=rest)
+    # loss="plain": the codecs' gradients against plain's, the causal LMs' own loss in both.
+    model = actcomp.to_compressed(copy.deepcopy(plain), "mink0", first_layer=None, rest=rest, loss="plain")
     torch.manual_seed(2)
     batch = (entry.roomy_batch or entry.batch)()
     _, ref_grads = train_step(plain, batch)

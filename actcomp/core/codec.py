@@ -164,6 +164,11 @@ class Compressor:
         """:meth:`decode` by a native kernel, as :meth:`native_encode`; None: run :meth:`decode`."""
         return None
 
+    def lossless(self) -> bool:
+        """Whether decoding gives back every value exactly: a sparsifier that drops nothing
+        (``mink0``). False by default: a codec of unknown loss counts as lossy."""
+        return self.takes_rate and getattr(self, "drop_rate", None) == 0
+
     def compiles(self) -> bool:
         """Whether :mod:`~actcomp.core.backends` may run this codec compiled: not a stage with
         runtime state, nor one that draws from torch's generator (compiled code draws other

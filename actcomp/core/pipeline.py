@@ -69,6 +69,14 @@ class Pipeline:
     def __hash__(self) -> int:
         return hash(self.spec)
 
+    def lossless(self) -> bool:
+        """Whether every stage gives its input back exactly.
+
+        >>> parse("mink0").lossless(), parse("mink0.9").lossless(), parse("mink0+int8").lossless()
+        (True, False, False)
+        """
+        return all(stage.lossless() for stage in self.stages)
+
     def fresh(self) -> Pipeline:
         """Same spec, fresh per-stage state (each converted layer gets its own).
 

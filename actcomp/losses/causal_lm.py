@@ -6,8 +6,9 @@ a (tokens, vocabulary) tensor, upcast to float32 and kept whole for backward. Ro
 call with ``labels`` passes the hidden states past ``lm_head`` untouched, and the loss computes
 the logits chunk by chunk from them and ``lm_head.weight``, with the same shift, ``ignore_index``
 and ``num_items_in_batch`` as ``transformers.loss.loss_utils.ForCausalLMLoss``. The output's
-``logits`` is then ``None`` (they were never made; Liger Kernel's fused loss does the same); eval,
-``no_grad`` and calls without ``labels`` run the model's own forward.
+``logits`` is then :data:`NOT_COMPUTED`, a stand-in whose use raises an error that says why (they
+were never made; Liger Kernel's fused loss returns None there); eval, ``no_grad`` and calls
+without ``labels`` run the model's own forward.
 
 Only forwards whose source goes straight from ``self.lm_head(hidden_states)`` to
 ``self.loss_function(logits=logits, ...)`` are routed (a Gemma-2 softcap in between is not), and
@@ -27,6 +28,7 @@ import threading
 import torch
 from torch import nn
 
+from actcomp.errors import ActcompError
 from actcomp.losses.linear_cross_entropy import linear_cross_entropy
 
 
@@ -130,11 +132,35 @@ def _leave(model: nn.Module, args: tuple, kwargs: dict, output):
     del model.lm_head.forward
     if output is None:  # the forward raised: its error goes on
         return None
-    # Never hand out the hidden states as logits.
+    # Never hand out the hidden states as logits: a stand-in that says why there are none.
     if isinstance(output, tuple):
-        return (output[0], None, *output[2:])
-    output.logits = None
+        return (output[0], NOT_COMPUTED, *output[2:])
+    output.logits = NOT_COMPUTED
     return output
+
+
+class LogitsNotComputed:
+    """What a routed model returns as ``logits`` in a training call with labels: the logits
+    were never made. Any use raises an :class:`~actcomp.errors.ActcompError` that says so.
+
+    >>> NOT_COMPUTED.argmax(-1)
+    Traceback (most recent call last):
+    ...
+    actcomp.errors.ActcompError: the logits were not computed: actcomp computed this training call's loss ...
+    """
+
+    def __getattr__(self, name: str):
+        raise ActcompError(
+            "the logits were not computed: actcomp computed this training call's loss chunk by chunk from the "
+            "hidden states (to_compressed routes a causal LM's labels= loss, never holding its logits); call the "
+            "model without labels (or under no_grad / eval) for logits, or convert with "
+            "to_compressed(..., loss='plain') to keep them")
+
+    def __repr__(self) -> str:
+        return "LogitsNotComputed()"
+
+
+NOT_COMPUTED = LogitsNotComputed()
 
 
 def _hidden_states(hidden_states: torch.Tensor) -> torch.Tensor:
