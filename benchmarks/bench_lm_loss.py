@@ -130,7 +130,7 @@ def probe(settings: dict) -> None:
         handle.write("5")  # VmHWM := VmRSS
     start = resident("VmRSS")
     step()
-    print(json.dumps({"peak_above_start": resident("VmHWM") - start}))
+    print(json.dumps({"peak_above_start": resident("VmHWM") - start, "peak": resident("VmHWM")}))
 
 
 def resident(field: str) -> int:
