@@ -5,9 +5,10 @@
 
 ``bench_max_batch.py`` finds, per model and method, the largest batch whose training step peaks
 within 4 GiB; its results files (``max_batch_4GiB_<model>_*.csv``) give the batches here. This
-script trains each method at its own largest batch, each run in a fresh process (the model
-built from the same seed, one untimed step, then ``--steps`` timed steps; the peak read from
-VmHWM as the search read it, with ``MALLOC_MMAP_THRESHOLD_=65536``), the methods in rotating
+script trains each method at its own largest batch, each run in a fresh process
+(:func:`actcomp.tools.peak_rss.training_steps`, the search's own probe: the model built from the
+same seed, one untimed step, then ``--steps`` timed steps; the peak read from VmHWM with
+``MALLOC_MMAP_THRESHOLD_=65536``), the methods in rotating
 order for ``--rounds`` rounds. Reported: samples per second (batch / median step time), and
 per round the ratio to plain's samples per second in the same round, median over rounds: what
 a user who fills the budget gets per second of training.
@@ -18,7 +19,6 @@ Writes ``benchmarks/results/largest_batch_speed_<torch>_cpu_t<threads>.{md,csv}`
 from __future__ import annotations
 
 import csv
-import json
 import statistics
 import time
 from pathlib import Path
@@ -27,39 +27,7 @@ import torch
 from bench_frontier import METHODS
 from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, quantiles, write_results
 
-from actcomp.tools.probe import run_probe
-
-_PROBE = r"""
-import json, statistics, sys, time, torch, timm, actcomp
-args = json.loads(sys.argv[1])
-torch.set_num_threads(args["threads"])
-torch.manual_seed(0)
-model = timm.create_model(args["model"], pretrained=False, num_classes=10)
-if args["checkpoint"]:
-    timm.layers.set_reentrant_ckpt(False)
-    model.set_grad_checkpointing(True)
-if args["spec"]:
-    actcomp.to_compressed(model, args["spec"], rest=args["rest"])
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-x = torch.randn(args["batch"], 3, args["img_size"], args["img_size"])
-y = torch.randint(0, 10, (args["batch"],))
-
-def step():
-    loss = torch.nn.functional.cross_entropy(model(x), y)
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-
-step()
-times = []
-for _ in range(args["steps"]):
-    start = time.perf_counter()
-    step()
-    times.append(time.perf_counter() - start)
-status = open("/proc/self/status").read()
-peak = int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
-print(json.dumps({"step_s": statistics.median(times), "peak": peak}))
-"""
+from actcomp.tools.peak_rss import training_steps
 
 COLUMNS = ["model", "method", "batch", "samples_per_s", "ratio_vs_plain", "ratio_p25", "ratio_p75", "step_s",
            "peak_mib"]
@@ -77,12 +45,12 @@ def largest_batches(results: Path, model: str, budget: str) -> dict[str, int]:
 
 
 def run_once(model: str, method: str, batch: int, args) -> dict:
+    """One fresh process: the first full-size step untimed, then ``--steps`` timed ones."""
     compress, whole, checkpoint = METHODS[method]
-    settings = {"model": model, "batch": batch, "threads": args.threads, "img_size": args.img_size,
-                "steps": args.steps, "checkpoint": checkpoint, "spec": args.spec if compress else None,
-                "rest": args.rest if whole else None}
-    return run_probe(["-c", _PROBE, json.dumps(settings)], env={"MALLOC_MMAP_THRESHOLD_": "65536"},
-                     what=f"{model} {method} at batch {batch}")
+    peak, seconds = training_steps(model, args.spec if compress else None, rest=args.rest if whole else None,
+                                   checkpoint=checkpoint, batch=batch, img_size=args.img_size, steps=args.steps + 1,
+                                   threads=args.threads)
+    return {"step_s": statistics.median(seconds[1:]), "peak": peak}
 
 
 def main() -> None:

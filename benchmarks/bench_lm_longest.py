@@ -16,34 +16,24 @@ Writes ``benchmarks/results/lm_longest_<budget>_<torch>_cpu_t<threads>.{md,csv}`
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import torch
-from bench_lm_loss import DTYPES, METHODS
+from bench_lm_loss import DTYPES, METHODS, add_model_arguments, step_peaks
 from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, write_results
 
 from actcomp.tools.memory import parse_bytes
-from actcomp.tools.probe import run_probe
 
 STEP = 256
 COLUMNS = ["dtype", "method", "longest_tokens", "its_peak_mib", "shortest_over", "x_plain", "probes"]
-
-
-def peak(args, dtype: str, method: str, tokens: int) -> int:
-    settings = {"tokens": tokens, "layers": args.layers, "hidden": args.hidden, "vocabulary": args.vocabulary,
-                "threads": args.threads, "dtype": dtype, "method": method}
-    script = str(Path(__file__).with_name("bench_lm_loss.py"))
-    return run_probe([script, "--probe", json.dumps(settings)], env={"MALLOC_MMAP_THRESHOLD_": "65536"},
-                     what=f"{method} {dtype} at {tokens} tokens")["peak"]
 
 
 def longest(args, dtype: str, method: str, budget: int) -> tuple[int, int, int | None, list]:
     probes = []
 
     def fits(tokens: int) -> bool:
-        value = peak(args, dtype, method, tokens)
+        value = step_peaks(args, dtype, method, tokens)["peak"]
         probes.append((tokens, value))
         print(f"  {dtype} {method} {tokens} tokens: {value / 2**20:.0f} MiB{'' if value <= budget else ' (over)'}",
               flush=True)
@@ -74,10 +64,7 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=0.1)
     parser.add_argument("--max-tokens", type=int, default=16_384,
                         help="stop doubling past this length (a step at 32k tokens takes minutes here)")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--vocabulary", type=int, default=32_000)
-    parser.add_argument("--threads", type=int, default=2)
+    add_model_arguments(parser)
     parser.add_argument("--out", default=str(RESULTS_DIR))
     args = parser.parse_args()
     budget = parse_bytes(args.budget)

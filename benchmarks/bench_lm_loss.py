@@ -133,6 +133,24 @@ def probe(settings: dict) -> None:
     print(json.dumps({"peak_above_start": resident("VmHWM") - start, "peak": resident("VmHWM")}))
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model's shape and the threads, as this script and bench_lm_longest.py take them."""
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocabulary", type=int, default=32_000)
+    parser.add_argument("--threads", type=int, default=2)
+
+
+def step_peaks(args: argparse.Namespace, dtype: str, method: str, tokens: int) -> dict:
+    """:func:`probe` in a fresh process: the step's peak above its start, and the process's peak."""
+    settings = {"tokens": tokens, "layers": args.layers, "hidden": args.hidden, "vocabulary": args.vocabulary,
+                "threads": args.threads, "dtype": dtype, "method": method}
+    # Freed blocks of 64 KiB and up go back to the OS, so that RSS follows live memory (glibc
+    # would keep the first step's heap and hide the second step's peak in it).
+    return run_probe([__file__, "--probe", json.dumps(settings)], env={"MALLOC_MMAP_THRESHOLD_": "65536"},
+                     what=f"{method} {dtype} at {tokens} tokens")
+
+
 def resident(field: str) -> int:
     status = Path("/proc/self/status").read_text()
     return int(next(line for line in status.splitlines() if line.startswith(field + ":")).split()[1]) * 1024
@@ -146,10 +164,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--vocabulary", type=int, default=32_000)
-    parser.add_argument("--threads", type=int, default=2)
+    add_model_arguments(parser)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=str(RESULTS_DIR))
     args = parser.parse_args()
@@ -163,12 +178,7 @@ def main() -> None:
         kept = {method: kept_bytes(args, dtype, method) for method in args.methods}
         peaks = {}
         for method in args.methods:
-            settings = {**{key: getattr(args, key) for key in ("tokens", "layers", "hidden", "vocabulary", "threads")},
-                        "dtype": dtype_name, "method": method}
-            # Freed blocks of 64 KiB and up go back to the OS, so that RSS follows live memory
-            # (glibc would keep the first step's heap and hide the second step's peak in it).
-            peaks[method] = run_probe([__file__, "--probe", json.dumps(settings)], env={"MALLOC_MMAP_THRESHOLD_": "65536"},
-                                      what=f"{method} {dtype_name} step peak")["peak_above_start"]
+            peaks[method] = step_peaks(args, dtype_name, method, args.tokens)["peak_above_start"]
             print(f"{dtype_name} {method}: kept {kept[method][0] / 2**20:.1f} MiB, "
                   f"step peak +{peaks[method] / 2**20:.0f} MiB", flush=True)
         steps, ids_labels = {}, batch(args)

@@ -76,6 +76,20 @@ def test_an_error_inside_the_forward_leaves_the_model_as_it_was():
     assert model(input_ids=input_ids).logits.shape == (2, 24, 300)
 
 
+def test_a_forward_the_head_held_of_its_own_is_put_back():
+    # accelerate's device hooks wrap a module's forward as an instance attribute.
+    model = tiny_llama()
+    route_causal_lm_loss(model)
+    calls = []
+    original = model.lm_head.forward
+    model.lm_head.forward = lambda hidden: calls.append(1) or original(hidden)
+    wrapped = model.lm_head.forward
+    input_ids, labels = batch()
+    model(input_ids=input_ids, labels=labels).loss.backward()
+    assert model.lm_head.forward is wrapped and calls == []  # passed by while routed
+    assert model(input_ids=input_ids).logits.shape == (2, 24, 300) and calls == [1]
+
+
 def test_to_compressed_routes_where_the_conversion_is_lossy_and_from_compressed_undoes_it():
     from transformers.loss.loss_utils import ForCausalLMLoss
 

@@ -33,9 +33,12 @@ from actcomp.losses.linear_cross_entropy import linear_cross_entropy
 
 
 class _Deferred(threading.local):
-    """The routed model whose forward is running in this thread with labels, if any."""
+    """The routed model whose forward is running in this thread with labels, if any, and the
+    ``forward`` its ``lm_head`` held as an instance attribute before (accelerate's device hooks
+    wrap a module's forward that way), to put back afterwards."""
 
     model: nn.Module | None = None
+    head_forward: object | None = None
 
 
 _DEFERRED = _Deferred()
@@ -121,6 +124,7 @@ def _enter(model: nn.Module, args: tuple, kwargs: dict) -> None:
     if labels is None or not (model.training and torch.is_grad_enabled()) or _DEFERRED.model is not None:
         return
     _DEFERRED.model = model
+    _DEFERRED.head_forward = vars(model.lm_head).get("forward")
     # The hidden states pass lm_head untouched; the loss reads the weight itself.
     model.lm_head.forward = _hidden_states
 
@@ -129,7 +133,10 @@ def _leave(model: nn.Module, args: tuple, kwargs: dict, output):
     if _DEFERRED.model is not model:
         return None
     _DEFERRED.model = None
-    del model.lm_head.forward
+    if _DEFERRED.head_forward is None:
+        del model.lm_head.forward
+    else:
+        model.lm_head.forward, _DEFERRED.head_forward = _DEFERRED.head_forward, None
     if output is None:  # the forward raised: its error goes on
         return None
     # Never hand out the hidden states as logits: a stand-in that says why there are none.

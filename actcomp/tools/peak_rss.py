@@ -41,7 +41,7 @@ def stop_when_over(limit):
     while True:
         peak = high_water_mark()
         if peak > limit:
-            print(json.dumps(peak), flush=True)
+            print(json.dumps({"peak": peak, "step_seconds": []}), flush=True)
             os._exit(0)
         time.sleep(0.02)
 
@@ -73,18 +73,28 @@ if args["warmup_batch"]:
     # A small first step leaves what every later step starts with (the gradients, optimizer
     # state): the full-size step that follows then peaks as a steady-state step would.
     step(args["warmup_batch"])
+seconds = []
 for _ in range(args["steps"]):
+    start = time.perf_counter()
     step(args["batch"])
-print(json.dumps(high_water_mark()), flush=True)
+    seconds.append(time.perf_counter() - start)
+print(json.dumps({"peak": high_water_mark(), "step_seconds": seconds}), flush=True)
 os._exit(0)  # the watcher thread may be mid-print otherwise
 """
 
 
-def peak_rss(model: str, spec: str | None, *, batch: int, img_size: int, steps: int = 3, amp: str | None = None,
-             return_freed_memory: bool = True, rest: str | None = None, first_layer: str | None = "auto",
-             checkpoint: bool = False, threads: int | None = None, abort_above: int | None = None,
-             warmup_batch: int | None = None) -> int:
-    """Peak RSS in bytes of ``steps`` training steps of timm ``model`` (``spec`` None = plain).
+def peak_rss(model: str, spec: str | None, *, batch: int, img_size: int, steps: int = 3, **options) -> int:
+    """Peak RSS in bytes of ``steps`` training steps of timm ``model`` (``spec`` None = plain);
+    the options are :func:`training_steps`'."""
+    return training_steps(model, spec, batch=batch, img_size=img_size, steps=steps, **options)[0]
+
+
+def training_steps(model: str, spec: str | None, *, batch: int, img_size: int, steps: int = 3,
+                   amp: str | None = None, return_freed_memory: bool = True, rest: str | None = None,
+                   first_layer: str | None = "auto", checkpoint: bool = False, threads: int | None = None,
+                   abort_above: int | None = None, warmup_batch: int | None = None) -> tuple[int, list[float]]:
+    """Peak RSS in bytes of ``steps`` training steps of timm ``model`` (``spec`` None = plain),
+    and the seconds each of those steps took (none where ``abort_above`` stopped the probe).
 
     ``rest`` (a preset such as ``"8bit"``, or a spec) and ``first_layer`` are passed on to
     :func:`actcomp.to_compressed` with ``spec``; ``rest=None`` is Linear/Conv mode.
@@ -105,5 +115,6 @@ def peak_rss(model: str, spec: str | None, *, batch: int, img_size: int, steps: 
                 "rest": rest, "first_layer": first_layer, "checkpoint": checkpoint, "threads": threads,
                 "abort_above": abort_above, "warmup_batch": warmup_batch}
     env = {"MALLOC_MMAP_THRESHOLD_": "65536"} if return_freed_memory else {}
-    return int(run_probe(["-c", _PROBE, json.dumps(settings)], env=env,
-                         what=f"peak-RSS probe for {model} {spec!r} rest={rest!r} checkpoint={checkpoint} batch={batch}"))
+    result = run_probe(["-c", _PROBE, json.dumps(settings)], env=env,
+                       what=f"peak-RSS probe for {model} {spec!r} rest={rest!r} checkpoint={checkpoint} batch={batch}")
+    return int(result["peak"]), [float(seconds) for seconds in result["step_seconds"]]
