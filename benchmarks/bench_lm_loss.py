@@ -2,6 +2,7 @@
 
     python benchmarks/bench_lm_loss.py                       # Llama-shaped, 2048 tokens, fp32 and bf16: ~6 minutes
     python benchmarks/bench_lm_loss.py --tokens 256 --layers 2 --rounds 2   # a check: ~1 minute
+    python benchmarks/bench_lm_loss.py --device cuda --tokens 2048 4096     # on a GPU
 
 A Llama-shaped model from a config (hidden 512, 8 layers, vocabulary 32,000, batch 1), AdamW,
 its loss computed four ways:
@@ -22,10 +23,11 @@ storage), split into the loss's (kept with labels minus kept without: the head's
 or what the chunked loss keeps) and the rest of the model's; the peak of a training step above
 the resident memory it starts from, each method in a fresh process
 (``/proc/self/clear_refs`` before the measured step, one step before it,
-``MALLOC_MMAP_THRESHOLD_=65536`` so that resident memory follows live memory); and the step time
-against plain's, interleaved in one process (median of per-round ratios).
+``MALLOC_MMAP_THRESHOLD_=65536`` so that resident memory follows live memory; on a GPU,
+``torch.cuda.max_memory_allocated`` above ``memory_allocated`` at the step's start); and the
+step time against plain's, interleaved in one process (median of per-round ratios).
 
-Writes ``benchmarks/results/lm_loss_<torch>_cpu_t<threads>.{md,csv}``.
+Writes ``benchmarks/results/lm_loss_<torch>_<device>_t<threads>.{md,csv}``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import argparse
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -45,7 +48,7 @@ from actcomp.tools.probe import run_probe
 
 METHODS = ("plain", "torch-chunked", "actcomp-loss", "actcomp-8bit", "checkpoint", "checkpoint+actcomp-8bit")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-COLUMNS = ["dtype", "method", "kept_mib", "loss_kept_mib", "rest_kept_mib", "loss_vs_plain", "rest_vs_plain",
+COLUMNS = ["dtype", "tokens", "method", "kept_mib", "loss_kept_mib", "rest_kept_mib", "loss_vs_plain", "rest_vs_plain",
            "peak_above_start_mib", "peak_vs_plain", "step_ratio", "step_p25", "step_p75", "step_s"]
 
 
@@ -58,7 +61,7 @@ def build(args: argparse.Namespace, dtype: torch.dtype, method: str):
     config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4, num_hidden_layers=args.layers,
                          num_attention_heads=8, num_key_value_heads=4, vocab_size=args.vocabulary,
                          max_position_embeddings=max(args.tokens, 128))
-    model = LlamaForCausalLM(config).to(dtype).train()
+    model = LlamaForCausalLM(config).to(device=args.device, dtype=dtype).train()
     if method.startswith("checkpoint"):
         # Hugging Face's own, non-reentrant (as transformers recommends): each decoder layer's
         # forward runs again in backward.
@@ -100,7 +103,7 @@ def torch_chunked_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, chu
 
 def batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, args.vocabulary, (1, args.tokens), generator=generator)
+    ids = torch.randint(0, args.vocabulary, (1, args.tokens), generator=generator).to(args.device)
     return ids, ids.clone()
 
 
@@ -126,11 +129,20 @@ def probe(settings: dict) -> None:
         optimizer.step()
 
     step()  # gradients and optimizer state allocated: the steady state
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")  # VmHWM := VmRSS
-    start = resident("VmRSS")
-    step()
-    print(json.dumps({"peak_above_start": resident("VmHWM") - start, "peak": resident("VmHWM")}))
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")  # VmHWM := VmRSS
+        start = resident("VmRSS")
+        step()
+        peak = resident("VmHWM")
+    print(json.dumps({"peak_above_start": peak - start, "peak": peak}))
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,12 +151,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocabulary", type=int, default=32_000)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
 
 
 def step_peaks(args: argparse.Namespace, dtype: str, method: str, tokens: int) -> dict:
     """:func:`probe` in a fresh process: the step's peak above its start, and the process's peak."""
     settings = {"tokens": tokens, "layers": args.layers, "hidden": args.hidden, "vocabulary": args.vocabulary,
-                "threads": args.threads, "dtype": dtype, "method": method}
+                "threads": args.threads, "dtype": dtype, "method": method, "device": args.device}
     # Freed blocks of 64 KiB and up go back to the OS, so that RSS follows live memory (glibc
     # would keep the first step's heap and hide the second step's peak in it).
     return run_probe([__file__, "--probe", json.dumps(settings)], env={"MALLOC_MMAP_THRESHOLD_": "65536"},
@@ -163,7 +176,7 @@ def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2048], help="sequence lengths, each measured")
     add_model_arguments(parser)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=str(RESULTS_DIR))
@@ -172,14 +185,16 @@ def main() -> None:
         parser.error("--methods needs plain: the ratios are against it")
     torch.set_num_threads(args.threads)
     load_before, started = load_average(), time.perf_counter()
-    rows = []
-    for dtype_name in args.dtypes:
-        dtype = DTYPES[dtype_name]
+    device, lengths, rows = torch.device(args.device), args.tokens, []
+    for tokens, dtype_name in [(tokens, dtype_name) for tokens in lengths for dtype_name in args.dtypes]:
+        args.tokens, dtype = tokens, DTYPES[dtype_name]
         kept = {method: kept_bytes(args, dtype, method) for method in args.methods}
-        peaks = {}
+        # On a GPU the allocator's counters are per process: probes may run side by side there.
+        with ThreadPoolExecutor(1 if device.type == "cpu" else 4) as pool:
+            measured = pool.map(lambda method, d=dtype_name, n=tokens: step_peaks(args, d, method, n), args.methods)
+            peaks = {method: result["peak_above_start"] for method, result in zip(args.methods, measured)}
         for method in args.methods:
-            peaks[method] = step_peaks(args, dtype_name, method, args.tokens)["peak_above_start"]
-            print(f"{dtype_name} {method}: kept {kept[method][0] / 2**20:.1f} MiB, "
+            print(f"{dtype_name} {tokens} tokens {method}: kept {kept[method][0] / 2**20:.1f} MiB, "
                   f"step peak +{peaks[method] / 2**20:.0f} MiB", flush=True)
         steps, ids_labels = {}, batch(args)
         for method in args.methods:
@@ -192,13 +207,13 @@ def main() -> None:
                 optimizer.step()
 
             steps[method] = step
-        times = time_rounds(steps, args.rounds, 1, torch.device("cpu"))
+        times = time_rounds(steps, args.rounds, 1, device)
         plain_with, plain_without = kept["plain"]
         for method in args.methods:
             with_labels, without = kept[method]
             summary = ratio_summary(times[method], times["plain"])
             loss_bytes = with_labels - without
-            rows.append({"dtype": dtype_name, "method": method, "kept_mib": with_labels / 2**20,
+            rows.append({"dtype": dtype_name, "tokens": tokens, "method": method, "kept_mib": with_labels / 2**20,
                          "loss_kept_mib": loss_bytes / 2**20, "rest_kept_mib": without / 2**20,
                          "loss_vs_plain": (plain_with - plain_without) / loss_bytes if loss_bytes > 0 else float("inf"),
                          "rest_vs_plain": plain_without / without, "peak_above_start_mib": peaks[method] / 2**20,
@@ -208,19 +223,19 @@ def main() -> None:
         del steps
 
     body = [f"Llama-shaped: hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocabulary}, batch 1 x "
-            f"{args.tokens} tokens, AdamW. `loss kept`: bytes kept with labels minus without (the loss's share); "
+            f"{', '.join(map(str, lengths))} tokens, AdamW. "
+            "`loss kept`: bytes kept with labels minus without (the loss's share); "
             "`rest`: the model without its loss; `x plain` columns: plain's bytes (or peak) over the method's. "
             "Step time: median of per-round ratios to plain, interleaved in one process.", "",
-            "| dtype | method | kept MiB | loss kept MiB | loss x plain | rest MiB | rest x plain | step peak MiB "
-            "| peak x plain | step time |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| dtype | tokens | method | kept MiB | loss kept MiB | loss x plain | rest MiB | rest x plain | step peak MiB "
+            "| peak x plain | step time |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        body.append(f"| {row['dtype']} | {row['method']} | {row['kept_mib']:.1f} | {row['loss_kept_mib']:.2f} "
+        body.append(f"| {row['dtype']} | {row['tokens']} | {row['method']} | {row['kept_mib']:.1f} | {row['loss_kept_mib']:.2f} "
                     f"| {row['loss_vs_plain']:.1f}x | {row['rest_kept_mib']:.1f} | {row['rest_vs_plain']:.2f}x "
                     f"| +{row['peak_above_start_mib']:.0f} | {row['peak_vs_plain']:.2f}x "
                     f"| **{row['step_ratio']:.2f}x** ({row['step_p25']:.2f}-{row['step_p75']:.2f}) |")
-    settings = {"tokens": args.tokens, "layers": args.layers, "hidden": args.hidden, "vocabulary": args.vocabulary,
-                "rounds": args.rounds}
-    device = torch.device("cpu")
+    settings = {"tokens": " ".join(map(str, lengths)), "layers": args.layers, "hidden": args.hidden,
+                "vocabulary": args.vocabulary, "rounds": args.rounds}
     header = header_lines(device, args.threads, 0, time.perf_counter() - started, settings, load_before)
     write_results("lm_loss", device, args.threads, header, "A language model's loss: plain against chunked losses",
                   body, rows, COLUMNS, Path(args.out))

@@ -124,7 +124,10 @@ def results_stem(benchmark: str, device: torch.device, threads: int) -> str:
 
 def source_version() -> str:
     """The checkout's commit, flagged when ``actcomp/`` has uncommitted changes: the version
-    number alone does not say which code produced a results file."""
+    number alone does not say which code produced a results file. ``ACTCOMP_SOURCE_VERSION``
+    names it where the checkout has no git (a copy of the tree sent to a GPU machine)."""
+    if os.environ.get("ACTCOMP_SOURCE_VERSION"):
+        return os.environ["ACTCOMP_SOURCE_VERSION"]
     def git(*arguments: str) -> str:
         result = subprocess.run(["git", *arguments], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
         return result.stdout.strip()

@@ -4,20 +4,28 @@ speed and memory benchmarks, every results file named after the device.
     python benchmarks/gpu_check.py                      # results under benchmarks/results/gpu_<device>/
     python benchmarks/gpu_check.py --out-dir "$OUT"     # on the device tool's machine
 
-Steps, each a fresh process whose exit code and output tail go into ``gpu_check.md``:
+Steps, each a fresh process (with a time limit) whose exit code and output tail go into
+``gpu_check.md``:
 
 1. the test files with CUDA cases (compressors and noise on ``cuda``) and ``tests/test_cuda_sync.py``,
    which runs every pipeline codec under ``torch.cuda.set_sync_debug_mode("error")``, eager and
    compiled (the chain's known host read, its non-finite sum, is a strict expected failure);
-2. ``bench_compressors.py --device cuda``: round trips against ``clone()`` and stored bytes;
-3. ``bench_training_speed.py --device cuda``: training steps against the plain model.
+2. the zoo exactness harness on ``cuda`` (``ACTCOMP_TEST_DEVICE=cuda``, deterministic kernels):
+   bit-identical logits and gradients for lossless conversions and ``rest="exact"``, fp32 and
+   bf16 autocast, and the lossy presets' gradient floors;
+3. ``bench_compressors.py --device cuda``: round trips against ``clone()`` and stored bytes;
+4. ``bench_training_speed.py --device cuda``: training steps against the plain model;
+5. ``bench_gpu_peak.py``: each method's step peak (``max_memory_allocated``), fresh processes;
+6. ``bench_lm_loss.py --device cuda``: the Llama-shaped model in bf16 at 2,048 and 4,096 tokens.
 
-A step that fails does not stop the others. Without CUDA the script says so and exits 2.
+A step that fails or runs out of time does not stop the others. Without CUDA the script says so
+and exits 2. ``ACTCOMP_SOURCE_VERSION`` names the commit where the tree has no git.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -29,15 +37,22 @@ ROOT = Path(__file__).resolve().parent.parent
 TAIL = 3000  # characters of each step's output kept in the summary
 
 
-def steps(out_dir: Path) -> list[tuple[str, list[str]]]:
-    python = sys.executable
+def steps(out_dir: Path) -> list[tuple[str, list[str], dict, int]]:
+    """``(name, command, environment added, seconds allowed)`` per step."""
+    python, out = sys.executable, str(out_dir)
+    pytest = [python, "-m", "pytest", "-q", "-m", "", "-rfxXs", "-p", "no:cacheprovider"]
     return [
-        ("tests on cuda", [python, "-m", "pytest", "-q", "-m", "", "-rxXs", "tests/test_cuda_sync.py",
-                           "tests/test_compressors.py", "tests/test_noise.py", "-k", "cuda or sync"]),
-        ("compressor round trips", [python, "benchmarks/bench_compressors.py", "--device", "cuda",
-                                    "--out-dir", str(out_dir)]),
-        ("training steps", [python, "benchmarks/bench_training_speed.py", "--device", "cuda",
-                            "--out-dir", str(out_dir)]),
+        ("tests on cuda", [*pytest, "tests/test_cuda_sync.py", "tests/test_compressors.py", "tests/test_noise.py",
+                           "-k", "cuda or sync"], {}, 120),
+        ("zoo exactness on cuda", [*pytest, "-n", "8", "tests/test_zoo.py"], {"ACTCOMP_TEST_DEVICE": "cuda"}, 150),
+        ("compressor round trips", [python, "benchmarks/bench_compressors.py", "--device", "cuda", "--out-dir", out],
+         {}, 60),
+        ("training steps", [python, "benchmarks/bench_training_speed.py", "--device", "cuda", "--models", "resnet50",
+                            "vit_small_patch16_224", "llama_bf16", "--batch", "64", "--specs", "smink0.9+int8",
+                            "mink0.9+int8@8bit", "int8", "--rounds", "5", "--out-dir", out], {}, 90),
+        ("step peaks", [python, "benchmarks/bench_gpu_peak.py", "--out-dir", out], {}, 90),
+        ("language model", [python, "benchmarks/bench_lm_loss.py", "--device", "cuda", "--dtypes", "bf16",
+                            "--tokens", "2048", "4096", "--rounds", "5", "--out", out], {}, 150),
     ]
 
 
@@ -45,6 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where results go (default: benchmarks/results/gpu_<device>/)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="STEP", help="run only the steps named")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing run", file=sys.stderr)
@@ -53,19 +69,28 @@ def main() -> None:
     slug = "".join(ch if ch.isalnum() else "_" for ch in device).strip("_").lower()
     out_dir = args.out_dir or ROOT / "benchmarks" / "results" / f"gpu_{slug}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = os.environ.get("ACTCOMP_SOURCE_VERSION") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
     lines = [f"# GPU check on {device}", "",
              f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              f"- torch: {torch.__version__}, CUDA: {torch.version.cuda}, actcomp: git {commit}",
              "- command: `python benchmarks/gpu_check.py`", ""]
-    for name, command in steps(out_dir):
+    for name, command, environment, seconds in steps(out_dir):
+        if args.only and name not in args.only:
+            continue
         started = time.perf_counter()
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        try:
+            result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=seconds,
+                                    env={**os.environ, **environment})
+            verdict = "passed" if result.returncode == 0 else f"FAILED (exit {result.returncode})"
+            output = result.stdout + result.stderr
+        except subprocess.TimeoutExpired as expired:
+            verdict = f"TIMED OUT after {seconds} s"
+            output = b"".join(part or b"" for part in (expired.stdout, expired.stderr)).decode(errors="replace")
         elapsed = time.perf_counter() - started
-        verdict = "passed" if result.returncode == 0 else f"FAILED (exit {result.returncode})"
         print(f"gpu_check: {name}: {verdict} in {elapsed:.0f} s", flush=True)
-        output = (result.stdout + result.stderr)[-TAIL:]
+        (out_dir / f"{name.replace(' ', '_')}.log").write_text(output)
+        output = output[-TAIL:]
         lines += [f"## {name}: {verdict}, {elapsed:.0f} s", "", f"`{' '.join(command[1:])}`", "", "```",
                   output.rstrip(), "```", ""]
     summary = out_dir / "gpu_check.md"

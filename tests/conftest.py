@@ -19,6 +19,13 @@ import torch  # noqa: E402
 
 import actcomp  # noqa: E402
 
+if os.environ.get("ACTCOMP_TEST_DEVICE", "cpu").startswith("cuda"):
+    # The zoo harness on a GPU (tests/zoo.py): plain and converted models must run the same
+    # kernels in the same order for bit-identity, so no autotuning and no atomics-ordered sums.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
 if "PYTEST_XDIST_WORKER" in os.environ:
     # Under pytest-xdist each worker is one process of several: more than one thread apiece
     # oversubscribes the cores. Tests that need more threads ask for them.

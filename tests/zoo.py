@@ -4,11 +4,16 @@ and Hugging Face models built from small configs (no weights are downloaded).
 Each entry builds a model and one batch, small enough that a training step takes well under a
 second on one CPU thread. ``train_step`` runs one training forward/backward and returns the
 logits and every parameter gradient.
+
+The harness runs on ``ACTCOMP_TEST_DEVICE`` (default ``cpu``): ``ACTCOMP_TEST_DEVICE=cuda python
+-m pytest -m "" tests/test_zoo.py`` runs it on a GPU, with deterministic kernels (tests/conftest.py),
+as ``benchmarks/gpu_check.py`` does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +21,9 @@ import timm
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Where train_step runs: the models are built on the CPU, converted, then moved.
+DEVICE = torch.device(os.environ.get("ACTCOMP_TEST_DEVICE", "cpu"))
 
 
 @dataclass(frozen=True)
@@ -141,11 +149,13 @@ def train_step(model: nn.Module, batch: dict, autocast: bool = False, seed: int 
     """One training forward/backward; returns (logits, {name: grad}).
 
     The RNG is seeded right before the forward so dropout draws the same masks for every model.
+    Model and batch go to ``DEVICE`` first.
     """
-    model.train()
+    model.to(DEVICE).train()
     model.zero_grad(set_to_none=True)
+    batch = {key: value.to(DEVICE) for key, value in batch.items()}
     torch.manual_seed(seed)
-    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    amp = torch.autocast(DEVICE.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with amp:
         if "x" in batch:
             logits = model(batch["x"])

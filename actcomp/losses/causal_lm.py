@@ -110,7 +110,9 @@ def _forward_goes_straight(cls: type) -> bool:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
-    head = re.search(r"^\s*logits = self\.lm_head\(hidden_states\)\s*$", source, re.MULTILINE)
+    # Older transformers (5.17) slice the rows first (``logits_to_keep``; all rows in training):
+    # the loss then reads the sliced hidden states, as plain's reads the sliced logits.
+    head = re.search(r"^\s*logits = self\.lm_head\(hidden_states(\[[\w\s:,]*\])?\)\s*$", source, re.MULTILINE)
     loss = re.search(r"self\.loss_function\(\s*logits=logits,\s*labels=labels,\s*vocab_size=self\.config\.vocab_size",
                      source)
     if head is None or loss is None or loss.start() < head.end():
