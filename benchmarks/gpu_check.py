@@ -43,16 +43,16 @@ def steps(out_dir: Path) -> list[tuple[str, list[str], dict, int]]:
     pytest = [python, "-m", "pytest", "-q", "-m", "", "-rfxXs", "-p", "no:cacheprovider"]
     return [
         ("tests on cuda", [*pytest, "tests/test_cuda_sync.py", "tests/test_compressors.py", "tests/test_noise.py",
-                           "-k", "cuda or sync"], {}, 120),
-        ("zoo exactness on cuda", [*pytest, "-n", "8", "tests/test_zoo.py"], {"ACTCOMP_TEST_DEVICE": "cuda"}, 150),
+                           "-k", "cuda or sync"], {}, 90),
+        ("zoo exactness on cuda", [*pytest, "-n", "8", "tests/test_zoo.py"], {"ACTCOMP_TEST_DEVICE": "cuda"}, 120),
         ("compressor round trips", [python, "benchmarks/bench_compressors.py", "--device", "cuda", "--out-dir", out],
-         {}, 60),
+         {}, 45),
         ("training steps", [python, "benchmarks/bench_training_speed.py", "--device", "cuda", "--models", "resnet50",
                             "vit_small_patch16_224", "llama_bf16", "--batch", "64", "--specs", "smink0.9+int8",
-                            "mink0.9+int8@8bit", "int8", "--rounds", "5", "--out-dir", out], {}, 90),
-        ("step peaks", [python, "benchmarks/bench_gpu_peak.py", "--out-dir", out], {}, 90),
+                            "mink0.9+int8@8bit", "int8", "--rounds", "5", "--out-dir", out], {}, 75),
+        ("step peaks", [python, "benchmarks/bench_gpu_peak.py", "--out-dir", out], {}, 75),
         ("language model", [python, "benchmarks/bench_lm_loss.py", "--device", "cuda", "--dtypes", "bf16",
-                            "--tokens", "2048", "4096", "--rounds", "5", "--out", out], {}, 150),
+                            "--tokens", "2048", "4096", "--rounds", "5", "--out", out], {}, 120),
     ]
 
 
