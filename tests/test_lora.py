@@ -68,4 +68,5 @@ def test_the_adapters_inputs_are_compressed():
     # The causal LM inside the PEFT wrapper has its loss routed too.
     assert is_routed(model)
     kept = actcomp.memory_report(model, input_ids=input_ids, labels=input_ids).total_bytes
-    assert plain > 3.5 * kept, (plain, kept)
+    # 3.4x: SDPA's query and key stay bf16 (tests/test_lm_outliers.py), was 3.5x.
+    assert plain > 3.2 * kept, (plain, kept)

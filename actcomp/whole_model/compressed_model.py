@@ -13,7 +13,9 @@ activation      ReLU / ReLU6 / Hardtanh / LeakyReLU: 1-bit mask   yes
                 Sigmoid, Tanh, Mish, ...: the ``rest`` spec        no
 normalization   Batch/Layer/Group/RMS norm inputs: ``rest`` spec,  no
                 in groups inside each normalized unit
-attention       softmax, SDPA q/k/v/out: ``rest`` spec             no
+attention       SDPA query and key: bf16 at most (fp32 -> bf16)     no
+                SDPA value and output: ``rest`` spec, >= 8 bits   no
+                softmax, the rest: ``rest`` spec                  no
                 SDPA's own dropout mask (CPU): 1-bit mask         yes
 pooling         MaxPool2d: window offsets, input shape only       yes
 dropout         1-bit mask (and any saved bool tensor)            yes

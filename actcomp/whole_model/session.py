@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from actcomp.core.codec import Compressor
-from actcomp.core.pipeline import Packed, Pipeline
+from actcomp.core.pipeline import Packed, Pipeline, parse
 from actcomp.core.registry import codec_class
 from actcomp.errors import ActcompError
 from actcomp.graph.op_kinds import register_function, unregister_function
@@ -360,8 +360,13 @@ def _kind_codec(choice, tensor: torch.Tensor, kind: str, scope: Scope | None) ->
         return None
     if scope is not None and tensor.numel() * 4 < scope.reference:
         return None  # a statistic (a norm's mean and rstd, a log-sum-exp)
-    unit = _normalized_unit(tensor, scope) if kind == "normalization" else None
     pipeline = choice.pipeline
+    if kind == "attention" and scope is not None and scope.op == "sdpa":
+        if _is_query_or_key(tensor, scope):
+            return _LOGIT_SAFE if tensor.dtype == torch.float32 else None
+        if any(getattr(stage, "bits", 8) < 8 for stage in pipeline.stages):
+            return _SDPA_VALUES
+    unit = _normalized_unit(tensor, scope) if kind == "normalization" else None
     if unit is not None:
         grouped = _grouped_by_rows(pipeline, unit.row)
         if grouped is None:
@@ -369,6 +374,24 @@ def _kind_codec(choice, tensor: torch.Tensor, kind: str, scope: Scope | None) ->
         else:
             pipeline = grouped
     return CodecChoice(pipeline, unit)
+
+
+# Fused attention's backward recomputes the probabilities as exp(q.k / sqrt(d) - lse) against the
+# log-sum-exp the forward saved: an error in q or k is multiplied by k or q there, and a trained
+# LLM's sink token (keys 100-1000x the rest) turns int8's range-wide steps into logit errors of
+# whole units, probabilities that no longer sum to 1 (one step's gradient cosine 0.67 with
+# outliers built in; bench_lm_quality.py). A float format errs relative to each element: bf16
+# kept it at 0.999. So query and key get bf16 at most.
+_LOGIT_SAFE = CodecChoice(parse("bf16"))
+# Value and output meet in dS = P * (dO.v - rowsum(dO * out)): on a row that attends to the sink
+# almost only, two near-equal sums are subtracted, and int4's errors (7% of a group's range)
+# swamp the difference (cosine 0.60; 0.993 with int8). They take the kind's spec, 8 bits at least.
+_SDPA_VALUES = CodecChoice(parse("int8"))
+
+
+def _is_query_or_key(tensor: torch.Tensor, scope: Scope) -> bool:
+    return any(isinstance(arg, torch.Tensor) and arg.data_ptr() == tensor.data_ptr() and arg.shape == tensor.shape
+               for arg in (argument(scope, 0, "query", None), argument(scope, 1, "key", None)))
 
 
 def _hashable(value):

@@ -1,0 +1,128 @@
+"""Validation loss on real text: a small causal LM trained plain and compressed, same seeds.
+
+    python benchmarks/bench_lm_text.py                 # 400 steps, 2 seeds: ~10 minutes on 2 cores
+    python benchmarks/bench_lm_text.py --steps 40 --seeds 1   # a check
+
+The text is English prose a package ships: scikit-learn's dataset descriptions
+(``sklearn/datasets/descr/*.rst``, 47 KB), read as bytes (a 256-token vocabulary), the last
+10% held out. A Llama-shaped model from a config (hidden 128, 4 layers, SwiGLU, RoPE, SDPA),
+fp32, AdamW, batches of 16 random 128-byte windows drawn from one seeded generator, so every
+method sees the same batches. Methods: ``plain``; ``to_compressed(model, LAYERS, rest=REST)``
+for the 8-bit and 4-bit presets (the loss is routed through the chunked cross-entropy there,
+``loss="auto"``). Reported: the validation loss after training (all held-out windows) and its
+ratio to plain's, per seed. Targets (issue 24): within 1% of plain with 8 bits, 2% with 4 bits.
+
+Writes ``benchmarks/results/lm_text_<torch>_cpu_t<threads>.{md,csv}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, write_results
+
+import actcomp
+
+# (label, Linear/Conv spec, rest); None: plain.
+METHODS = [("plain", None, None), ('"int8", rest="8bit"', "int8", "8bit"),
+           ('"mink0.9+int8", rest="8bit"', "mink0.9+int8", "8bit"), ('"int4", rest="4bit"', "int4", "4bit")]
+TARGETS = {"8bit": 1.01, "4bit": 1.02}
+COLUMNS = ["method", "seed", "validation_loss", "vs_plain"]
+WINDOW = 128
+
+
+def corpus() -> torch.Tensor:
+    """The dataset descriptions scikit-learn ships, as one byte tensor (sorted by file name)."""
+    import sklearn
+
+    folder = Path(sklearn.__file__).parent / "datasets" / "descr"
+    text = b"\n\n".join(path.read_bytes() for path in sorted(folder.glob("*.rst")))
+    return torch.tensor(list(text), dtype=torch.long)
+
+
+def model_for(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=WINDOW)
+    return LlamaForCausalLM(config).train()
+
+
+def windows(data: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    return torch.stack([data[start:start + WINDOW] for start in starts.tolist()])
+
+
+def validation_loss(model, held_out: torch.Tensor) -> float:
+    model.eval()
+    starts = torch.arange(0, held_out.numel() - WINDOW, WINDOW)
+    with torch.no_grad():
+        losses = [model(input_ids=ids, labels=ids).loss for ids in windows(held_out, starts).split(32)]
+    model.train()
+    return float(torch.stack(losses).mean())
+
+
+def train(spec: str | None, rest: str | None, seed: int, args: argparse.Namespace, train_part, held_out) -> float:
+    model = model_for(seed)
+    if spec is not None:
+        actcomp.to_compressed(model, spec, rest=rest)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    generator = torch.Generator().manual_seed(seed + 1000)
+    for _ in range(args.steps):
+        ids = windows(train_part, torch.randint(0, train_part.numel() - WINDOW, (args.batch,), generator=generator))
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    return validation_loss(model, held_out)
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(RESULTS_DIR))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    load_before, started = load_average(), time.perf_counter()
+    data = corpus()
+    split = data.numel() * 9 // 10
+    train_part, held_out = data[:split], data[split:]
+    rows = []
+    for seed in range(args.seeds):
+        plain = None
+        for label, spec, rest in METHODS:
+            loss = train(spec, rest, seed, args, train_part, held_out)
+            plain = loss if spec is None else plain
+            rows.append({"method": label, "seed": seed, "validation_loss": loss, "vs_plain": loss / plain})
+            print(f"seed {seed} {label}: validation loss {loss:.4f} ({loss / plain:.4f}x plain)", flush=True)
+    body = [f"{data.numel():,} bytes of scikit-learn's dataset descriptions, the last 10% held out; "
+            f"{args.steps} steps of {args.batch} x {WINDOW} bytes, AdamW lr {args.lr}. Targets: within 1% of "
+            "plain's validation loss with 8 bits, 2% with 4 bits.", "",
+            "| method | validation loss (per seed) | x plain (per seed) | worst x plain | target |",
+            "|---|---|---|---:|---|"]
+    for label, _, rest in METHODS:
+        mine = [row for row in rows if row["method"] == label]
+        worst = max(row["vs_plain"] for row in mine)
+        target = "" if rest is None else f"<= {TARGETS[rest]:.2f}"
+        losses = ", ".join(f"{row['validation_loss']:.4f}" for row in mine)
+        ratios = ", ".join(f"{row['vs_plain']:.4f}" for row in mine)
+        body.append(f"| {label} | {losses} | {ratios} | **{worst:.4f}** | {target} |")
+    median_plain = statistics.median(row["validation_loss"] for row in rows if row["method"] == "plain")
+    body += ["", f"Plain's median validation loss: {median_plain:.4f} nats per byte (uniform: {math.log(256):.2f})."]
+    device = torch.device("cpu")
+    settings = {"steps": args.steps, "seeds": args.seeds, "batch": args.batch, "lr": args.lr}
+    header = header_lines(device, args.threads, 0, time.perf_counter() - started, settings, load_before)
+    write_results("lm_text", device, args.threads, header, "Validation loss on real text", body, rows, COLUMNS,
+                  Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

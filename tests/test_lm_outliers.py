@@ -1,0 +1,87 @@
+"""Whole-model presets on a language model with a trained model's outliers built in
+(``actcomp.tools.llm_outliers.add_outliers``: outlier hidden channels 40x, a sink token 300x).
+
+Fused attention's backward is where they bite: it recomputes the probabilities from the saved
+query and key against the forward's log-sum-exp (errors there are multiplied by the sink's huge
+logits), and subtracts two near-equal sums built from value and output on sink-dominated rows.
+So SDPA's query and key are kept in bf16 at most, its value and output in 8 bits at least.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import actcomp
+from actcomp.tools.llm_outliers import add_outliers
+from actcomp.whole_model import session
+
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+def llama(outliers: bool = True, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=500, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config).to(dtype).train()
+    if outliers:
+        add_outliers(model)
+    return model
+
+
+def batch() -> torch.Tensor:
+    ids = torch.randint(1, 500, (2, 128), generator=torch.Generator().manual_seed(0))
+    ids[:, 0] = 0  # the sink token
+    return ids
+
+
+def gradient(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    model.zero_grad()
+    torch.manual_seed(1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return torch.cat([p.grad.double().reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+# The issue's floors: 8-bit presets 0.99, 4-bit ones 0.97. Before the SDPA roles, this model
+# gave 0.97 and 0.07 (attention's int8 / int4 on all four of SDPA's tensors).
+@pytest.mark.parametrize(("rest", "floor"), [("8bit", 0.99), ("4bit", 0.97)])
+def test_presets_keep_the_gradient_with_outliers_built_in(rest, floor):
+    plain, ids = llama(), batch()
+    model = actcomp.to_compressed(copy.deepcopy(plain), "mink0", rest=rest, loss="plain")
+    cosine = float(F.cosine_similarity(gradient(model, ids), gradient(plain, ids), dim=0))
+    assert cosine >= floor
+
+
+def codecs_of_sdpa(model: torch.nn.Module, ids: torch.Tensor, monkeypatch) -> list[str | None]:
+    """The spec each tensor SDPA saves gets (None: kept as is), in saving order; not its
+    log-sum-exp (a statistic, always kept)."""
+    choices = []
+    original = session.choose_codec
+
+    def recording(policy, tensor, kind, scope):
+        choice = original(policy, tensor, kind, scope)
+        if scope is not None and scope.op == "sdpa" and tensor.numel() * 4 >= scope.reference:
+            choices.append(None if choice is None else choice.codec.spec)
+        return choice
+
+    monkeypatch.setattr(session, "choose_codec", recording)
+    gradient(model, ids)
+    return choices
+
+
+@pytest.mark.parametrize(("rest", "dtype", "query_key", "value_output"), [
+    ("8bit", torch.float32, "bf16", "int8"),
+    ("4bit", torch.float32, "bf16", "int8"),
+    ("8bit", torch.bfloat16, None, "int8"),
+])
+def test_sdpa_query_and_key_stay_float_value_and_output_take_8_bits(rest, dtype, query_key, value_output,
+                                                                   monkeypatch):
+    model = actcomp.to_compressed(llama(outliers=False, dtype=dtype), "mink0", rest=rest, loss="plain")
+    # Per layer, in SDPA's saving order: query, key, value, output.
+    assert codecs_of_sdpa(model, batch(), monkeypatch) == [query_key, query_key, value_output, value_output] * 2
