@@ -56,6 +56,8 @@ TARGETS = {
 }
 REFERENCE_SPEC = "dropit0.9"
 
+COST_COLUMNS = ["packs", "ops_per_tensor", "moved_per_byte_freed", "syncs_in_codecs", "syncs_plain",
+                "python_us_per_tensor"]
 COLUMNS = ["model", "img_size", "batch", "spec", "ratio", "ratio_p25", "ratio_p75", "ratio_best", "step_ms",
            "baseline_ms", "converted_layers", "packs", "ops_per_tensor", "moved_per_byte_freed", "syncs_in_codecs",
            "syncs_plain", "python_us_per_tensor"]
@@ -131,7 +133,7 @@ def bench_model(name: str, specs: list[str], args: argparse.Namespace, device: t
 
     times = time_rounds(steps, args.rounds, args.warmup, device, progress)
     # After the timed rounds (the meter slows the step it watches): figures load does not move.
-    costs = {label: codec_cost(step) for label, step in steps.items()}
+    costs = {label: codec_cost(step) if args.costs else None for label, step in steps.items()}
     batch, size = TOKEN_MODELS.get(name, (args.batch, args.img_size))
     rows = []
     for spec in specs:
@@ -143,9 +145,10 @@ def bench_model(name: str, specs: list[str], args: argparse.Namespace, device: t
             "ratio_best": summary["ratio_best"], "step_ms": summary["median_s"] * 1e3,
             "baseline_ms": ratio_summary(times[BASELINE], times[BASELINE])["median_s"] * 1e3,
             "converted_layers": len(actcomp.compressed_layers(models[spec])),
-            "packs": cost.packs, "ops_per_tensor": cost.ops_per_tensor, "moved_per_byte_freed": cost.moved_per_byte_freed,
-            "syncs_in_codecs": cost.host_syncs_in_codecs, "syncs_plain": costs[BASELINE].host_syncs,
-            "python_us_per_tensor": cost.python_us_per_tensor,
+            **(dict.fromkeys(COST_COLUMNS, float("nan")) if cost is None else {
+                "packs": cost.packs, "ops_per_tensor": cost.ops_per_tensor,
+                "moved_per_byte_freed": cost.moved_per_byte_freed, "syncs_in_codecs": cost.host_syncs_in_codecs,
+                "syncs_plain": costs[BASELINE].host_syncs, "python_us_per_tensor": cost.python_us_per_tensor}),
         })
         print(f"{name:>24} {spec:>16}  {rows[-1]['ratio']:5.2f}x baseline  {rows[-1]['step_ms']:8.0f} ms", flush=True)
     return rows
@@ -206,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--no-costs", dest="costs", action="store_false",
+                        help="skip the profiled step behind the last five columns (minutes on a GPU)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     if min(args.batch, args.img_size, args.rounds, args.threads) < 1 or args.warmup < 0:

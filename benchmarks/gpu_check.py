@@ -16,7 +16,8 @@ Steps, each a fresh process (with a time limit) whose exit code and output tail 
 3. ``bench_compressors.py --device cuda``: round trips against ``clone()`` and stored bytes;
 4. ``bench_training_speed.py --device cuda``: training steps against the plain model;
 5. ``bench_gpu_peak.py``: each method's step peak (``max_memory_allocated``), fresh processes;
-6. ``bench_lm_loss.py --device cuda``: the Llama-shaped model in bf16 at 2,048 and 4,096 tokens.
+6. ``examples/lora_trainer.py --tiny``: PEFT LoRA through the Trainer, with its CUDA peak column;
+7. ``bench_lm_loss.py --device cuda``: the Llama-shaped model in bf16 at 2,048 and 4,096 tokens.
 
 A step that fails or runs out of time does not stop the others. Without CUDA the script says so
 and exits 2. ``ACTCOMP_SOURCE_VERSION`` names the commit where the tree has no git.
@@ -49,8 +50,9 @@ def steps(out_dir: Path) -> list[tuple[str, list[str], dict, int]]:
          {}, 45),
         ("training steps", [python, "benchmarks/bench_training_speed.py", "--device", "cuda", "--models", "resnet50",
                             "vit_small_patch16_224", "llama_bf16", "--batch", "64", "--specs", "smink0.9+int8",
-                            "mink0.9+int8@8bit", "int8", "--rounds", "5", "--out-dir", out], {}, 75),
+                            "mink0.9+int8@8bit", "int8", "--rounds", "5", "--no-costs", "--out-dir", out], {}, 75),
         ("step peaks", [python, "benchmarks/bench_gpu_peak.py", "--out-dir", out], {}, 75),
+        ("lora example", [python, "examples/lora_trainer.py", "--tiny"], {}, 90),
         ("language model", [python, "benchmarks/bench_lm_loss.py", "--device", "cuda", "--dtypes", "bf16",
                             "--tokens", "2048", "4096", "--rounds", "5", "--out", out], {}, 120),
     ]

@@ -68,5 +68,60 @@ def test_the_adapters_inputs_are_compressed():
     # The causal LM inside the PEFT wrapper has its loss routed too.
     assert is_routed(model)
     kept = actcomp.memory_report(model, input_ids=input_ids, labels=input_ids).total_bytes
-    # 3.4x: SDPA's query and key stay bf16 (tests/test_lm_outliers.py), was 3.5x.
-    assert plain > 3.2 * kept, (plain, kept)
+    # 3.1x: attention stays bf16 on a LoRA model (below), was 3.5x with int8.
+    assert plain > 3.0 * kept, (plain, kept)
+
+
+def outlier_llama_on_disk(folder) -> str:
+    """A small Llama with a trained model's outlier channels and sink token, saved to ``folder``."""
+    from actcomp.tools.llm_outliers import add_outliers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(config)
+    add_outliers(model)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def lora_of(folder: str, nf4: bool):
+    if nf4:
+        pytest.importorskip("bitsandbytes")
+        quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                       bnb_4bit_compute_dtype=torch.float32)
+        base = transformers.LlamaForCausalLM.from_pretrained(folder, quantization_config=quantization,
+                                                             device_map="cpu")
+    else:
+        base = transformers.LlamaForCausalLM.from_pretrained(folder)
+    torch.manual_seed(3)
+    lora = peft.LoraConfig(r=8, target_modules="all-linear", init_lora_weights="gaussian")
+    return peft.get_peft_model(base, lora).train()
+
+
+# The issue's floor for the adapters: 0.999 with the default preset, outliers built in. The
+# preset's 8-bit SDPA value and output gave 0.9984 here (0.9978 on the nf4 base); on a LoRA
+# model attention keeps bf16.
+@pytest.mark.parametrize("nf4", [False, True], ids=["float-base", "qlora-nf4-base"])
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_default_preset_keeps_the_adapters_gradient_with_outliers_built_in(tmp_path, nf4):
+    folder = outlier_llama_on_disk(tmp_path)
+    input_ids = torch.randint(1, 300, (2, 128), generator=torch.Generator().manual_seed(0))
+    input_ids[:, 0] = 0  # the sink token
+    plain, compressed = lora_of(folder, nf4), lora_of(folder, nf4)
+    actcomp.to_compressed(compressed, "mink0.9+int8", rest="8bit")
+    assert str(compressed.actcomp_rest.attention) == "bf16"
+    cosine = F.cosine_similarity(adapter_grads(compressed, input_ids), adapter_grads(plain, input_ids), dim=0)
+    assert cosine >= 0.999, cosine
+
+
+def test_a_mapping_keeps_its_own_attention_choice_on_a_lora_model():
+    model = actcomp.to_compressed(lora_llama(), "mink0.9+int8", rest={"attention": "int8"})
+    assert str(model.actcomp_rest.attention) == "int8"
+    assert str(actcomp.to_compressed(lora_llama(), "int8", rest="8bit").actcomp_rest.attention) == "bf16"
+    # Without adapters the preset is the preset.
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    bare = actcomp.to_compressed(transformers.LlamaForCausalLM(config), "int8", rest="8bit")
+    assert str(bare.actcomp_rest.attention) == "int8"
