@@ -161,7 +161,7 @@ def main() -> None:
         loaded = PeftModel.from_pretrained(base_model(args, base), adapters)
         ours = {name: value for name, value in compressed.state_dict().items() if "lora_" in name}
         theirs = {name: value for name, value in loaded.state_dict().items() if "lora_" in name}
-        equal = ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
+        equal = ours.keys() == theirs.keys() and all(torch.equal(ours[name].cpu(), theirs[name].cpu()) for name in ours)
         print(f"save_pretrained -> PeftModel.from_pretrained: adapter weights equal: {equal} ({len(ours)} tensors)")
 
 
