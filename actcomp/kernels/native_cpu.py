@@ -295,6 +295,9 @@ def _threads() -> ctypes.c_int:
 
 def _pointer(tensor: torch.Tensor) -> ctypes.c_void_p:
     # The kernels index flat memory: a strided view would be read as the wrong elements.
+    # A tensor subclass (DTensor, FakeTensor) has no memory of its own at data_ptr().
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        raise ValueError(f"actcomp's native kernels take plain tensors, got a {type(tensor).__name__}")
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise ValueError(f"actcomp's native kernels take contiguous CPU tensors, got strides {tensor.stride()} "
                          f"on {tensor.device}")

@@ -32,7 +32,7 @@ from torch.autograd.function import FunctionCtx
 
 from actcomp.core.packed import PackedLayout
 from actcomp.core.pipeline import Packed, Pipeline
-from actcomp.errors import ActcompError
+from actcomp.errors import ActcompError, warn_once
 from actcomp.graph.saved_tensors import TensorCache, refuse_double_backward, saving_compressed_layer, unseen_by_scopes
 from actcomp.kernels.layouts import unbroadcast, with_layout_of
 from actcomp.layers.ops import Op
@@ -93,7 +93,15 @@ class CompressedInputFunction(torch.autograd.Function):
         # The weight is a parameter (or autocast's cached cast of it): saving it costs nothing
         # extra, and convolution backward needs it even for the weight gradient alone.
         saved = [weight]
-        if needs_weight and pipeline is None:
+        if needs_weight and type(uncast) is not torch.Tensor:
+            # A tensor subclass (a DTensor activation under tensor parallelism): the codecs read a
+            # plain tensor's memory, so it is kept as it is, and its layer computes exactly.
+            warn_once("subclass input", f"actcomp: layer {where} reads a {type(uncast).__name__}; tensor "
+                      "subclasses (DTensor activations under tensor parallelism) are kept as they are, not "
+                      "compressed", stacklevel=4)
+            ctx.recast = True
+            saved.append(uncast)
+        elif needs_weight and pipeline is None:
             # Recast mode: ``uncast`` is data the caller keeps anyway (the model's input); keeping
             # it costs nothing, and casting it again in backward gives autocast's copy exactly.
             ctx.recast = True
@@ -115,7 +123,7 @@ class CompressedInputFunction(torch.autograd.Function):
         weight, *packed_tensors = ctx.saved_tensors
         x = None
         if ctx.recast:
-            x = packed_tensors[0].to(ctx.compute_dtype)
+            x = packed_tensors[0] if ctx.compute_dtype is None else packed_tensors[0].to(ctx.compute_dtype)
         elif ctx.layout is not None and ctx.pipeline is not None:
             try:
                 x = ctx.pipeline.decompress(Packed(tuple(packed_tensors), ctx.layout))
