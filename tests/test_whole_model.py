@@ -660,6 +660,77 @@ def _autocast_report(model, inputs):
         return actcomp.memory_report(model, inputs)
 
 
+class _FusedSiLU(torch.autograd.Function):
+    """A fused activation written as a custom Function: it saves its input itself."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return grad * (s + x * s * (1 - s))
+
+
+class _FusedLoss(torch.autograd.Function):
+    """Liger-style: the loss's gradients computed in the forward and saved for backward."""
+
+    @staticmethod
+    def forward(ctx, h, w):
+        with torch.enable_grad():
+            h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+            loss = (h @ w).logsumexp(-1).mean()
+            grad_h, grad_w = torch.autograd.grad(loss, (h, w))
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad * grad_h, grad * grad_w
+
+
+class FastSiLUActivation(nn.Module):  # named like an activation module: kind "activation"
+    def forward(self, x):
+        return _FusedSiLU.apply(x)
+
+
+class FusedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.act = nn.Linear(16, 32), FastSiLUActivation()
+        self.head = nn.Parameter(torch.randn(32, 50) / 6)
+
+    def forward(self, x):
+        return _FusedLoss.apply(self.act(self.linear(x)), self.head)
+
+
+@pytest.mark.parametrize("rest", ["8bit", "4bit"])
+def test_custom_autograd_functions_keep_what_they_save_exactly(rest):
+    # Whatever module it runs in, a Function's own saves (an activation's input, gradients a
+    # fused loss computed in its forward) are no op actcomp knows: kept exactly, so with an
+    # exact layer spec the gradients are plain's bit for bit.
+    torch.manual_seed(0)
+    plain, x = FusedNet(), torch.randn(8, 16)
+    model = whole(copy.deepcopy(plain), rest=rest)
+    events = []
+    with listening(events.append):
+        model(x).backward()
+    plain(x).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert {(event.kind, event.codec) for event in events if event.kind != "linear"} == {("other", None)}
+
+
+def test_a_custom_functions_saves_are_compressed_when_the_user_opts_in():
+    model = whole(FusedNet(), rest={"other": "int8"})
+    codecs = {storage.codec for storage in actcomp.memory_report(model, torch.randn(8, 16)).storages}
+    assert "int8" in codecs
+
+
 def test_tensor_saved_by_relu_and_conv_is_freed():
     # In resnet18 every ReLU output is also the next conv's input: the ReLU keeps a 1-bit mask,
     # the conv its own compressed copy, and no full-size storage stays. What stays whole are

@@ -70,6 +70,8 @@ class _ThreadState(threading.local):
         self.tracking = 0
         self.compressed_layer = 0
         self.listeners: list[Callable[[SavedEvent], None]] = []
+        # Whether the last torch call the scope-tracking mode saw ran with grad mode on.
+        self.last_call_recorded = True
 
 
 _STATE = _ThreadState()
@@ -86,6 +88,29 @@ def innermost_kind() -> Scope | None:
         if scope.kind is not None:
             return scope
     return None
+
+
+def saving_for_a_custom_function() -> bool:
+    """Whether the tensor being saved now is a custom autograd Function's (``ctx.save_for_backward``).
+
+    A built-in op saves right after its own call, which runs with grad mode on; a Function's
+    forward runs its torch calls with grad mode off, and its saves follow the last of them.
+    (A forward with no torch call at all is not caught: the save then takes the scope it runs in.)
+
+    >>> class Double(torch.autograd.Function):
+    ...     @staticmethod
+    ...     def forward(ctx, x):
+    ...         ctx.save_for_backward(x)
+    ...         return x * 2
+    >>> seen = []
+    >>> with tracking_scopes(), torch.autograd.graph.saved_tensors_hooks(
+    ...         lambda t: seen.append(saving_for_a_custom_function()) or t, lambda t: t):
+    ...     x = torch.ones(2, requires_grad=True)
+    ...     _ = Double.apply(torch.sigmoid(x))
+    >>> seen  # sigmoid's output, then Double's input
+    [False, True]
+    """
+    return not _STATE.last_call_recorded
 
 
 def innermost_module() -> nn.Module | None:
@@ -123,6 +148,7 @@ class _FunctionScopes(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        _STATE.last_call_recorded = torch.is_grad_enabled()
         known = function_kind(func)
         # The cheap test first: this runs for every torch call of the model.
         if known is None and is_product(func) and _STATE.tracking and innermost_kind() is None \

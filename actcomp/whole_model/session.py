@@ -35,6 +35,7 @@ from actcomp.graph.saved_tensors import (
     is_parameter_copy,
     listened,
     refuse_double_backward,
+    saving_for_a_custom_function,
     unseen_by_scopes,
 )
 from actcomp.kernels.layouts import dense_strides_like, local_part, storage_key
@@ -122,7 +123,10 @@ class _Session:
             return "other", None  # tensor subclasses (DTensor activations, ...) keep their own semantics
         if is_parameter(tensor) or storage_key(local_part(tensor)) in self.excluded or is_parameter_copy(tensor):
             return "kept", None
-        scope = innermost_kind()
+        # A custom autograd Function's saves are its own business (a fused loss's gradients
+        # computed in the forward, a fused kernel's input): "other", kept exactly unless the
+        # user opts in with rest={"other": spec}, whatever module it runs in.
+        scope = None if saving_for_a_custom_function() else innermost_kind()
         kind = "other" if scope is None else scope.kind
         if kind == "linear" or not _frees_memory(tensor):
             return kind, None
