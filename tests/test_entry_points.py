@@ -323,6 +323,27 @@ def test_checkpointed_submodules_recompute_and_the_rest_is_compressed(use_reentr
     assert_same(output.detach(), {name: p.grad for name, p in model.named_parameters()}, ref_output, ref_grads)
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_hugging_face_gradient_checkpointing_under_rest_exact_is_bit_identical(use_reentrant):
+    # What LLM fine-tunes run: HF's own gradient_checkpointing_enable, both modes, on a causal LM
+    # converted in whole-model mode (the loss kept as the model's for bit-identity).
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    plain = transformers.LlamaForCausalLM(config).train()
+    model = copy.deepcopy(plain)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    actcomp.to_compressed(model, "mink0", rest="exact", loss="plain")
+    ids = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(1))
+    for each in (plain, model):
+        each(input_ids=ids, labels=ids).loss.backward()
+    for (name, got), expected in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(got.grad, expected.grad), name
+
+
 def test_foreign_saved_tensor_hooks_win_at_an_entry_with_one_warning():
     class OwnHooksNet(nn.Sequential):  # a class of its own: the warning is given once per model class
         pass
