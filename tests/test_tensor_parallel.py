@@ -67,3 +67,11 @@ def test_a_tensor_parallel_model_converts_and_keeps_dtensor_inputs_as_they_are(m
     assert F.cosine_similarity(got["up.weight"].flatten(), expected["up.weight"].flatten(), dim=0) > 0.999
     report = actcomp.memory_report(model, x)
     assert "int8" in {storage.codec for storage in report.storages}
+
+
+def test_a_parameter_read_as_a_layers_input_is_still_compressed(compress_calls):
+    # Parameters are plain tensors to the codecs; only true subclasses (DTensor) are kept as is.
+    layer = actcomp.to_compressed(nn.Sequential(nn.Linear(8, 4)), "int8", first_layer=None)
+    table = nn.Parameter(torch.randn(3, 8))
+    layer(table).sum().backward()
+    assert compress_calls == [(3, 8)]

@@ -22,6 +22,16 @@ from __future__ import annotations
 import torch
 
 
+def is_subclass_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a tensor subclass (a DTensor, a FakeTensor) rather than a plain
+    tensor or parameter: it has no memory of its own at ``data_ptr()``.
+
+    >>> is_subclass_tensor(torch.ones(2)), is_subclass_tensor(torch.nn.Parameter(torch.ones(2)))
+    (False, False)
+    """
+    return type(tensor) not in (torch.Tensor, torch.nn.Parameter)
+
+
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this process holds: a DTensor's local shard (FSDP2 and tensor
     parallel parameters), any other tensor itself. A DTensor has no storage of its own."""

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from actcomp.errors import warn_once
+from actcomp.kernels.layouts import is_subclass_tensor
 
 SOURCE = Path(__file__).with_name("native_cpu.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
@@ -295,8 +296,7 @@ def _threads() -> ctypes.c_int:
 
 def _pointer(tensor: torch.Tensor) -> ctypes.c_void_p:
     # The kernels index flat memory: a strided view would be read as the wrong elements.
-    # A tensor subclass (DTensor, FakeTensor) has no memory of its own at data_ptr().
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+    if is_subclass_tensor(tensor):
         raise ValueError(f"actcomp's native kernels take plain tensors, got a {type(tensor).__name__}")
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise ValueError(f"actcomp's native kernels take contiguous CPU tensors, got strides {tensor.stride()} "

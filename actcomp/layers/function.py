@@ -34,7 +34,7 @@ from actcomp.core.packed import PackedLayout
 from actcomp.core.pipeline import Packed, Pipeline
 from actcomp.errors import ActcompError, warn_once
 from actcomp.graph.saved_tensors import TensorCache, refuse_double_backward, saving_compressed_layer, unseen_by_scopes
-from actcomp.kernels.layouts import unbroadcast, with_layout_of
+from actcomp.kernels.layouts import is_subclass_tensor, unbroadcast, with_layout_of
 from actcomp.layers.ops import Op
 
 # Layers that read one tensor with one pipeline (a ResNet block input read by conv1 and the
@@ -93,7 +93,7 @@ class CompressedInputFunction(torch.autograd.Function):
         # The weight is a parameter (or autocast's cached cast of it): saving it costs nothing
         # extra, and convolution backward needs it even for the weight gradient alone.
         saved = [weight]
-        if needs_weight and type(uncast) is not torch.Tensor:
+        if needs_weight and is_subclass_tensor(uncast):
             # A tensor subclass (a DTensor activation under tensor parallelism): the codecs read a
             # plain tensor's memory, so it is kept as it is, and its layer computes exactly.
             warn_once("subclass input", f"actcomp: layer {where} reads a {type(uncast).__name__}; tensor "
