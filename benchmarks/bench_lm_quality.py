@@ -30,6 +30,7 @@ from actcomp.tools.llm_outliers import add_outliers
 CONFIGS = [
     ("int8 (Linear inputs)", "int8", None),
     ("int4 (Linear inputs)", "int4", None),
+    ("int4:scale=group (Linear inputs, no channel scales)", "int4:scale=group", None),
     ('rest="8bit" (Linear exact)', "mink0", "8bit"),
     ('rest="4bit" (Linear exact)', "mink0", "4bit"),
     ("8bit: activation only", "mink0", {"activation": "int8", "normalization": None, "attention": None}),

@@ -191,7 +191,7 @@ def test_a_stage_holds_only_its_settings_and_compressing_changes_none(name):
 
     assert vars(stage) == settings
     assert set(settings) == {f.name for f in dataclasses.fields(stage)}
-    assert all(type(value) in (int, float, type(None)) for value in settings.values())
+    assert all(type(value) in (int, float, str, type(None)) for value in settings.values())
 
 
 def test_printing_packed_data_shows_what_is_kept_not_the_values(million):

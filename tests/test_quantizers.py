@@ -20,7 +20,7 @@ def test_each_width_is_group_quant_under_its_registry_name(cls, name, bits):
 
     assert compressor_class(name) is cls and issubclass(cls, GroupQuant)
     assert (stage.name, stage.bits, stage.group, str(stage), repr(stage)) == (
-        name, bits, 64, f"{name}:group=64", f"{cls.__name__}(group=64)")
+        name, bits, 64, f"{name}:group=64", f"{cls.__name__}(group=64, scale={stage.scale!r})")
     assert actcomp.parse(f"{name}:group=64").stages == (stage,) and str(cls()) == name
     assert pickle.loads(pickle.dumps(stage)) == stage and stage != cls(group=65)
     assert len({Int8(), Int4(), Int2()}) == 3  # equal settings, different widths: different stages

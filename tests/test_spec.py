@@ -189,7 +189,10 @@ SETTINGS = settings_of_every_stage()
 
 
 def valid_values(rule) -> list:
-    """Its minimum, a value inside its range, one just below its bound; None if allowed."""
+    """Its minimum, a value inside its range, one just below its bound; None if allowed; or
+    every choice of a setting that is one of a few words."""
+    if rule.kind is str:
+        return list(rule.choices)
     low = rule.minimum if rule.minimum is not None else -3
     if rule.kind is int:
         values = [low, low + 1, low + 63]
@@ -200,6 +203,8 @@ def valid_values(rule) -> list:
 
 def invalid_values(rule) -> list:
     """Bools, text, out-of-range and (for floats) non-finite values; None unless allowed."""
+    if rule.kind is str:
+        return [True, 3, "abc", rule.choices[0].upper(), None]
     values = [True, False, "3", [3]]
     if rule.kind is int:
         values += [2.5, 3.0]
@@ -214,6 +219,8 @@ def invalid_values(rule) -> list:
 
 def invalid_texts(rule) -> list[str]:
     """The same as spec text: what must not parse into a valid setting."""
+    if rule.kind is str:
+        return ["True", "3", "abc", rule.choices[0].upper(), "None"]
     texts = ["True", "False", "abc", "1e999"]
     texts += ["2.5", "3.0", "1e3"] if rule.kind is int else ["nan", "inf", "-inf"]
     if rule.minimum is not None:

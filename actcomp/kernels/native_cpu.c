@@ -263,8 +263,8 @@ static inline uint8_t code_of(float value, float low, float inverse, float noise
 
 /* Groups first to last of quantize(). */
 static inline __attribute__((always_inline)) void quantize_groups(
-    const void *x, int64_t count, int64_t group, int64_t first, int64_t last, uint32_t seed, uint8_t *codes,
-    void *offset, uint16_t *scale, const int dtype, const int bits) {
+    const void *x, int64_t count, int64_t group, int64_t first, int64_t last, uint32_t seed, int64_t base,
+    uint8_t *codes, void *offset, uint16_t *scale, const int dtype, const int bits) {
     const float levels = (float)((1 << bits) - 1);
     const int per_byte = 8 / bits;
     if (bits < 8) {
@@ -286,14 +286,16 @@ static inline __attribute__((always_inline)) void quantize_groups(
         scale[g] = (uint16_t)(float_to_bits(step) >> 16); /* exact: rounded to a bf16 above */
         for (int64_t at = start; at < stop; at += TILE) {
             const int length = stop - at < TILE ? (int)(stop - at) : TILE;
-            if ((at >> PERIOD_BITS) == ((at + length - 1) >> PERIOD_BITS)) {
+            /* The noise of element at is that of element base + at of the whole tensor. */
+            const int64_t place0 = base + at;
+            if ((place0 >> PERIOD_BITS) == ((place0 + length - 1) >> PERIOD_BITS)) {
                 /* The tile within one period of the noise: its rotation hashed once, not per
                  * element (half the hashing, which is most of the arithmetic). */
-                const uint32_t rotation = lowbias32((uint32_t)(at >> PERIOD_BITS) ^ ROTATION_KEY) & 0xFFFFu;
+                const uint32_t rotation = lowbias32((uint32_t)(place0 >> PERIOD_BITS) ^ ROTATION_KEY) & 0xFFFFu;
                 int k = 0;
 #if defined(ACTCOMP_AVX512)
 #define CODES_SIXTEEN(K)                                                                                    \
-    codes_sixteen(x, at + (K), noise_sixteen(((uint32_t)((at + (K)) & 0xFFFF) + rotation) & 0xFFFFu, seed), \
+    codes_sixteen(x, at + (K), noise_sixteen(((uint32_t)((place0 + (K)) & 0xFFFF) + rotation) & 0xFFFFu, seed), \
                   low, inverse, levels, dtype)
                 for (; k + 4 * LANES <= length; k += 4 * LANES)
                     store_sixty_four(tile + k, CODES_SIXTEEN(k), CODES_SIXTEEN(k + 16), CODES_SIXTEEN(k + 32),
@@ -301,13 +303,13 @@ static inline __attribute__((always_inline)) void quantize_groups(
 #undef CODES_SIXTEEN
 #endif
                 for (; k < length; k++) {
-                    const uint32_t place = ((uint32_t)((at + k) & 0xFFFF) + rotation) & 0xFFFFu;
+                    const uint32_t place = ((uint32_t)((place0 + k) & 0xFFFF) + rotation) & 0xFFFFu;
                     const float noise = (float)(lowbias32(place ^ seed) >> 8) * 0x1p-24f;
                     tile[k] = code_of(load(x, at + k, dtype), low, inverse, noise, levels);
                 }
             } else {
                 for (int k = 0; k < length; k++)
-                    tile[k] = code_of(load(x, at + k, dtype), low, inverse, noise_at(seed, at + k), levels);
+                    tile[k] = code_of(load(x, at + k, dtype), low, inverse, noise_at(seed, place0 + k), levels);
             }
             if (bits == 8) {
                 memcpy(codes + at, tile, (size_t)length);
@@ -330,15 +332,15 @@ static inline __attribute__((always_inline)) void quantize_groups(
     }
 }
 
-static void quantize(const void *x, int64_t count, int64_t group, uint32_t seed, uint8_t *codes, void *offset,
-                     uint16_t *scale, int threads, int dtype, int bits) {
+static void quantize(const void *x, int64_t count, int64_t group, uint32_t seed, int64_t base, uint8_t *codes,
+                     void *offset, uint16_t *scale, int threads, int dtype, int bits) {
     const int64_t groups = (count + group - 1) / group;
     const int64_t tasks = (groups + TASK_GROUPS - 1) / TASK_GROUPS;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t first = task * TASK_GROUPS;
         const int64_t last = first + TASK_GROUPS < groups ? first + TASK_GROUPS : groups;
-#define QUANTIZE_GROUPS(B, D) quantize_groups(x, count, group, first, last, seed, codes, offset, scale, D, B)
+#define QUANTIZE_GROUPS(B, D) quantize_groups(x, count, group, first, last, seed, base, codes, offset, scale, D, B)
         SPECIALIZED(bits, dtype, QUANTIZE_GROUPS)
     }
 }
@@ -430,15 +432,16 @@ static void dequantize(const uint8_t *codes, const void *offset, const uint16_t 
 }
 
 /* seed: noise.py's noise_seed, an int64 scalar tensor's data holding 32 bits; read here, so
- * that no value goes back to Python. */
+ * that no value goes back to Python. base: the index of x[0] in the whole tensor whose noise
+ * this is (a chunk quantized alone rounds as the whole tensor would). */
 void actcomp_quantize_f32(const float *x, int64_t count, int64_t group, int bits, const int64_t *seed,
-                          uint8_t *codes, float *offset, uint16_t *scale, int threads) {
-    quantize(x, count, group, (uint32_t)*seed, codes, offset, scale, threads, 0, bits);
+                          int64_t base, uint8_t *codes, float *offset, uint16_t *scale, int threads) {
+    quantize(x, count, group, (uint32_t)*seed, base, codes, offset, scale, threads, 0, bits);
 }
 
 void actcomp_quantize_bf16(const uint16_t *x, int64_t count, int64_t group, int bits, const int64_t *seed,
-                           uint8_t *codes, uint16_t *offset, uint16_t *scale, int threads) {
-    quantize(x, count, group, (uint32_t)*seed, codes, offset, scale, threads, 1, bits);
+                           int64_t base, uint8_t *codes, uint16_t *offset, uint16_t *scale, int threads) {
+    quantize(x, count, group, (uint32_t)*seed, base, codes, offset, scale, threads, 1, bits);
 }
 
 void actcomp_dequantize_f32(const uint8_t *codes, const float *offset, const uint16_t *scale, int64_t count,

@@ -79,15 +79,18 @@ def quantizes(device: torch.device, dtype: torch.dtype, count: int, bits: int) -
 
 
 def quantize(flat: torch.Tensor, bits: int, group: int, seed: torch.Tensor, codes: torch.Tensor, offset: torch.Tensor,
-             scale: torch.Tensor) -> None:
+             scale: torch.Tensor, base: int = 0) -> None:
     """:func:`~actcomp.kernels.quantize.quantize_affine` of contiguous ``flat`` into ``codes``
     (packed), ``offset`` and ``scale``, with :class:`~actcomp.kernels.noise.RoundingNoise`'s
-    noise of ``seed`` (:func:`~actcomp.kernels.noise.noise_seed`, read by the kernel: no sync)."""
+    noise of ``seed`` (:func:`~actcomp.kernels.noise.noise_seed`, read by the kernel: no sync).
+    ``flat`` is the slice from element ``base`` of a larger tensor (a multiple of ``group``
+    and 8) and draws that slice's noise."""
     if seed.dtype != torch.int64 or seed.numel() != 1:
         raise ValueError(f"the noise seed must be one int64 value, got {seed.dtype} of shape {tuple(seed.shape)}")
     _call(f"actcomp_quantize_{_DTYPES[flat.dtype]}", (flat, codes, offset, scale),
           _pointer(flat), ctypes.c_int64(flat.numel()), ctypes.c_int64(group), ctypes.c_int(bits),
-          _pointer(seed), _pointer(codes), _pointer(offset), _pointer(scale), _threads())
+          _pointer(seed), ctypes.c_int64(base), _pointer(codes), _pointer(offset), _pointer(scale),
+          _threads())
 
 
 def dequantize(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, bits: int, group: int,
