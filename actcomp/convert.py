@@ -196,14 +196,16 @@ def _chooser(pipeline: PipelineChoice) -> Callable[[str], Pipeline | None]:
 
 # A LoRA fine-tune's whole training signal is its adapters' gradient, and attention's backward
 # is where a trained LLM's outliers bend it: with them built in, the preset's int8 attention gave
-# the adapters' gradient cosine 0.9963 (nf4 base 0.9943), bf16 0.9989 (0.9991): bench_lora.py.
-_ADAPTERS_ATTENTION = Lossy(parse("bf16"))
+# the adapters' gradient cosine 0.9963 (nf4 base 0.9943), all of SDPA's tensors in bf16 0.9989
+# (0.9991), query and key as they are with value and output in bf16 0.9999: bench_lora.py. The
+# query and key cost the bytes (a 3.0x saving becomes 2.7x), the accuracy is the adapters'.
+_ADAPTERS_ATTENTION = Lossy(parse("bf16"), query_key_as_is=True)
 
 
 def _for_adapters(model: nn.Module, rest: RestLike, policy: RestPolicy) -> RestPolicy:
-    """``policy``, with attention kept in bf16 at most where ``model`` carries LoRA adapters and
-    ``rest`` named no choice for attention (a preset or one spec; a mapping or policy is taken
-    as given)."""
+    """``policy``, with attention's query and key kept as they are and its value and output in
+    bf16 at most where ``model`` carries LoRA adapters and ``rest`` named no choice for attention
+    (a preset or one spec; a mapping or policy is taken as given)."""
     if isinstance(rest, (Mapping, RestPolicy)) or not isinstance(policy.attention, Lossy):
         return policy
     if not any(getattr(stage, "bits", None) for stage in policy.attention.pipeline.stages):

@@ -20,8 +20,10 @@ the base is a Llama-shaped model built from a config with a trained model's outl
 sink token built in (``actcomp.tools.llm_outliers``), its weights random (nothing is
 downloaded). Plain and compressed runs start from the same weights and see the same batches; the
 table's "test acc" is next-byte accuracy on the held-out 10%. Before training, the adapters'
-gradient on one batch is compared with plain's (cosine), and after it the adapters saved with
-``save_pretrained`` are loaded back into a fresh PEFT model.
+gradient on one batch is compared with plain's (cosine; on a pair whose ``lora_B`` is drawn as a
+trained adapter's, since PEFT starts it at zero and ``lora_A``, the reader of the compressed
+input, would get no gradient), and after training the adapters saved with ``save_pretrained``
+are loaded back into a fresh PEFT model.
 """
 
 from __future__ import annotations
@@ -95,19 +97,23 @@ def base_model(args: argparse.Namespace, folder: str) -> LlamaForCausalLM:
     return LlamaForCausalLM.from_pretrained(folder, quantization_config=quantization, device_map="cpu")
 
 
-def with_lora(base: LlamaForCausalLM, seed: int):
+def with_lora(base: LlamaForCausalLM, seed: int, trained: bool = False):
+    """PEFT LoRA on every Linear; ``trained`` draws lora_B from N(0, 0.02) instead of PEFT's zeros."""
     torch.manual_seed(seed)
-    # Gaussian lora_B (PEFT's default is zeros) so that the adapters' gradients at step 0 are
-    # not all lora_B's and the comparison below reads both matrices.
-    return get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
-                                           init_lora_weights="gaussian"))
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    if trained:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.02)
+    return model
 
 
-def adapter_gradient(model, batch: dict) -> torch.Tensor:
+def adapter_gradient(model, batch: dict, part: str = "lora_") -> torch.Tensor:
     model.zero_grad()
     torch.manual_seed(0)
     model(**batch).loss.backward()
-    return torch.cat([p.grad.double().reshape(-1) for name, p in model.named_parameters() if "lora_" in name])
+    return torch.cat([p.grad.double().reshape(-1) for name, p in model.named_parameters() if part in name])
 
 
 def next_byte_accuracy(prediction: transformers.EvalPrediction) -> dict:
@@ -141,13 +147,19 @@ def main() -> None:
     batch = {key: torch.stack([example[key] for example in train[: args.batch_size]]) for key in train[0]}
     with tempfile.TemporaryDirectory() as scratch:
         base = os.path.join(scratch, "base")
-        # Two PEFT models of the same base and seed (a deep copy of an nf4 base is not supported).
+        # PEFT models of the same base and seed (a deep copy of an nf4 base is not supported).
+        cosines = []
+        for part in ("lora_", "lora_A"):
+            reference = adapter_gradient(with_lora(base_model(args, base), args.seed, trained=True), batch, part)
+            converted = actcomp.to_compressed(with_lora(base_model(args, base), args.seed, trained=True),
+                                              args.layers, rest=args.rest)
+            cosines.append(float(torch.nn.functional.cosine_similarity(adapter_gradient(converted, batch, part),
+                                                                       reference, dim=0)))
+        print(f"{'QLoRA (nf4 base)' if args.qlora else 'LoRA'}, to_compressed(peft_model, {args.layers!r}, "
+              f"rest={args.rest!r}): adapters' gradient cosine to plain's: {cosines[0]:.5f}, "
+              f"lora_A's alone: {cosines[1]:.5f}")
         plain = with_lora(base_model(args, base), args.seed)
         compressed = actcomp.to_compressed(with_lora(base_model(args, base), args.seed), args.layers, rest=args.rest)
-        cosine = torch.nn.functional.cosine_similarity(adapter_gradient(compressed, batch),
-                                                       adapter_gradient(plain, batch), dim=0)
-        print(f"{'QLoRA (nf4 base)' if args.qlora else 'LoRA'}, to_compressed(peft_model, {args.layers!r}, "
-              f"rest={args.rest!r}): adapters' gradient cosine to plain's at step 0: {float(cosine):.5f}")
 
         plain_run, _, plain_loss = fit("plain", plain, args, os.path.join(scratch, "plain"), train, test, batch)
         packed_run, trainer, packed_loss = fit("actcomp", compressed, args, os.path.join(scratch, "actcomp"), train,

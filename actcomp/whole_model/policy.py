@@ -36,9 +36,14 @@ class Exact:
 
 @dataclass(frozen=True)
 class Lossy:
-    """The exact codecs where an op has one, ``pipeline`` for every other tensor of the kind."""
+    """The exact codecs where an op has one, ``pipeline`` for every other tensor of the kind.
+
+    ``query_key_as_is`` keeps fused attention's query and key as they are (attention only; set
+    by :func:`actcomp.to_compressed` on a model carrying LoRA adapters, whose gradient moves
+    with the attention logits' every rounding)."""
 
     pipeline: Pipeline
+    query_key_as_is: bool = False
 
     def __str__(self) -> str:
         return self.pipeline.spec
@@ -71,7 +76,7 @@ class RestPolicy:
     >>> print(RestPolicy.parse("int8"))
     8bit
     >>> RestPolicy.parse("4bit").activation
-    Derivative(bits=4, fallback=Lossy(pipeline=Pipeline('int4:group=64')))
+    Derivative(bits=4, fallback=Lossy(pipeline=Pipeline('int4:group=64'), query_key_as_is=False))
     """
 
     activation: Choice

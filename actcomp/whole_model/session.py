@@ -367,7 +367,7 @@ def _kind_codec(choice, tensor: torch.Tensor, kind: str, scope: Scope | None) ->
     pipeline = choice.pipeline
     if kind == "attention" and scope is not None and scope.op == "sdpa":
         if _is_query_or_key(tensor, scope):
-            return _LOGIT_SAFE if tensor.dtype == torch.float32 else None
+            return _LOGIT_SAFE if tensor.dtype == torch.float32 and not choice.query_key_as_is else None
         if any(getattr(stage, "bits", 8) < 8 for stage in pipeline.stages):
             return _SDPA_VALUES
     unit = _normalized_unit(tensor, scope) if kind == "normalization" else None
