@@ -123,3 +123,81 @@ def test_products_that_are_no_gate_are_not_taken_for_one():
 def test_rest_exact_keeps_the_product_exact():
     expected, got = gradients_plain_and_converted("exact")
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+class GeGLU(nn.Module):
+    """Gemma's MLP: GELU (tanh approximation) of the gate times up."""
+
+    def __init__(self, width=64, hidden=176):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(width, hidden), nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.gate(x), approximate="tanh") * self.up(x))
+
+
+def saved_specs(model, x) -> list[str | None]:
+    """The spec (or recomputation) each saved activation got, in saving order."""
+    from actcomp.graph.saved_tensors import listening
+
+    specs = []
+    with listening(lambda event: specs.append(event.codec) if event.kind == "activation" else None):
+        model(x).square().mean().backward()
+    return specs
+
+
+@pytest.mark.parametrize(("block", "op"), [(FeedForward, "silu"), (lambda: FeedForward(chunk=True), "silu"),
+                                           (GeGLU, "gelu")], ids=["swiglu", "chunked", "geglu"])
+def test_the_activations_output_is_recomputed_from_its_kept_input(block, op):
+    torch.manual_seed(0)
+    model, x = Net(block()), torch.randn(16, 24, 32)
+    actcomp.to_compressed(model, "mink0", rest="8bit")
+    # The activation's input in int8, and the product's operands: up in int8, act(gate) rebuilt
+    # from that input's code.
+    specs = saved_specs(model, x)
+    assert specs[0] == "int8" and sorted(specs[1:]) == sorted([f"{op} of a kept input", "int8"])
+    # The product's act(gate) costs nothing of its own: the activations keep two int8 codes.
+    kept = kinds(model, x)[0]["activation"][1]
+    assert 2 * 16 * 24 * 176 <= kept < 2.1 * 16 * 24 * 176
+
+
+@pytest.mark.parametrize("block", [FeedForward, GeGLU], ids=["swiglu", "geglu"])
+def test_the_recomputed_activation_is_that_of_the_decoded_input(block, monkeypatch):
+    # The product's backward reads act(decoded gate), with the forward's approximation: its
+    # gradient for up equals one computed by hand from the same decoded gate.
+    from actcomp.whole_model import session
+
+    torch.manual_seed(0)
+    model, x = Net(block()), torch.randn(16, 24, 32)
+    actcomp.to_compressed(model, "mink0", rest="8bit")
+    rebuilt = []
+    original = session._Recomputed.unpack
+    monkeypatch.setattr(session._Recomputed, "unpack", lambda self: rebuilt.append((self, original(self))) or
+                        rebuilt[-1][1])
+    model(x).square().mean().backward()
+    (holder, value), = rebuilt
+    gate = holder.source.unpack()
+    expected = F.silu(gate) if block is FeedForward else F.gelu(gate, approximate="tanh")
+    assert torch.equal(value, expected)
+    assert holder.approximate == ("none" if block is FeedForward else "tanh")
+
+
+@pytest.mark.parametrize("rest", ["exact", "4bit"])
+def test_no_recomputation_where_the_input_keeps_no_values(rest):
+    # rest="exact" keeps both as they are (bit for bit); "4bit" keeps SiLU's input as derivative
+    # codes, which cannot give the values back: the product's act(gate) gets a code of its own.
+    torch.manual_seed(0)
+    model, x = Net(FeedForward()), torch.randn(16, 24, 32)
+    actcomp.to_compressed(model, "mink0", rest=rest)
+    assert not any(spec and "kept input" in spec for spec in saved_specs(model, x))
+
+
+def test_the_gradient_with_recomputation_stays_as_close_as_a_code_of_its_own(monkeypatch):
+    from actcomp.whole_model import session
+
+    expected, got = gradients_plain_and_converted("8bit")
+    monkeypatch.setattr(session._Session, "recomputed", lambda self, tensor: None)
+    _, coded = gradients_plain_and_converted("8bit")
+    flat = [torch.cat([g.view(-1) for g in grads]) for grads in (expected, got, coded)]
+    recomputed, own_code = (F.cosine_similarity(f, flat[0], dim=0) for f in flat[1:])
+    assert recomputed > 0.999 and recomputed > own_code - 1e-4, (recomputed, own_code)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from actcomp.core.codec import Compressor
 from actcomp.core.pipeline import Packed, Pipeline, parse
@@ -88,6 +89,26 @@ class _Compressed(NamedTuple):
         return self.codec.decompress(self.packed)
 
 
+class _Recomputed(NamedTuple):
+    """A gated MLP's ``act(gate)``, saved by the gate product, rebuilt in backward from the
+    compressed form of ``gate`` that the activation saved already, instead of a second code of
+    its own: a third of what a SwiGLU/GeGLU block keeps. ``act(decoded gate)`` errs as the
+    decoded gate does (SiLU's and GELU's slopes stay within [-0.1, 1.1]), no more than a code of
+    ``act(gate)`` would."""
+
+    source: _Compressed
+    op: str  # "silu" or "gelu"
+    approximate: str  # GELU's
+
+    def unpack(self) -> torch.Tensor:
+        gate = self.source.unpack()
+        return F.silu(gate) if self.op == "silu" else F.gelu(gate, approximate=self.approximate)
+
+
+# The activations _Recomputed rebuilds: their autograd node's name, by op.
+_RECOMPUTABLE = {"SiluBackward0": "silu", "GeluBackward0": "gelu"}
+
+
 class _Session:
     """One training forward of a whole-model: chooses and applies codecs as tensors are saved."""
 
@@ -99,11 +120,15 @@ class _Session:
         # (saved tensor, codec choice) -> compressed form: one tensor saved twice under one
         # choice (RMSNorm's input, by pow and by mul) is compressed once.
         self.cache = TensorCache()
+        # (autograd node, output index) of a SiLU/GELU input -> its compressed form and the op's
+        # settings, for the gate product that saves the activation's output (_Recomputed).
+        self.activation_inputs: dict[tuple[Any, int], tuple[_Compressed, str, str]] = {}
 
     def close(self) -> None:
         """Forget the forward's tensors: the saved variables alone now decide what stays alive."""
         self.cache.clear()
         self.excluded.clear()
+        self.activation_inputs.clear()
 
     def pack(self, tensor: torch.Tensor):
         # Compressing must not record autograd history (nor save tensors of its own), and its
@@ -112,8 +137,14 @@ class _Session:
             kind, kept = self.choose(tensor)
             holder = _AsIs(tensor) if kept is None else kept
             if listened():
-                announce(SavedEvent(tensor, (tensor,) if kept is None else kept.packed.tensors, kind,
-                                    None if kept is None else kept.packed.layout.spec))
+                if kept is None:
+                    event = SavedEvent(tensor, (tensor,), kind, None)
+                elif isinstance(kept, _Recomputed):
+                    # Its bytes are its source's, counted once where the activation saved them.
+                    event = SavedEvent(tensor, kept.source.packed.tensors, kind, f"{kept.op} of a kept input")
+                else:
+                    event = SavedEvent(tensor, kept.packed.tensors, kind, kept.packed.layout.spec)
+                announce(event)
         return holder
 
     def choose(self, tensor: torch.Tensor) -> tuple[str, _Compressed | None]:
@@ -130,7 +161,40 @@ class _Session:
         kind = "other" if scope is None else scope.kind
         if kind == "linear" or not _frees_memory(tensor):
             return kind, None
-        return kind, self.cached(tensor, kind, scope)
+        if scope is not None and scope.op == "gate":
+            recomputed = self.recomputed(tensor)
+            if recomputed is not None:
+                return kind, recomputed
+        kept = self.cached(tensor, kind, scope)
+        if scope is not None and scope.op in ("silu", "gelu"):
+            self.note_activation_input(tensor, kept, scope)
+        return kind, kept
+
+    def note_activation_input(self, tensor: torch.Tensor, kept: _Compressed | None, scope: Scope) -> None:
+        """Remember a SiLU/GELU input kept in a value code (not as it is: exact modes stay
+        bit for bit; not as derivative codes: they cannot give the values back)."""
+        if (isinstance(kept, _Compressed) and isinstance(kept.codec, Pipeline) and tensor.grad_fn is not None
+                and tensor.numel() == scope.reference):
+            approximate = str(argument(scope, 1, "approximate", "none")) if scope.op == "gelu" else "none"
+            self.activation_inputs[(tensor.grad_fn, tensor.output_nr)] = (kept, scope.op, approximate)
+
+    def recomputed(self, tensor: torch.Tensor) -> _Recomputed | None:
+        """``tensor`` as :class:`_Recomputed` when it is SiLU/GELU of an input this forward
+        compressed, of its shape and dtype; else None."""
+        node = tensor.grad_fn
+        op = _RECOMPUTABLE.get(type(node).__name__) if node is not None else None
+        if op is None or len(node.next_functions) != 1:
+            return None
+        found = self.activation_inputs.get(node.next_functions[0])
+        if found is None or found[1] != op:
+            return None
+        source, _, approximate = found
+        if op == "gelu" and getattr(node, "_saved_approximate", "none") != approximate:
+            return None
+        layout = source.packed.layout
+        if layout.shape != tensor.shape or layout.dtype != tensor.dtype:
+            return None
+        return _Recomputed(source, op, approximate)
 
     def cached(self, tensor: torch.Tensor, kind: str, scope: Scope | None) -> _Compressed | None:
         choice = choose_codec(self.policy, tensor, kind, scope)
