@@ -26,7 +26,8 @@ from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, wr
 import actcomp
 from actcomp.tools.llm_outliers import add_outliers
 
-# (label, Linear/Conv spec, rest): the presets, and each kind of rest="8bit"/"4bit" alone.
+# (label, Linear/Conv spec, rest[, attention implementation]): the presets, and each kind of
+# rest="8bit"/"4bit" alone; SDPA attention unless named.
 CONFIGS = [
     ("int8 (Linear inputs)", "int8", None),
     ("int4 (Linear inputs)", "int4", None),
@@ -39,16 +40,23 @@ CONFIGS = [
     ("8bit: attention only, groups of 32", "mink0",
      {"activation": None, "normalization": None, "attention": "int8:group=32"}),
     ('"mink0.9+int8", rest="8bit"', "mink0.9+int8", "8bit"),
+    # A model written with eager attention (softmax probabilities saved, no log-sum-exp): SDPA's
+    # rules do not reach it.
+    ('rest="8bit", eager attention', "mink0", "8bit", "eager"),
+    ('rest="4bit", eager attention', "mink0", "4bit", "eager"),
+    ('rest="4bit" with attention int8, eager attention', "mink0",
+     {"activation": "int4:group=64", "normalization": "int4:group=64", "attention": "int8", "fewbit": 4}, "eager"),
 ]
 COLUMNS = ["outliers", "config", "cosine_min", "cosine_median"]
 
 
-def llama(outliers: bool):
+def llama(outliers: bool, attention: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=2000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+                         attn_implementation=attention)
     model = LlamaForCausalLM(config).train()
     if outliers:
         add_outliers(model)
@@ -71,16 +79,20 @@ def main() -> None:
     load_before, started = load_average(), time.perf_counter()
     rows = []
     for outliers in (False, True):
-        base = llama(outliers)
-        batches = []
-        for seed in range(args.seeds):
-            ids = torch.randint(1, 2000, (2, 256), generator=torch.Generator().manual_seed(seed))
-            ids[:, 0] = 0  # the sink token
-            batches.append((ids, gradient(base, ids)))
-        for label, spec, rest in CONFIGS:
-            model = copy.deepcopy(base)
+        bases, batches = {}, {}
+        for label, spec, rest, *named in CONFIGS:
+            attention = named[0] if named else "sdpa"
+            if attention not in bases:
+                bases[attention] = llama(outliers, attention)
+                batches[attention] = []
+                for seed in range(args.seeds):
+                    ids = torch.randint(1, 2000, (2, 256), generator=torch.Generator().manual_seed(seed))
+                    ids[:, 0] = 0  # the sink token
+                    batches[attention].append((ids, gradient(bases[attention], ids)))
+            model = copy.deepcopy(bases[attention])
             actcomp.to_compressed(model, spec, rest=rest, loss="plain")
-            cosines = [float(F.cosine_similarity(gradient(model, ids), reference, dim=0)) for ids, reference in batches]
+            cosines = [float(F.cosine_similarity(gradient(model, ids), reference, dim=0))
+                       for ids, reference in batches[attention]]
             rows.append({"outliers": outliers, "config": label, "cosine_min": min(cosines),
                          "cosine_median": statistics.median(cosines)})
             print(f"outliers={outliers} {label}: min {min(cosines):.4f}", flush=True)
@@ -89,7 +101,7 @@ def main() -> None:
             "with the outliers built in.", "",
             "| configuration | random: min | random: median | outliers: min | outliers: median |",
             "|---|---:|---:|---:|---:|"]
-    for label, _, _ in CONFIGS:
+    for label, *_ in CONFIGS:
         clean, outlying = (next(row for row in rows if row["config"] == label and row["outliers"] == flag)
                            for flag in (False, True))
         body.append(f"| {label} | {clean['cosine_min']:.4f} | {clean['cosine_median']:.4f} "
