@@ -24,6 +24,7 @@ from actcomp.core.registry import (
 )
 from actcomp.errors import ActcompError
 from actcomp.losses import linear_cross_entropy
+from actcomp.tools.check import CheckReport, check
 from actcomp.tools.memory import MemoryReport, memory_report
 from actcomp.whole_model.in_graph import compress_in_graph
 from actcomp.whole_model.session import register_op_codec, unregister_op_codec
@@ -34,7 +35,7 @@ __version__ = "0.1.0"
 legacy_paths.install()
 
 __all__ = [
-    "ActcompError", "MemoryReport", "Packed", "Pipeline", "codec_class", "compress_in_graph", "compressed_layers", "compressors",
+    "ActcompError", "CheckReport", "MemoryReport", "Packed", "Pipeline", "check", "codec_class", "compress_in_graph", "compressed_layers", "compressors",
     "from_compressed", "linear_cross_entropy", "list_codecs", "list_compressors", "memory_report", "parse",
     "register_codec",
     "register_compressor", "register_op_codec", "to_compressed", "unregister_codec", "unregister_compressor",

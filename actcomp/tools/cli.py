@@ -1,4 +1,5 @@
-"""Command line: ``python -m actcomp report ...`` and ``python -m actcomp demo``.
+"""Command line: ``python -m actcomp report ...``, ``python -m actcomp check ...`` and
+``python -m actcomp demo`` (installed as the ``actcomp`` command too).
 
 >>> main(["report", "--model", "resnet18", "--pipeline", "mink0.9", "--batch", "2", "--img-size", "32"])  # doctest: +SKIP
 """
@@ -32,9 +33,30 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, help="what to run; add -h after it for its options")
     _add_report_arguments(commands.add_parser(
         "report", help="saved-activation bytes of a timm model, plain vs compressed"))
+    _add_check_arguments(commands.add_parser(
+        "check", help="your model's gradient, plain against compressed: per op kind and layer, with fixes"))
     _add_demo_arguments(commands.add_parser(
         "demo", help="train a small CNN and ViT on scikit-learn's digits, plain vs compressed"))
     return parser
+
+
+def _add_check_arguments(check: argparse.ArgumentParser) -> None:
+    source = check.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="FILE.py:FUNCTION",
+                        help="a function returning (model, batch): a file path or module name, a colon, its name "
+                             "(batch: a tensor, a tuple of positional arguments or a dict of keyword arguments)")
+    source.add_argument("--timm", metavar="NAME", help="a timm model (random weights) on random images instead")
+    check.add_argument("--pipeline", default="mink0.9+int8", help="spec for Linear/Conv inputs (default %(default)s)")
+    check.add_argument("--rest", metavar="PRESET_OR_SPEC", default="8bit",
+                       help="whole-model policy ('8bit', '4bit', 'exact', a spec; 'none': Linear/Conv mode only)")
+    check.add_argument("--floor", type=float, default=0.99,
+                       help="lowest gradient cosine for the whole model and each op kind (default %(default)s)")
+    check.add_argument("--layer-floor", type=float, default=None,
+                       help="lowest cosine of a converted layer's weight gradient (default: what a Gaussian input "
+                            "keeps under the layer's spec, less 5%%; --floor for a quantizer alone)")
+    check.add_argument("--rounds", type=int, default=3, help="interleaved timed steps (default %(default)s)")
+    check.add_argument("--batch", type=int, default=8, help="--timm: images per batch (default %(default)s)")
+    check.add_argument("--img-size", type=int, default=224, help="--timm: image size (default %(default)s)")
 
 
 def _add_report_arguments(report: argparse.ArgumentParser) -> None:
@@ -290,4 +312,50 @@ def _plot_by_type(plt, args: argparse.Namespace, spec: str, before: MemoryReport
     print(f"bar chart saved to {args.plot}")
 
 
-_COMMANDS = {"report": _report, "demo": _demo}
+def _check(args: argparse.Namespace) -> int:
+    """``python -m actcomp check``: :func:`actcomp.tools.check.check` on a model of the user's."""
+    from actcomp.tools.check import check
+
+    if args.timm:
+        timm = _timm()
+        model = timm.create_model(args.timm, pretrained=False)
+        batch = torch.randn(args.batch, 3, args.img_size, args.img_size)
+    else:
+        model, batch = _from_factory(args.model)
+    rest = None if args.rest.lower() == "none" else args.rest
+    print(check(model, batch, args.pipeline, rest=rest, floor=args.floor, layer_floor=args.layer_floor,
+                rounds=args.rounds))
+    return 0
+
+
+def _from_factory(text: str) -> tuple[nn.Module, Any]:
+    """``(model, batch)`` from ``"path/to/file.py:function"`` or ``"package.module:function"``."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    where, _, name = text.rpartition(":")
+    if not where or not name:
+        raise ActcompError(f"--model wants FILE.py:FUNCTION or module:function, got {text!r}")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ActcompError(f"--model: no file {where!r}")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as error:
+            raise ActcompError(f"--model: cannot import {where!r} ({error})") from error
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ActcompError(f"--model: {where!r} has no function {name!r}")
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module)):
+        raise ActcompError(f"--model: {name}() must return (model, batch), got {type(made).__name__}")
+    return made
+
+
+_COMMANDS = {"report": _report, "check": _check, "demo": _demo}
