@@ -77,6 +77,19 @@ def test_distributed(mode):
     assert "equal to the trained model's: True" in output
 
 
+def test_lightning_trainer():
+    pytest.importorskip("lightning")
+    output = run_example("examples/lightning_trainer.py", "--tiny")
+    # 10 classes (chance 0.1). The demo's CNN keeps 25x fewer bytes: its ReLU outputs and MaxPool
+    # argmaxes become 1-bit masks and offsets.
+    check_table(output, min_accuracy=0.5, min_ratio=20)
+    # Lightning calls configure_model for fit and again for test; the guard converts once.
+    found = re.search(r"configure_model ran (\d+) times \(fit, test\), converted 1 time\(s\): .*, [1-9]\d* layers", output)
+    assert found and int(found.group(1)) >= 2, output
+    assert re.search(r"into a plain module \(0 converted layers\): weights equal: True \(\d+ tensors\); "
+                     r"into a converted module \([1-9]\d* converted layers\): weights equal: True", output), output
+
+
 def test_table_doctest(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     import compare
