@@ -35,9 +35,8 @@ __version__ = "0.1.0"
 legacy_paths.install()
 
 __all__ = [
-    "ActcompError", "CheckReport", "MemoryReport", "Packed", "Pipeline", "check", "codec_class", "compress_in_graph", "compressed_layers", "compressors",
-    "from_compressed", "linear_cross_entropy", "list_codecs", "list_compressors", "memory_report", "parse",
-    "register_codec",
-    "register_compressor", "register_op_codec", "to_compressed", "unregister_codec", "unregister_compressor",
-    "unregister_op_codec",
+    "ActcompError", "CheckReport", "MemoryReport", "Packed", "Pipeline", "check", "codec_class", "compress_in_graph",
+    "compressed_layers", "compressors", "from_compressed", "linear_cross_entropy", "list_codecs", "list_compressors",
+    "memory_report", "parse", "register_codec", "register_compressor", "register_op_codec", "to_compressed",
+    "unregister_codec", "unregister_compressor", "unregister_op_codec",
 ]
