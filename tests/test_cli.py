@@ -319,7 +319,7 @@ def test_every_command_runs_a_function_of_its_own():
     from actcomp.tools.cli import _COMMANDS, _parser
 
     [subparsers] = [action for action in _parser()._actions if isinstance(action, argparse._SubParsersAction)]
-    assert set(_COMMANDS) == set(subparsers.choices) == {"report", "demo"}
+    assert set(_COMMANDS) == set(subparsers.choices) == {"report", "check", "demo"}
     assert len(set(_COMMANDS.values())) == len(_COMMANDS)
 
 
