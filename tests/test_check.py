@@ -129,3 +129,16 @@ def test_the_command_runs_on_the_example_models(factory, capsys):
     output = capsys.readouterr().out
     assert output.startswith("actcomp check: to_compressed(model, 'mink0.9+int8', rest='8bit')")
     assert "attention" in output and "layer (its weight gradient)" in output
+
+
+def test_a_layer_without_a_gradient_in_plain_is_shown_so_not_scored():
+    # A random-init ResNet block whose last BatchNorm starts at zero gives its convs no gradient:
+    # here the layer after "1" starts at zero, so "1" has none.
+    model = net()
+    with torch.no_grad():
+        model[5].weight.zero_()
+    report = actcomp.check(model, BATCH, "int8", rest=None, rounds=1)
+
+    row = next(row for row in report.layers if row.name == "2")
+    assert row.cosine != row.cosine and not row.below  # NaN
+    assert "no grad" in str(report)

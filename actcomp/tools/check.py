@@ -91,13 +91,13 @@ class CheckReport:
                  f"({ratio:.2f}x fewer); step time {self.step_time:.2f}x plain's", ""]
         if self.kinds:
             lines.append(f"{'op kind (alone)':<28} {'spec':<22} {'cosine':>8} {'floor':>7} {'plain':>11} {'kept':>11}")
-            lines += [f"{row.name:<28} {row.spec:<22} {row.cosine:>8.4f} {row.floor:>7.3f} "
+            lines += [f"{row.name:<28} {row.spec:<22} {_number(row.cosine):>8} {row.floor:>7.3f} "
                       f"{format_bytes(row.plain_bytes):>11} {format_bytes(row.kept_bytes):>11}{_mark(row.below)}"
                       for row in self.kinds]
             lines.append("")
         if self.layers:
             lines.append(f"{'layer (its weight gradient)':<28} {'spec':<22} {'cosine':>8} {'floor':>7}")
-            lines += [f"{row.name:<28} {row.spec:<22} {row.cosine:>8.4f} {row.floor:>7.3f}{_mark(row.below)}"
+            lines += [f"{row.name:<28} {row.spec:<22} {_number(row.cosine):>8} {row.floor:>7.3f}{_mark(row.below)}"
                       for row in self.layers]
             lines.append("")
         if self.suggestions:
@@ -109,6 +109,10 @@ class CheckReport:
 
 def _mark(below: bool) -> str:
     return "  << under the floor" if below else ""
+
+
+def _number(cosine: float) -> str:
+    return "no grad" if cosine != cosine else f"{cosine:.4f}"
 
 
 def check(model: nn.Module, batch: Any, pipeline: str | Pipeline | Mapping = "mink0.9+int8", *, rest: Any = "8bit",
@@ -289,8 +293,10 @@ def _cosine(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> 
     if not names:
         raise ActcompError("no parameter got a gradient in both runs: does the loss depend on the parameters?")
     a, b = (torch.cat([grads[name] for name in names]) for grads in (got, expected))
-    if not a.norm() and not b.norm():
-        return 1.0
+    if not b.norm():
+        # No gradient in plain (a random-init ResNet block whose last BatchNorm starts at zero):
+        # nothing to compare; NaN is under no floor.
+        return float("nan")
     return float(F.cosine_similarity(a, b, dim=0))
 
 
