@@ -161,6 +161,11 @@ def test_demo_runs_end_to_end(capsys):
     assert re.fullmatch(r"total wall time \d+ s on 1 torch thread", out.splitlines()[-1])
     # The note names what this CNN has (a ReLU), not what only the ViT has (attention).
     assert "note: cnn: 1 of 4 converted layers free nothing: their input is also kept by ReLU;" in out
+    # Something shows before the data and models are built, and (no terminal here) a line per epoch.
+    lines = out.splitlines()
+    assert lines[0] == ("actcomp demo: cnn on scikit-learn's digits, 3 epochs, 3 runs in lockstep: plain, mink0.9, "
+                        "mink0.9 rest=8bit")
+    assert [line.split(":")[0] for line in lines[1:4]] == [f"cnn epoch {n}/3" for n in (1, 2, 3)]
     assert "attention" not in out
 
 

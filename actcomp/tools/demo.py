@@ -104,14 +104,19 @@ def run_demo(epochs: int = 8, specs=("mink0.9+int8",), models=("cnn", "vit"), se
     demo_started = time.perf_counter()
     configurations = _configurations([parse(spec) for spec in specs], rest)
     tqdm = _tqdm()
+    # Said before the data and the models are built, so something shows at once.
+    print(f"actcomp demo: {' and '.join(models)} on scikit-learn's digits, {epochs} epochs, "
+          f"{len(configurations)} runs in lockstep: {', '.join(label for label, _, _ in configurations)}", flush=True)
     torch.set_num_threads(threads)
     plt = pyplot_for(plot) if plot else None
     train_x, train_y, test_x, test_y = load_digits_tensors(seed)
     labels = [label for label, _, _ in configurations]
     rows, curves = [], {}
     for model_name in models:
-        progress = tqdm(total=epochs * -(-len(train_y) // batch), desc=f"{model_name}: {len(labels)} models in lockstep",
-                        unit="step", leave=False, dynamic_ncols=True, disable=None)
+        # A short bar: no rate, a two-number loss, so an 80-column terminal keeps room for the bar.
+        progress = tqdm(total=epochs * -(-len(train_y) // batch), desc=model_name, unit="step", leave=False,
+                        dynamic_ncols=True, disable=None,
+                        bar_format="{desc} {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}<{remaining}{postfix}]")
         with progress:
             nets, losses, times = _train_in_lockstep(model_name, configurations, train_x, train_y, epochs=epochs,
                                                      batch=batch, seed=seed, progress=progress)
@@ -154,7 +159,7 @@ def _train_in_lockstep(model_name: str, configurations: list, train_x: torch.Ten
     times: list[list[float]] = [[] for _ in nets]
     generator = torch.Generator().manual_seed(seed)
     steps_per_epoch = -(-len(train_y) // batch)
-    for _ in range(epochs):
+    for epoch in range(epochs):
         order = torch.randperm(len(train_y), generator=generator)
         for start in range(0, len(order), batch):
             index = order[start:start + batch]
@@ -167,8 +172,12 @@ def _train_in_lockstep(model_name: str, configurations: list, train_x: torch.Ten
                 net_times.append(time.perf_counter() - tick)
                 net_losses.append(loss.item())
             progress.update()
-        progress.set_postfix_str(f"loss {statistics.fmean(losses[0][-steps_per_epoch:]):.3f} plain, "
-                                 f"{statistics.fmean(losses[-1][-steps_per_epoch:]):.3f} {configurations[-1][0]}")
+        plain_loss, last_loss = (statistics.fmean(run[-steps_per_epoch:]) for run in (losses[0], losses[-1]))
+        progress.set_postfix_str(f"loss {plain_loss:.2f}/{last_loss:.2f}")
+        if progress.disable:
+            # No terminal to draw a bar on (a log, a pipe): a line per epoch instead.
+            print(f"{model_name} epoch {epoch + 1}/{epochs}: loss {plain_loss:.3f} plain, {last_loss:.3f} "
+                  f"{configurations[-1][0]}", flush=True)
     return nets, losses, times
 
 
