@@ -240,7 +240,7 @@ def _print_table(rows: list[dict], batch: int) -> None:
     for model_name, lost, total, kept_by in sorted(notes):
         if lost:
             print(f"note: {model_name}: {lost} of {total} converted layers free nothing: their input is also kept by "
-                  f"{kept_by}; see 'Shared tensors' in the README")
+                  f"{kept_by}; see 'Shared tensors' in docs/guide/whole-model.md")
 
 
 def inputs_also_kept_by(net: nn.Module, report) -> str:

@@ -1,0 +1,52 @@
+"""The README says what is true: its links lead to files that exist, and its Quickstart prints
+what the README shows."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def section(title: str) -> str:
+    """The README's text under ``## title``, up to the next ``## `` heading."""
+    found = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", README, flags=re.M | re.S)
+    assert found, f"README has no section {title!r}"
+    return found.group(1)
+
+
+def test_every_relative_link_leads_to_a_file():
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+    relative = [link for link in links if not re.match(r"[a-z]+://", link)]
+    assert relative, "the README links to its documentation"
+    missing = [link for link in relative if not (ROOT / link).exists()]
+    assert not missing, f"README links to files that do not exist: {missing}"
+
+
+def test_the_readme_stays_short():
+    # A newcomer reads it in a few minutes; the rest lives in docs/.
+    assert len(README.splitlines()) <= 220
+
+
+def test_the_quickstart_prints_what_the_readme_shows(tmp_path):
+    blocks = re.findall(r"```(\w*)\n(.*?)```", section("Quickstart"), flags=re.S)
+    code = next(body for language, body in blocks if language == "python")
+    shown = next(body for language, body in blocks if language == "")
+    script = tmp_path / "quickstart.py"
+    script.write_text(code)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    printed, expected = result.stdout.splitlines(), shown.splitlines()
+    # The bytes are exact; the losses are the same to float rounding across machines.
+    assert printed[0] == expected[0]
+    assert len(printed) == len(expected)
+    for got, want in zip(printed[1:], expected[1:]):
+        (got_step, got_loss), (want_step, want_loss) = (re.fullmatch(r"step (\d): loss ([\d.]+)", line).groups()
+                                                        for line in (got, want))
+        assert got_step == want_step and float(got_loss) == pytest.approx(float(want_loss), abs=0.02)
