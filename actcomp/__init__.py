@@ -26,13 +26,22 @@ from actcomp.errors import ActcompError
 from actcomp.losses import linear_cross_entropy
 from actcomp.tools.check import CheckReport, check
 from actcomp.tools.memory import MemoryReport, memory_report
-from actcomp.whole_model.in_graph import compress_in_graph
 from actcomp.whole_model.session import register_op_codec, unregister_op_codec
 
 # The one place the version is written: pyproject.toml reads it, CHANGELOG.md says what changed.
 __version__ = "0.1.0"
 
 legacy_paths.install()
+
+
+def __getattr__(name: str):
+    # compress_in_graph's module imports Inductor (its graph-pass base class): 2 s that every
+    # `import actcomp` paid, compiling or not. It loads on first use instead.
+    if name == "compress_in_graph":
+        from actcomp.whole_model.in_graph import compress_in_graph
+
+        return compress_in_graph
+    raise AttributeError(f"module 'actcomp' has no attribute {name!r}")
 
 __all__ = [
     "ActcompError", "CheckReport", "MemoryReport", "Packed", "Pipeline", "check", "codec_class", "compress_in_graph",

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from actcomp.graph.module_surgery import remove_forward_hooks
+from actcomp.graph.not_compiled import not_compiled
 from actcomp.kernels.layouts import storage_key
 
 _INPUTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -48,7 +49,7 @@ def tensors_in(value):
 
 # Storage addresses are not traceable: under torch.compile this hook runs eagerly (one graph
 # break at the model's entry), the rest of the forward still compiles.
-@torch.compiler.disable
+@not_compiled
 def _record_model_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     record_model_inputs(tensors_in((args, kwargs)))
 

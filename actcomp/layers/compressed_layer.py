@@ -25,6 +25,7 @@ from actcomp.core.pipeline import Pipeline
 from actcomp.errors import ActcompError, warn_once
 from actcomp.graph.model_inputs import is_model_input
 from actcomp.graph.module_surgery import SwappedModule, rebuild_swapped, swap_class, unswap_class
+from actcomp.graph.not_compiled import not_compiled
 from actcomp.layers.function import compressed_apply
 from actcomp.layers.ops import ConvOp, GPT2Conv1DOp, LinearOp, Op, conv_op
 from actcomp.layers.own_forward import OwnForwardMode
@@ -95,7 +96,17 @@ def _skip_forward_frame_under_compile() -> None:
     # CompressedLayer.forward as a frame of its own, guarded on each layer's weight shape,
     # and hit its recompile limit on any real model. Skipping that frame keeps it eager while
     # still letting dynamo inline it (eval mode compiles to one graph). Private API: if it
-    # moves, compile still works, with recompile warnings.
+    # moves, compile still works, with recompile warnings. The C entry point first: Python's
+    # skip_code is that one call, behind an import of torch._dynamo that cost 1.9 s of
+    # `import actcomp` (every user's, compiling or not).
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+        set_code_exec_strategy(CompressedLayer.forward.__code__,
+                               _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+        return
+    except (ImportError, AttributeError, TypeError):
+        pass
     try:
         from torch._dynamo.eval_frame import skip_code
 
@@ -107,7 +118,7 @@ def _skip_forward_frame_under_compile() -> None:
 _skip_forward_frame_under_compile()
 
 
-@torch.compiler.disable
+@not_compiled
 def _compressed_forward(module: CompressedLayer, x: torch.Tensor) -> torch.Tensor:
     # Compression has data-dependent sizes (how many values a sparsifier keeps), so under
     # torch.compile this is one graph break per compressed layer; the rest still compiles.

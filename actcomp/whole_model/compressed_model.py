@@ -78,6 +78,7 @@ from actcomp.graph.module_surgery import (
     swap_class,
     unswap_class,
 )
+from actcomp.graph.not_compiled import not_compiled
 from actcomp.graph.saved_tensors import (
     checkpoint_hooks_on_top,
     enter_running_module,
@@ -125,7 +126,7 @@ _RUNNING = _Running()
 
 # Storage keys, saved-tensor hooks and the op-kind mode are not traceable: under torch.compile a
 # whole-model forward runs eagerly (one graph break at the model's entry).
-@torch.compiler.disable
+@not_compiled
 def _whole_model_forward(module: CompressedModel, args: tuple, kwargs: dict):
     forward = super(CompressedModel, module).forward
     if _RUNNING.owner is not None:
@@ -232,7 +233,7 @@ def _leave_submodule(module: nn.Module, args: tuple, output) -> None:
 _COMPILED_ENTRY = "whole-model entry under torch.compile"
 
 
-@torch.compiler.disable
+@not_compiled
 def _warn_compiled_entry(model_class: type) -> None:
     warn_once(
         _COMPILED_ENTRY,

@@ -24,6 +24,7 @@ from actcomp.core.codec import Compressor
 from actcomp.core.pipeline import Packed, Pipeline, parse
 from actcomp.core.registry import codec_class
 from actcomp.errors import ActcompError
+from actcomp.graph.not_compiled import not_compiled
 from actcomp.graph.op_kinds import register_function, unregister_function
 from actcomp.graph.saved_tensors import (
     SavedEvent,
@@ -507,7 +508,7 @@ def _grouped_by_rows(pipeline: Pipeline, row: int) -> Pipeline | None:
 # A backward called inside a torch.compile'd step runs these unpack calls with dynamo's frame
 # hook on: it would compile _unpack once per holder type, closure and size (recompiling until
 # its limit, 110 frames for a resnet18 step) for tensors that are mostly bit operations.
-@torch.compiler.disable
+@not_compiled
 def _unpack(holder) -> torch.Tensor:
     if isinstance(holder, _AsIs):
         return holder.unpack()
