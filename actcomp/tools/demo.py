@@ -105,7 +105,7 @@ def run_demo(epochs: int = 8, specs=("mink0.9+int8",), models=("cnn", "vit"), se
     configurations = _configurations([parse(spec) for spec in specs], rest)
     tqdm = _tqdm()
     # Said before the data and the models are built, so something shows at once.
-    print(f"actcomp demo: {' and '.join(models)} on scikit-learn's digits, {epochs} epochs, "
+    print(f"actcomp demo: {' and '.join(models)} on scikit-learn's digits, {epochs} epoch{'s' * (epochs != 1)}, "
           f"{len(configurations)} runs in lockstep: {', '.join(label for label, _, _ in configurations)}", flush=True)
     torch.set_num_threads(threads)
     plt = pyplot_for(plot) if plot else None
