@@ -208,6 +208,26 @@ def saved_codecs():
         yield codecs
 
 
+@contextlib.contextmanager
+def sdpa_codecs(monkeypatch):
+    """The spec each tensor SDPA saves gets while the block runs (None: kept as is), in saving
+    order; not its log-sum-exp (a statistic, always kept)."""
+    from actcomp.whole_model import session
+
+    choices: list[str | None] = []
+    original = session.choose_codec
+
+    def recording(policy, tensor, kind, scope):
+        choice = original(policy, tensor, kind, scope)
+        if scope is not None and scope.op == "sdpa" and tensor.numel() * 4 >= scope.reference:
+            choices.append(None if choice is None else choice.codec.spec)
+        return choice
+
+    with monkeypatch.context() as patch:
+        patch.setattr(session, "choose_codec", recording)
+        yield choices
+
+
 def fully_shard_blocks(model: nn.Module, mesh) -> nn.Module:
     """FSDP2 bottom-up: every Linear/Conv/Conv1D layer (so they become ``FSDP<Class>`` too),
     then TinyGPT2's blocks (holding the LayerNorms), then the root (embeddings)."""

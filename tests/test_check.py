@@ -74,10 +74,9 @@ def test_a_sparsifiers_layers_are_held_to_what_a_gaussian_input_keeps():
     # One Linear layer on a Gaussian input (not the model's own input: first_layer=auto would
     # keep that plain): mink0.9 keeps sqrt(44%) of the gradient's direction, as computed.
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Identity(), nn.Linear(512, 64))
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 64))
     x = torch.randn(512, 512)
-    model[0] = nn.Linear(512, 512)
-    with torch.no_grad():
+    with torch.no_grad():  # layer 0 passes the Gaussian input through unchanged
         model[0].weight.copy_(torch.eye(512))
         model[0].bias.zero_()
     report = actcomp.check(model, x, "mink0.9", rest=None, rounds=1)

@@ -14,10 +14,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from models import sdpa_codecs
 
 import actcomp
 from actcomp.tools.llm_outliers import add_outliers
-from actcomp.whole_model import session
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -79,19 +79,9 @@ def test_channel_scales_are_what_keeps_int4_above_its_floor():
 
 
 def codecs_of_sdpa(model: torch.nn.Module, ids: torch.Tensor, monkeypatch) -> list[str | None]:
-    """The spec each tensor SDPA saves gets (None: kept as is), in saving order; not its
-    log-sum-exp (a statistic, always kept)."""
-    choices = []
-    original = session.choose_codec
-
-    def recording(policy, tensor, kind, scope):
-        choice = original(policy, tensor, kind, scope)
-        if scope is not None and scope.op == "sdpa" and tensor.numel() * 4 >= scope.reference:
-            choices.append(None if choice is None else choice.codec.spec)
-        return choice
-
-    monkeypatch.setattr(session, "choose_codec", recording)
-    gradient(model, ids)
+    """The spec each tensor SDPA saves gets in one training step (None: kept as is)."""
+    with sdpa_codecs(monkeypatch) as choices:
+        gradient(model, ids)
     return choices
 
 

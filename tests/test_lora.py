@@ -11,6 +11,8 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from models import sdpa_codecs  # noqa: E402
+
 import actcomp  # noqa: E402
 from actcomp.layers.compressed_layer import CompressedLayer  # noqa: E402
 from actcomp.losses.causal_lm import is_routed  # noqa: E402
@@ -130,22 +132,10 @@ def test_the_default_preset_keeps_the_adapters_gradient_with_outliers_built_in(t
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_on_a_lora_model_sdpa_keeps_query_and_key_as_they_are(monkeypatch):
-    from actcomp.whole_model import session
-
-    choices = []
-    original = session.choose_codec
-
-    def recording(policy, tensor, kind, scope):
-        choice = original(policy, tensor, kind, scope)
-        if scope is not None and scope.op == "sdpa" and tensor.numel() * 4 >= scope.reference:
-            choices.append(None if choice is None else choice.codec.spec)
-        return choice
-
-    monkeypatch.setattr(session, "choose_codec", recording)
     input_ids = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(1))
     model = actcomp.to_compressed(lora_llama(), "mink0.9+int8", rest="8bit")
-    model(input_ids=input_ids, labels=input_ids).loss.backward()
-    # Per layer: query, key, value, output.
+    with sdpa_codecs(monkeypatch) as choices:
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
     assert choices == [None, None, "bf16", "bf16"] * 2
 
 

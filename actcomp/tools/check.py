@@ -154,7 +154,7 @@ def check(model: nn.Module, batch: Any, pipeline: str | Pipeline | Mapping = "mi
     layers_only = converted if policy is None else to_compressed(_copy(model), pipeline, loss="plain")
     layer_gradients = run.gradients(layers_only)
     # A layer that reads the model's input runs plain (first_layer="auto"): the caller keeps it anyway.
-    plain_on_input = set(run.memory(layers_only).plain_on_input)
+    plain_on_input = set((kept_report if layers_only is converted else run.memory(layers_only)).plain_on_input)
     layer_rows = [CheckRow(name, "plain (model input)" if name in plain_on_input else layer.spec,
                            _cosine({"w": layer_gradients[f"{name}.weight"]}, {"w": reference[f"{name}.weight"]}),
                            layer_floor if layer_floor is not None else _layer_floor(layer, floor), False)
