@@ -22,6 +22,7 @@ from dataclasses import replace
 
 from torch import nn
 
+from actcomp import host_allocator
 from actcomp.core.pipeline import Pipeline, as_pipeline, parse
 from actcomp.errors import ActcompError
 from actcomp.graph.adapters import adapter_part, adapter_pipeline
@@ -45,6 +46,7 @@ def to_compressed(
     first_layer: str | None = "auto",
     rest: RestLike | None = None,
     loss: str = "auto",
+    return_freed_memory: bool = True,
 ) -> nn.Module:
     """Convert supported layers of ``model`` in place to cache compressed inputs; returns it.
 
@@ -93,6 +95,12 @@ def to_compressed(
     conversion is lossy anyway (a lossy layer pipeline or ``rest``) and ``"plain"`` where it is
     exact (the chunked loss sums in another order: equal to float rounding, not bit for bit).
     Models whose forward changes the logits before the loss (a Gemma-2 softcap) keep their own.
+
+    ``return_freed_memory`` (default True) makes glibc give freed buffers of 1 MiB and up back to
+    the operating system (:mod:`actcomp.host_allocator`), without which a process keeps the pages
+    the freed full-size tensors held and its peak shows little of the saving (ViT-S, batch 32:
+    1.29x lower instead of 2.23x). The setting is the process's; ``False`` or
+    ``ACTCOMP_RETURN_FREED_MEMORY=0`` leave the allocator alone.
 
     Converting an already converted model replaces the pipelines of the layers it selects
     (never nests); other layers keep theirs. A call that changes nothing (no layer selected, no
@@ -147,6 +155,8 @@ def to_compressed(
         watch_model_inputs(model)
     else:
         unwatch_model_inputs(model)
+    if return_freed_memory and (converted or routed or policy is not None):
+        host_allocator.return_freed_memory()
     return model
 
 

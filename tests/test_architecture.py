@@ -16,7 +16,7 @@ import actcomp
 
 ROOT = Path(actcomp.__file__).parent
 # Bottom to top: a module may import its own layer and the layers below it, never one above.
-LAYERS = ["errors", "kernels", "core", "compressors", "graph", "layers", "whole_model", "losses", "convert", "tools",
+LAYERS = ["errors", "host_allocator", "kernels", "core", "compressors", "graph", "layers", "whole_model", "losses", "convert", "tools",
           "legacy_paths", "__init__", "__main__"]
 
 

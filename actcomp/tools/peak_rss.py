@@ -4,11 +4,15 @@ Saved-tensor accounting (:mod:`actcomp.tools.memory`) counts what autograd keeps
 what the operating system saw, allocator slack and temporaries included. A fresh process
 per measurement keeps one run's high-water mark from leaking into the next.
 
-glibc keeps part of the freed heap for reuse, so RSS also remembers activations that were
-freed (a compressed layer's full input, once compressed). The probe therefore sets
-``MALLOC_MMAP_THRESHOLD_=65536``: blocks from 64 KiB up are mapped and unmapped one by one, and
-RSS follows live memory (``return_freed_memory=False`` turns it off). Measured on ViT-S, batch
-32, one step, plain vs ``mink0.9+int8``: 2.60 vs 2.18 GiB with it, 2.73 vs 2.42 GiB without.
+The probe runs as a user's training script does: AdamW, glibc's allocator as it comes, and
+whatever :func:`~actcomp.to_compressed` does to it (it makes freed buffers of 1 MiB and up go
+back to the OS, :mod:`actcomp.host_allocator`; a plain run keeps glibc's default). Two
+settings measure otherwise, and a figure taken under them must say so: ``allocator="tuned"``
+sets ``MALLOC_MMAP_THRESHOLD_=65536`` for every run, plain included (how the benchmarks measured
+before stop 40: RSS then follows live memory in plain runs too), ``allocator="untouched"`` sets
+``ACTCOMP_RETURN_FREED_MEMORY=0`` (the library's remedy off). ViT-S, batch 32, 224 px, 2
+threads, AdamW: plain 3519 MiB as it comes (2889 tuned); ``"mink0.9+int8", rest="8bit"`` 1580
+MiB as it comes, 2724 MiB untouched.
 
 >>> peak_rss("resnet18", None, batch=2, img_size=32, steps=1) > 0  # doctest: +SKIP
 True
@@ -22,6 +26,14 @@ import json
 
 from actcomp.errors import ActcompError
 from actcomp.tools.probe import run_probe
+
+# What each allocator setting adds to the probe's environment. A user's own MALLOC_* settings
+# are dropped from it, so "as-user" means glibc as it comes.
+ALLOCATORS = {
+    "as-user": {"MALLOC_MMAP_THRESHOLD_": None, "ACTCOMP_RETURN_FREED_MEMORY": None},
+    "tuned": {"MALLOC_MMAP_THRESHOLD_": "65536", "ACTCOMP_RETURN_FREED_MEMORY": None},
+    "untouched": {"MALLOC_MMAP_THRESHOLD_": None, "ACTCOMP_RETURN_FREED_MEMORY": "0"},
+}
 
 _PROBE = r"""
 import json, os, resource, sys, threading, time, torch, timm, actcomp
@@ -57,7 +69,7 @@ if args["checkpoint"]:
     model.set_grad_checkpointing(True)
 if args["spec"]:
     actcomp.to_compressed(model, args["spec"], first_layer=args["first_layer"], rest=args["rest"])
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args["optimizer"]](model.parameters(), lr=1e-3)
 dtype = {"bf16": torch.bfloat16, None: None}[args["amp"]]
 
 def step(batch):
@@ -90,7 +102,8 @@ def peak_rss(model: str, spec: str | None, *, batch: int, img_size: int, steps: 
 
 
 def training_steps(model: str, spec: str | None, *, batch: int, img_size: int, steps: int = 3,
-                   amp: str | None = None, return_freed_memory: bool = True, rest: str | None = None,
+                   amp: str | None = None, allocator: str = "as-user", optimizer: str = "adamw",
+                   rest: str | None = None,
                    first_layer: str | None = "auto", checkpoint: bool = False, threads: int | None = None,
                    abort_above: int | None = None, warmup_batch: int | None = None) -> tuple[int, list[float]]:
     """Peak RSS in bytes of ``steps`` training steps of timm ``model`` (``spec`` None = plain),
@@ -98,6 +111,10 @@ def training_steps(model: str, spec: str | None, *, batch: int, img_size: int, s
 
     ``rest`` (a preset such as ``"8bit"``, or a spec) and ``first_layer`` are passed on to
     :func:`actcomp.to_compressed` with ``spec``; ``rest=None`` is Linear/Conv mode.
+    ``allocator`` is ``"as-user"`` (glibc as it comes; a converted model's process returns freed
+    buffers, as it would in the user's), ``"tuned"`` (``MALLOC_MMAP_THRESHOLD_=65536`` for every
+    run, plain's too) or ``"untouched"`` (``ACTCOMP_RETURN_FREED_MEMORY=0``: no remedy anywhere);
+    ``optimizer`` is ``"adamw"`` (the Quickstart's) or ``"sgd"``.
     ``checkpoint=True`` turns on timm's per-block activation checkpointing (non-reentrant
     ``torch.utils.checkpoint``), alone or under ``spec``. ``threads`` sets torch's intra-op
     threads. With ``abort_above`` (bytes) the probe stops as soon as its peak passes it and
@@ -111,10 +128,14 @@ def training_steps(model: str, spec: str | None, *, batch: int, img_size: int, s
     """
     if spec is None and rest is not None:
         raise ActcompError(f"peak_rss: rest={rest!r} needs a spec for the Linear/Conv layers (spec is None: plain)")
+    if allocator not in ALLOCATORS:
+        raise ActcompError(f"peak_rss: allocator={allocator!r} is not one of {', '.join(map(repr, ALLOCATORS))}")
+    if optimizer not in ("adamw", "sgd"):
+        raise ActcompError(f"peak_rss: optimizer={optimizer!r} is not one of 'adamw', 'sgd'")
     settings = {"model": model, "spec": spec, "batch": batch, "img_size": img_size, "steps": steps, "amp": amp,
                 "rest": rest, "first_layer": first_layer, "checkpoint": checkpoint, "threads": threads,
-                "abort_above": abort_above, "warmup_batch": warmup_batch}
-    env = {"MALLOC_MMAP_THRESHOLD_": "65536"} if return_freed_memory else {}
+                "abort_above": abort_above, "warmup_batch": warmup_batch, "optimizer": optimizer}
+    env = ALLOCATORS[allocator]
     result = run_probe(["-c", _PROBE, json.dumps(settings)], env=env,
                        what=f"peak-RSS probe for {model} {spec!r} rest={rest!r} checkpoint={checkpoint} batch={batch}")
     return int(result["peak"]), [float(seconds) for seconds in result["step_seconds"]]

@@ -29,11 +29,12 @@ PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 _STDERR_TAIL = 2000
 
 
-def run_probe(program: list[str], *, what: str, env: Mapping[str, str] | None = None,
+def run_probe(program: list[str], *, what: str, env: Mapping[str, str | None] | None = None,
               package_root: str = PACKAGE_ROOT, timeout: float | None = None) -> Any:
     """Run ``python *program`` in a fresh process and return the JSON value on its last stdout line.
 
-    ``what`` names the probe in errors. ``env`` adds to (or overrides) this process's environment;
+    ``what`` names the probe in errors. ``env`` adds to (or overrides) this process's environment,
+    a ``None`` value removes that variable;
     ``package_root`` goes first on the child's ``PYTHONPATH``, so the probe imports that actcomp
     (by default this one) rather than whichever copy the interpreter would find first, such as
     an installed one that predates an option the caller passes. A probe that exits with an
@@ -47,6 +48,7 @@ def run_probe(program: list[str], *, what: str, env: Mapping[str, str] | None = 
     out of memory
     """
     environment = {**os.environ, **(env or {})}
+    environment = {name: value for name, value in environment.items() if value is not None}
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environment.get("PYTHONPATH")]))
     try:
         done = subprocess.run([sys.executable, *program], capture_output=True, text=True, check=False,

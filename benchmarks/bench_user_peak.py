@@ -1,0 +1,111 @@
+"""The memory a user gets: peak RSS and step time of a training step as a user's own script runs it.
+
+    python benchmarks/bench_user_peak.py                    # the README's rows: ViT-S and resnet50, batch 32 (~35 min)
+    python benchmarks/bench_user_peak.py --models resnet18 --batch 8 --img-size 64 --rounds 1   # check: ~1 minute
+
+Every run is a fresh process (:func:`actcomp.tools.peak_rss.training_steps`): a timm model at
+224 px, fp32, 10 classes, AdamW (the Quickstart's), ``--threads`` torch threads, ``--steps``
+steps; its peak is VmHWM, its step time the median of the steps after the first. The ways to run:
+
+- ``plain``: plain PyTorch, glibc's allocator as it comes (what a user's process does);
+- ``plain, tuned allocator``: the same with ``MALLOC_MMAP_THRESHOLD_=65536``, the setting the
+  benchmarks measured under before stop 40 (plain's peak drops too: part of every saving was it);
+- ``whole``: ``to_compressed(model, SPEC, rest=REST)``, as it comes: the conversion makes freed
+  buffers of 1 MiB and up go back to the OS (:mod:`actcomp.host_allocator`);
+- ``whole, remedy off``: the same with ``ACTCOMP_RETURN_FREED_MEMORY=0`` (the remedy's effect,
+  and its price in step time);
+- ``checkpoint``: timm's per-block checkpointing (non-reentrant), allocator as it comes;
+- ``checkpoint+whole``: both.
+
+The runs of one model go in rounds, their order rotating from round to round; a run's step-time
+ratio is its median step over plain's in the same round, and the table gives the median of
+those ratios over rounds with the quartiles. Peaks are the median over rounds (they move by a
+few MiB). Writes ``benchmarks/results/user_peak_<torch>_cpu_t<threads>.{md,csv}``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from common import RESULTS_DIR, benchmark_parser, check_specs, header_lines, load_average, quantiles, write_results
+
+from actcomp.tools.peak_rss import training_steps
+
+# name -> (compress?, checkpoint?, allocator setting of actcomp.tools.peak_rss)
+RUNS = {
+    "plain": (False, False, "as-user"),
+    "plain, tuned allocator": (False, False, "tuned"),
+    "whole": (True, False, "as-user"),
+    "whole, remedy off": (True, False, "untouched"),
+    "checkpoint": (False, True, "as-user"),
+    "checkpoint+whole": (True, True, "as-user"),
+}
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__)
+    parser.add_argument("--models", nargs="+", default=["vit_small_patch16_224", "resnet50"])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--img-size", type=int, default=224)
+    parser.add_argument("--spec", default="mink0.9+int8", help="Linear/Conv pipeline")
+    parser.add_argument("--rest", default="8bit", help="whole-model policy")
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), metavar="RUN",
+                        help=f"which runs, of: {'; '.join(RUNS)}")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="training steps per process (the first is not timed)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=str(RESULTS_DIR))
+    args = parser.parse_args()
+    check_specs(parser, [args.spec])
+    if "plain" not in args.runs:
+        parser.error("--runs must include plain: every ratio is against it")
+    if args.steps < 2:
+        parser.error("--steps must be at least 2: the first step is not timed")
+    load_before, started = load_average(), time.perf_counter()
+
+    rows = []
+    for model in args.models:
+        peaks = {run: [] for run in args.runs}
+        ratios = {run: [] for run in args.runs}
+        for index in range(args.rounds):
+            shift = index % len(args.runs)
+            seconds = {}
+            for run in args.runs[shift:] + args.runs[:shift]:
+                compress, checkpoint, allocator = RUNS[run]
+                peak, step_seconds = training_steps(
+                    model, args.spec if compress else None, rest=args.rest if compress else None,
+                    checkpoint=checkpoint, allocator=allocator, batch=args.batch, img_size=args.img_size,
+                    steps=args.steps, threads=args.threads)
+                peaks[run].append(peak)
+                seconds[run] = statistics.median(step_seconds[1:])
+                print(f"{model} round {index} {run}: peak {peak / 2**20:.0f} MiB, step {seconds[run]:.2f} s", flush=True)
+            for run in args.runs:
+                ratios[run].append(seconds[run] / seconds["plain"])
+        plain_peak = statistics.median(peaks["plain"])
+        for run in args.runs:
+            low, median, high = quantiles(ratios[run])
+            peak = statistics.median(peaks[run])
+            rows.append({"model": model, "run": run, "peak_mib": peak / 2**20, "x_lower": plain_peak / peak,
+                         "time_ratio": median, "time_p25": low, "time_p75": high})
+
+    elapsed = time.perf_counter() - started
+    device = torch.device("cpu")
+    settings = {"spec": args.spec, "rest": args.rest, "batch": args.batch, "img_size": args.img_size,
+                "steps": args.steps, "rounds": args.rounds, "optimizer": "AdamW"}
+    header = header_lines(device, args.threads, 0, elapsed, settings, load_before)
+    body = ["Peaks are VmHWM of fresh processes (median over rounds); x lower is against plain as a user runs it. "
+            "Step time: median over rounds of the run's median step over plain's in the same round (quartiles).", "",
+            "| model | run | peak RSS | x lower than plain | step time vs plain (p25-p75) |", "|---|---|---:|---:|---:|"]
+    for row in rows:
+        body.append(f"| {row['model']} | {row['run']} | {row['peak_mib']:.0f} MiB | {row['x_lower']:.2f}x | "
+                    f"{row['time_ratio']:.2f}x ({row['time_p25']:.2f}-{row['time_p75']:.2f}) |")
+    columns = ["model", "run", "peak_mib", "x_lower", "time_ratio", "time_p25", "time_p75"]
+    write_results("user_peak", device, args.threads, header, "The memory a user gets: peak RSS as a user's script runs",
+                  body, rows, columns, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Freed buffers go back to the OS after a conversion (actcomp.host_allocator), and the switches
+that leave glibc's allocator alone."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import actcomp
+from actcomp import host_allocator
+
+# A fresh process frees an 8 MiB buffer (glibc's dynamic threshold then rises past 2 MiB), then
+# allocates 64 buffers of 2 MiB with a 128 KiB one after each (so the heap cannot shrink from its
+# top), frees the large ones and prints how many MiB stayed resident.
+_KEPT_AFTER_FREE = r"""
+import sys, torch
+from actcomp.host_allocator import return_freed_memory
+def resident_mib():
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS:")).split()[1]) // 1024
+if sys.argv[1] == "remedy":
+    assert return_freed_memory() == "set"
+del_me = torch.ones(8 << 18)
+del del_me
+before = resident_mib()
+blocks, pins = [], []
+for _ in range(64):
+    blocks.append(torch.ones(1 << 19))
+    pins.append(torch.ones(1 << 15))
+del blocks
+print(resident_mib() - before - 8)  # the pins hold 8 MiB
+"""
+
+
+def _kept_mib(mode: str) -> int:
+    done = subprocess.run([sys.executable, "-c", _KEPT_AFTER_FREE, mode], capture_output=True, text=True, check=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.full
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_freed_buffers_stay_resident_as_glibc_comes_and_go_back_with_the_remedy():
+    assert _kept_mib("as it comes") >= 100  # the 128 MiB freed stay in the heap
+    assert _kept_mib("remedy") <= 8
+
+
+def test_the_switch_in_the_environment_leaves_the_allocator_alone(monkeypatch):
+    monkeypatch.setenv(host_allocator.SWITCH, "0")
+    monkeypatch.setattr(host_allocator, "_glibc", lambda: pytest.fail("the allocator was touched"))
+    assert host_allocator.return_freed_memory() == "disabled by ACTCOMP_RETURN_FREED_MEMORY=0"
+
+
+def test_a_users_own_threshold_is_kept(monkeypatch):
+    monkeypatch.delenv(host_allocator.SWITCH, raising=False)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    monkeypatch.setattr(host_allocator, "_glibc", lambda: pytest.fail("the allocator was touched"))
+    assert host_allocator.return_freed_memory() == "left to MALLOC_MMAP_THRESHOLD_"
+
+
+@pytest.mark.parametrize("option, calls", [({}, 1), ({"return_freed_memory": False}, 0)])
+def test_to_compressed_returns_freed_memory_unless_told_not_to(monkeypatch, option, calls):
+    seen = []
+    monkeypatch.setattr(host_allocator, "return_freed_memory", lambda: seen.append(1) or "set")
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    actcomp.to_compressed(net, "int8", first_layer=None, **option)
+    assert len(seen) == calls
+
+
+def test_a_conversion_that_changes_nothing_leaves_the_allocator_alone(monkeypatch):
+    monkeypatch.setattr(host_allocator, "return_freed_memory", lambda: pytest.fail("the allocator was touched"))
+    with pytest.warns(UserWarning, match="unchanged"):
+        actcomp.to_compressed(torch.nn.Sequential(torch.nn.ReLU()), "int8")
