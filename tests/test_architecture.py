@@ -16,8 +16,8 @@ import actcomp
 
 ROOT = Path(actcomp.__file__).parent
 # Bottom to top: a module may import its own layer and the layers below it, never one above.
-LAYERS = ["errors", "host_allocator", "kernels", "core", "compressors", "graph", "layers", "whole_model", "losses", "convert", "tools",
-          "legacy_paths", "__init__", "__main__"]
+LAYERS = ["errors", "host_allocator", "kernels", "core", "compressors", "graph", "layers", "whole_model", "losses",
+          "convert", "tools", "legacy_paths", "__init__", "__main__"]
 
 
 def _module_name(path: Path) -> str:
