@@ -7,7 +7,12 @@ Each (model, method) runs in a process of its own on ``cuda``: the model built a
 ``bench_training_speed.py`` builds it, one step (gradients and SGD momentum allocated, the
 steady state), then one measured step. Reported: ``torch.cuda.max_memory_allocated`` above
 ``memory_allocated`` at the measured step's start (what the step itself adds: the activations
-kept for backward and the temporaries) and the process's absolute peak. Probes run a few at a
+kept for backward and the temporaries), the process's allocated peak, and its reserved peak
+(``torch.cuda.max_memory_reserved``: what the caching allocator holds from the driver, what an
+out-of-memory error and nvidia-smi see) with the reserved bytes it held beyond the allocated peak
+(blocks split or cached that no tensor used: packed codes of odd sizes must not raise it above
+plain's). The ratio against plain is given for both the step's allocated peak and the process's
+reserved peak. Probes run a few at a
 time: the allocator's counters are per process, so neighbours do not move them. Step times are
 ``bench_training_speed.py --device cuda``'s (interleaved in one process).
 
@@ -36,7 +41,8 @@ import actcomp
 from actcomp.tools.probe import run_probe
 
 DEFAULT_METHODS = ["plain", "checkpoint", "smink0.9+int8", "mink0.9+int8@8bit", "checkpoint+mink0.9+int8@8bit"]
-COLUMNS = ["model", "batch", "img_size", "method", "step_peak_mib", "peak_vs_plain", "process_peak_mib"]
+COLUMNS = ["model", "batch", "img_size", "method", "step_peak_mib", "peak_vs_plain", "process_peak_mib",
+           "reserved_peak_mib", "reserved_vs_plain", "reserved_slack_mib"]
 
 
 def build(name: str, method: str, args: argparse.Namespace):
@@ -62,8 +68,11 @@ def probe(settings: dict) -> None:
     start = torch.cuda.memory_allocated()
     step()
     torch.cuda.synchronize()
+    # reset_peak_memory_stats sets the reserved peak to what is reserved now, which holds the first
+    # step's cached blocks: max_memory_reserved is the process's reserved peak either way.
     print(json.dumps({"step_peak": torch.cuda.max_memory_allocated() - start,
-                      "process_peak": torch.cuda.max_memory_allocated()}))
+                      "process_peak": torch.cuda.max_memory_allocated(),
+                      "reserved_peak": torch.cuda.max_memory_reserved()}))
 
 
 def main() -> None:
@@ -98,13 +107,21 @@ def main() -> None:
     rows = [{"model": name, "batch": args.batch, "img_size": args.img_size, "method": method,
              "step_peak_mib": peaks[name, method]["step_peak"] / 2**20,
              "peak_vs_plain": peaks[name, "plain"]["step_peak"] / peaks[name, method]["step_peak"],
-             "process_peak_mib": peaks[name, method]["process_peak"] / 2**20} for name, method in jobs]
+             "process_peak_mib": peaks[name, method]["process_peak"] / 2**20,
+             "reserved_peak_mib": peaks[name, method]["reserved_peak"] / 2**20,
+             "reserved_vs_plain": peaks[name, "plain"]["reserved_peak"] / peaks[name, method]["reserved_peak"],
+             "reserved_slack_mib": (peaks[name, method]["reserved_peak"] - peaks[name, method]["process_peak"]) / 2**20}
+            for name, method in jobs]
     body = ["`step peak`: `torch.cuda.max_memory_allocated()` above `memory_allocated()` at the measured "
             "step's start, each method in a fresh process; `x plain`: plain's over the method's; "
-            "`process peak`: the absolute peak (weights, gradients, momentum included).", "",
-            "| model | method | step peak MiB | x plain | process peak MiB |", "|---|---|---:|---:|---:|"]
+            "`allocated` and `reserved`: the process's `max_memory_allocated()` and `max_memory_reserved()` "
+            "(weights, gradients, momentum included; reserved is what an out-of-memory error and nvidia-smi see); "
+            "`slack`: reserved beyond the allocated peak (the caching allocator's fragmentation).", "",
+            "| model | method | step peak MiB | x plain | allocated MiB | reserved MiB | reserved x plain | slack MiB |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
     body += [f"| {row['model']} | {row['method']} | +{row['step_peak_mib']:.0f} | **{row['peak_vs_plain']:.2f}x** "
-             f"| {row['process_peak_mib']:.0f} |" for row in rows]
+             f"| {row['process_peak_mib']:.0f} | {row['reserved_peak_mib']:.0f} | {row['reserved_vs_plain']:.2f}x "
+             f"| {row['reserved_slack_mib']:.0f} |" for row in rows]
     device = torch.device("cuda")
     header = header_lines(device, torch.get_num_threads(), args.seed, time.perf_counter() - started,
                           {"batch": args.batch, "img_size": args.img_size}, load_before)

@@ -5,7 +5,7 @@
 
 The model, batch and methods of ``bench_lm_loss.py`` (hidden 512, 8 layers, vocabulary 32,000,
 AdamW, batch 1). Each probe is a fresh process running two training steps at one sequence
-length (``bench_lm_loss.py --probe``), its peak read from VmHWM with ``MALLOC_MMAP_THRESHOLD_=65536``.
+length (``bench_lm_loss.py --probe``), its peak read from VmHWM (glibc as it comes unless ``--allocator tuned``).
 The search doubles the length from ``--start`` until a step passes the budget (or the length
 passes ``--max-tokens``: then the result is "at least" the last length that fit), then bisects
 until the longest length that fits and the shortest that does not are within ``--tolerance``

@@ -20,12 +20,14 @@ its loss computed four ways:
 
 Reported per dtype: bytes kept for backward (``actcomp.memory_report``, deduplicated by
 storage), split into the loss's (kept with labels minus kept without: the head's log-softmax,
-or what the chunked loss keeps) and the rest of the model's; the peak of a training step above
-the resident memory it starts from, each method in a fresh process
-(``/proc/self/clear_refs`` before the measured step, one step before it,
-``MALLOC_MMAP_THRESHOLD_=65536`` so that resident memory follows live memory; on a GPU,
-``torch.cuda.max_memory_allocated`` above ``memory_allocated`` at the step's start); and the
-step time against plain's, interleaved in one process (median of per-round ratios).
+or what the chunked loss keeps) and the rest of the model's;
+the peak of training, each method in a fresh process: on a CPU as a user's process runs
+(glibc's allocator as it comes), the process's peak RSS above its memory once the model and
+batch are built, or with ``--allocator tuned`` (``MALLOC_MMAP_THRESHOLD_=65536``, the setting
+of the figures before stop 40) the second step's peak above its start; on a GPU, the step's
+``torch.cuda.max_memory_allocated`` above ``memory_allocated`` at its start, with the process's
+allocated and reserved peaks beside it; and the step time against plain's, interleaved in one
+process (median of per-round ratios).
 
 Writes ``benchmarks/results/lm_loss_<torch>_<device>_t<threads>.{md,csv}``.
 """
@@ -44,12 +46,14 @@ import torch.nn.functional as F
 from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, ratio_summary, time_rounds, write_results
 
 import actcomp
+from actcomp.tools.peak_rss import ALLOCATORS
 from actcomp.tools.probe import run_probe
 
 METHODS = ("plain", "torch-chunked", "actcomp-loss", "actcomp-8bit", "checkpoint", "checkpoint+actcomp-8bit")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COLUMNS = ["dtype", "tokens", "method", "kept_mib", "loss_kept_mib", "rest_kept_mib", "loss_vs_plain", "rest_vs_plain",
-           "peak_above_start_mib", "peak_vs_plain", "step_ratio", "step_p25", "step_p75", "step_s"]
+           "peak_mib", "peak_vs_plain", "process_peak_mib", "reserved_peak_mib", "step_ratio", "step_p25", "step_p75",
+           "step_s"]
 
 
 def build(args: argparse.Namespace, dtype: torch.dtype, method: str):
@@ -116,12 +120,16 @@ def kept_bytes(args, dtype, method) -> tuple[int, int]:
 
 
 def probe(settings: dict) -> None:
-    """One method's step peak above its starting resident memory, in this (fresh) process."""
+    """One method's peaks, in this (fresh) process: on a CPU, the process's VmHWM, the resident
+    memory once the model and batch are built, and the second step's peak above its start; on a
+    GPU, the second step's allocated peak above its start and the process's allocated and
+    reserved peaks (reserved is what an out-of-memory error and nvidia-smi see)."""
     args = argparse.Namespace(**settings)
     torch.set_num_threads(args.threads)
     model, step_loss = build(args, DTYPES[args.dtype], args.method)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids, labels = batch(args)
+    built = 0 if args.device.startswith("cuda") else resident("VmRSS")
 
     def step():
         optimizer.zero_grad(set_to_none=False)
@@ -135,14 +143,16 @@ def probe(settings: dict) -> None:
         start = torch.cuda.memory_allocated()
         step()
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")  # VmHWM := VmRSS
-        start = resident("VmRSS")
-        step()
-        peak = resident("VmHWM")
-    print(json.dumps({"peak_above_start": peak - start, "peak": peak}))
+        print(json.dumps({"peak_above_start": torch.cuda.max_memory_allocated() - start,
+                          "peak": torch.cuda.max_memory_allocated(), "reserved_peak": torch.cuda.max_memory_reserved()}))
+        return
+    first_peak = resident("VmHWM")
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # VmHWM := VmRSS
+    start = resident("VmRSS")
+    step()
+    peak = resident("VmHWM")
+    print(json.dumps({"peak_above_start": peak - start, "peak": max(first_peak, peak), "built": built}))
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,16 +162,44 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocabulary", type=int, default=32_000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--allocator", default="as-user", choices=list(ALLOCATORS),
+                        help="glibc's setting in the probes (actcomp.tools.peak_rss.ALLOCATORS): as a user's process "
+                             "runs, or tuned (MALLOC_MMAP_THRESHOLD_=65536 for every method: resident memory follows "
+                             "live memory, plain's too)")
 
 
 def step_peaks(args: argparse.Namespace, dtype: str, method: str, tokens: int) -> dict:
     """:func:`probe` in a fresh process: the step's peak above its start, and the process's peak."""
     settings = {"tokens": tokens, "layers": args.layers, "hidden": args.hidden, "vocabulary": args.vocabulary,
                 "threads": args.threads, "dtype": dtype, "method": method, "device": args.device}
-    # Freed blocks of 64 KiB and up go back to the OS, so that RSS follows live memory (glibc
-    # would keep the first step's heap and hide the second step's peak in it).
-    return run_probe([__file__, "--probe", json.dumps(settings)], env={"MALLOC_MMAP_THRESHOLD_": "65536"},
+    return run_probe([__file__, "--probe", json.dumps(settings)], env=ALLOCATORS[args.allocator],
                      what=f"{method} {dtype} at {tokens} tokens")
+
+
+# Which peak the table's `peak` column holds, by where it was measured.
+PEAK_MEANING = {
+    "training": "the process's peak RSS above its resident memory once the model and batch were built (what "
+                "training adds: gradients, AdamW's state, the step's activations and temporaries), each method in "
+                "a fresh process, glibc's allocator as it comes (a converted model returns freed buffers to the OS, "
+                "actcomp.host_allocator).",
+    "step": "the second step's peak RSS above its start (/proc/self/clear_refs before it), each method in a fresh "
+            "process with MALLOC_MMAP_THRESHOLD_=65536 for every method (resident memory then follows live "
+            "memory, plain's too).",
+    "cuda": "the second step's torch.cuda.max_memory_allocated() above memory_allocated() at its start, each "
+            "method in a fresh process; `process peak` is max_memory_allocated() over the process, and in brackets "
+            "max_memory_reserved() (what an out-of-memory error and nvidia-smi see).",
+}
+
+
+def peak_kind(args: argparse.Namespace) -> str:
+    if args.device.startswith("cuda"):
+        return "cuda"
+    return "step" if args.allocator == "tuned" else "training"
+
+
+def headline_peak(args: argparse.Namespace, probed: dict) -> int:
+    """The probe's peak that the table compares (:data:`PEAK_MEANING`)."""
+    return probed["peak"] - probed["built"] if peak_kind(args) == "training" else probed["peak_above_start"]
 
 
 def resident(field: str) -> int:
@@ -192,10 +230,11 @@ def main() -> None:
         # On a GPU the allocator's counters are per process: probes may run side by side there.
         with ThreadPoolExecutor(1 if device.type == "cpu" else 4) as pool:
             measured = pool.map(lambda method, d=dtype_name, n=tokens: step_peaks(args, d, method, n), args.methods)
-            peaks = {method: result["peak_above_start"] for method, result in zip(args.methods, measured)}
+            probes = dict(zip(args.methods, measured))
+        peaks = {method: headline_peak(args, result) for method, result in probes.items()}
         for method in args.methods:
             print(f"{dtype_name} {tokens} tokens {method}: kept {kept[method][0] / 2**20:.1f} MiB, "
-                  f"step peak +{peaks[method] / 2**20:.0f} MiB", flush=True)
+                  f"peak +{peaks[method] / 2**20:.0f} MiB", flush=True)
         steps, ids_labels = {}, batch(args)
         for method in args.methods:
             model, step_loss = build(args, dtype, method)
@@ -216,8 +255,11 @@ def main() -> None:
             rows.append({"dtype": dtype_name, "tokens": tokens, "method": method, "kept_mib": with_labels / 2**20,
                          "loss_kept_mib": loss_bytes / 2**20, "rest_kept_mib": without / 2**20,
                          "loss_vs_plain": (plain_with - plain_without) / loss_bytes if loss_bytes > 0 else float("inf"),
-                         "rest_vs_plain": plain_without / without, "peak_above_start_mib": peaks[method] / 2**20,
-                         "peak_vs_plain": peaks["plain"] / peaks[method], "step_ratio": summary["ratio"],
+                         "rest_vs_plain": plain_without / without, "peak_mib": peaks[method] / 2**20,
+                         "peak_vs_plain": peaks["plain"] / peaks[method],
+                         "process_peak_mib": probes[method]["peak"] / 2**20,
+                         "reserved_peak_mib": probes[method].get("reserved_peak", 0) / 2**20,
+                         "step_ratio": summary["ratio"],
                          "step_p25": summary["ratio_p25"], "step_p75": summary["ratio_p75"],
                          "step_s": summary["median_s"]})
         del steps
@@ -226,16 +268,20 @@ def main() -> None:
             f"{', '.join(map(str, lengths))} tokens, AdamW. "
             "`loss kept`: bytes kept with labels minus without (the loss's share); "
             "`rest`: the model without its loss; `x plain` columns: plain's bytes (or peak) over the method's. "
+            f"`peak`: {PEAK_MEANING[peak_kind(args)]} "
             "Step time: median of per-round ratios to plain, interleaved in one process.", "",
-            "| dtype | tokens | method | kept MiB | loss kept MiB | loss x plain | rest MiB | rest x plain | step peak MiB "
-            "| peak x plain | step time |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| dtype | tokens | method | kept MiB | loss kept MiB | loss x plain | rest MiB | rest x plain | peak MiB "
+            f"| peak x plain | process peak MiB{' (reserved)' * (device.type == 'cuda')} | step time |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        body.append(f"| {row['dtype']} | {row['tokens']} | {row['method']} | {row['kept_mib']:.1f} | {row['loss_kept_mib']:.2f} "
-                    f"| {row['loss_vs_plain']:.1f}x | {row['rest_kept_mib']:.1f} | {row['rest_vs_plain']:.2f}x "
-                    f"| +{row['peak_above_start_mib']:.0f} | {row['peak_vs_plain']:.2f}x "
+        reserved = f" ({row['reserved_peak_mib']:.0f})" if device.type == "cuda" else ""
+        body.append(f"| {row['dtype']} | {row['tokens']} | {row['method']} | {row['kept_mib']:.1f} "
+                    f"| {row['loss_kept_mib']:.2f} | {row['loss_vs_plain']:.1f}x | {row['rest_kept_mib']:.1f} "
+                    f"| {row['rest_vs_plain']:.2f}x | +{row['peak_mib']:.0f} | {row['peak_vs_plain']:.2f}x "
+                    f"| {row['process_peak_mib']:.0f}{reserved} "
                     f"| **{row['step_ratio']:.2f}x** ({row['step_p25']:.2f}-{row['step_p75']:.2f}) |")
     settings = {"tokens": " ".join(map(str, lengths)), "layers": args.layers, "hidden": args.hidden,
-                "vocabulary": args.vocabulary, "rounds": args.rounds}
+                "vocabulary": args.vocabulary, "rounds": args.rounds, "allocator": args.allocator}
     header = header_lines(device, args.threads, 0, time.perf_counter() - started, settings, load_before)
     write_results("lm_loss", device, args.threads, header, "A language model's loss: plain against chunked losses",
                   body, rows, COLUMNS, Path(args.out))
