@@ -243,7 +243,7 @@ def check(model: nn.Module, batch: Any, pipeline: str | Pipeline | Mapping = "mi
         if f"{name}.weight" not in reference:
             continue
         cosine = _cosine({"w": layer_gradients[f"{name}.weight"]}, {"w": reference[f"{name}.weight"]})
-        if name in plain_on_input:
+        if name in plain_on_input:  # it runs as plain does, so it is held to the quantizers' floor
             spec, row_floor = "plain (model input)", floor
         else:
             spec, row_floor = layer.spec, layer_floor if layer_floor is not None else _layer_floor(layer, floor)
@@ -253,7 +253,7 @@ def check(model: nn.Module, batch: Any, pipeline: str | Pipeline | Mapping = "mi
     kept = {row.kind: row for row in kept_report.kinds}
     kind_rows = []
     # With a sparsifier on the Linear/Conv inputs, their gradient and the whole one bend by design:
-    # their floor is the layers' (one spec: its expected cosine; a mapping: the lowest layer's).
+    # their floor is the layers' (the lowest, under a mapping), never above `floor`.
     linear_floor = min([row.floor for row in layer_rows if not row.spec.startswith("plain")], default=floor)
     whole_floor = min(floor, linear_floor)
     if layer_rows:
