@@ -2,6 +2,7 @@
 ``--model FILE.py:FUNCTION`` option takes. Write one like them for your own model.
 
     actcomp check --model examples/check_models.py:quickstart
+    actcomp check --model examples/check_models.py:llama
     actcomp check --model examples/check_models.py:llama_with_outliers --rest 4bit
 
 Nothing is downloaded: the weights are random (``pretrained=False``, or a config).
@@ -21,18 +22,25 @@ def quickstart():
     return model, torch.randn(8, 3, 64, 64)
 
 
-def llama_with_outliers():
-    """A small Llama-shaped causal LM from a config with a trained model's outlier channels and
-    sink token built in (``actcomp.tools.llm_outliers``), its loss computed from ``labels``."""
+def llama():
+    """A small untrained Llama-shaped causal LM from a config (random weights), its loss computed
+    from ``labels``."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from actcomp.tools.llm_outliers import add_outliers
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     model = LlamaForCausalLM(config)
-    add_outliers(model)
     ids = torch.randint(1, 1000, (2, 128), generator=torch.Generator().manual_seed(0))
-    ids[:, 0] = 0  # the sink token
     return model, {"input_ids": ids, "labels": ids}
+
+
+def llama_with_outliers():
+    """:func:`llama` with a trained model's outlier channels and sink token built in
+    (``actcomp.tools.llm_outliers``)."""
+    from actcomp.tools.llm_outliers import add_outliers
+
+    model, batch = llama()
+    add_outliers(model)
+    batch["input_ids"][:, 0] = 0  # the sink token (labels is the same tensor)
+    return model, batch

@@ -37,7 +37,7 @@ FULL_TIER = {
     "test_examples.py::test_amp_loop": "an example script end to end",
     "test_examples.py::test_lora_trainer": "an example script end to end",
     "test_examples.py::test_distributed": "an example script end to end, under torchrun",
-    "test_check.py::test_the_command_runs_on_the_example_models": "a ViT-S and a Llama checked end to end",
+    "test_check.py::test_the_command_runs_on_the_example_models": "a ViT-S and two Llamas checked end to end",
     "test_readme.py::test_the_quickstart_prints_what_the_readme_shows": "the Quickstart in a fresh interpreter",
     "test_examples.py::test_lightning_trainer": "an example script end to end",
     "test_temporaries.py": "fresh-process peak-memory probes of every pipeline",

@@ -3,6 +3,8 @@ that lifts it, nothing else is, and the model checked is left as it was."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -39,6 +41,10 @@ def test_the_layer_whose_input_has_an_outlier_channel_is_flagged_with_its_fix():
     assert [row.name for row in report.flagged() if not row.kind] == ["5"], cosines
     assert cosines["5"] < 0.96 and min(cosines["2"], cosines["7"]) > 0.98
     assert "{'5': 'int8', '*': 'int4:scale=group'}" in report.suggestions[0]
+    # The verdict comes first: the count, then the problem with the change that lifts it.
+    lines = str(report).splitlines()
+    assert lines[0] == "1 problem, each with the change that lifts it:"
+    assert lines[1] == f"- {report.suggestions[0]}" and lines[1].startswith("- layer 5 (weight-gradient cosine 0.9")
     # The fix it names does lift it, and a mapping's suggestion keeps the mapping's other rules.
     fixed = actcomp.check(net(), BATCH, {"5": "int8", "*": "int4:scale=group"}, rest=None, rounds=1, layer_floor=0.97)
     assert not [row for row in fixed.layers if row.below]
@@ -55,6 +61,13 @@ def test_an_op_kind_that_bends_is_flagged_alone_with_more_bits():
     assert not kinds["linear (Linear/Conv inputs)"].below
     assert any("rest={..., 'activation': 'int8'}" in text for text in report.suggestions)
     assert kinds["activation"].plain_bytes > 4 * kinds["activation"].kept_bytes > 0
+    # One verdict line per problem, each problem named with its floor, then the details.
+    count = len(report.suggestions)
+    lines = str(report).splitlines()
+    assert lines[0] == f"{count} problem{'s' if count > 1 else ''}, each with the change that lifts it:"
+    assert lines[1:count + 1] == [f"- {text}" for text in report.suggestions]
+    assert lines[count + 2].startswith("actcomp check: to_compressed(model, 'int8'")
+    assert f"activation (cosine {kinds['activation'].cosine:.4f} < floor 0.990)" in lines[1]
 
 
 def test_nothing_is_flagged_where_nothing_bends_and_the_model_is_left_as_it_was():
@@ -63,27 +76,67 @@ def test_nothing_is_flagged_where_nothing_bends_and_the_model_is_left_as_it_was(
 
     report = actcomp.check(model, BATCH, "int8", rest="8bit", rounds=1)
 
-    assert report.cosine > 0.999 and report.flagged() == [] and report.suggestions == []
-    assert "nothing under its floor" in str(report)
+    assert report.cosine > 0.999 and report.flagged() == [] and report.suggestions == [] and report.ok
+    assert str(report).splitlines()[0] == "OK to train: every gradient checked is at or above its floor"
     assert report.plain_bytes > 2 * report.kept_bytes
     assert actcomp.compressed_layers(model) == {} and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
 
 
-def test_a_sparsifiers_layers_are_held_to_what_a_gaussian_input_keeps():
-    # One Linear layer on a Gaussian input (not the model's own input: first_layer=auto would
-    # keep that plain): mink0.9 keeps sqrt(44%) of the gradient's direction, as computed.
+def identity_then_linear(x: torch.Tensor) -> nn.Sequential:
+    """Layer 0 passes ``x`` through unchanged, so layer 1 (not the model's input: first_layer=auto
+    would keep that plain) reads exactly ``x``."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 64))
-    x = torch.randn(512, 512)
-    with torch.no_grad():  # layer 0 passes the Gaussian input through unchanged
-        model[0].weight.copy_(torch.eye(512))
+    model = nn.Sequential(nn.Linear(x.shape[1], x.shape[1]), nn.Linear(x.shape[1], 64))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(x.shape[1]))
         model[0].bias.zero_()
-    report = actcomp.check(model, x, "mink0.9", rest=None, rounds=1)
+    return model
+
+
+def test_a_sparsifiers_layer_keeps_what_a_gaussian_input_predicts_and_its_floor_is_random_selections():
+    x = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+    report = actcomp.check(identity_then_linear(x), x, "mink0.9", rest=None, rounds=1)
 
     row = next(row for row in report.layers if row.name == "1")
+    # mink0.9 keeps sqrt(44%) of a Gaussian input's direction, as computed.
     assert row.cosine == pytest.approx(expected_layer_cosine("mink0.9"), abs=0.02)
-    assert row.floor == pytest.approx(0.95 * expected_layer_cosine("mink0.9")) and not row.below
+    # The floor: what dropping 90% at random keeps, sqrt(0.1), less 5%. The Linear/Conv inputs
+    # together and the whole gradient are held to the same floor, and the report prints it.
+    assert row.floor == pytest.approx(0.95 * 0.1 ** 0.5) and not row.below
+    assert report.floor == pytest.approx(row.floor) and report.kinds[0].floor == pytest.approx(row.floor)
+    assert f"against plain's (floor {row.floor:.3f})" in str(report)
+    assert "floor 0.300 under mink0.9: what dropping 90% of the values at random keeps (0.316), less 5%." in str(report)
+
+
+def test_an_untrained_models_less_spread_input_is_no_problem():
+    # A uniform input is less spread than a Gaussian, as inputs on random weights often are:
+    # min-k keeps sqrt(1 - 0.9^3) = 0.52 of it, under the Gaussian's 0.663 less 5% (0.630, the
+    # floor before, which flagged an untrained Llama's layer at 0.615) and above random's 0.300.
+    x = 2 * torch.rand(512, 512, generator=torch.Generator().manual_seed(0)) - 1
+    report = actcomp.check(identity_then_linear(x), x, "mink0.9+int8", rest=None, rounds=1)
+
+    row = next(row for row in report.layers if row.name == "1")
+    assert row.cosine == pytest.approx((1 - 0.9 ** 3) ** 0.5, abs=0.02)
+    assert row.cosine < 0.95 * expected_layer_cosine("mink0.9") and not row.below
+    assert report.ok and str(report).startswith("OK to train")
+
+
+def test_a_sparsifier_that_drops_the_values_the_gradient_lives_in_is_flagged():
+    # A tenth of the channels hold a large constant; a BatchNorm after the layer centres its
+    # output gradient, so those channels' weight gradient is zero and the whole gradient lives in
+    # the small values min-k drops: it keeps less than dropping at random would.
+    x = 0.1 * torch.randn(512, 256, generator=torch.Generator().manual_seed(0))
+    x[:, :26] = 5.0
+    model = identity_then_linear(x)
+    model.append(nn.BatchNorm1d(64))
+    report = actcomp.check(model, x, "mink0.9+int8", rest=None, rounds=1)
+
+    row = next(row for row in report.layers if row.name == "1")
+    assert row.below and row.cosine < 0.2
+    assert report.suggestions == [f"layer 1 (weight-gradient cosine {row.cosine:.4f} < floor 0.300): "
+                                  "to_compressed(model, {'1': 'int8', '*': 'mink0.9+int8'}, ...) (None leaves it plain)"]
+    assert str(report).startswith(f"1 problem, each with the change that lifts it:\n- {report.suggestions[0]}\n")
 
 
 def test_the_loss_is_the_outputs_or_the_users():
@@ -121,23 +174,75 @@ def test_the_command_names_a_bad_factory(capsys, tmp_path):
     assert "must return (model, batch)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("factory", ["quickstart", "llama_with_outliers"])
+@pytest.mark.parametrize("factory", ["quickstart", "llama", "llama_with_outliers"])
 def test_the_command_runs_on_the_example_models(factory, capsys):
     pytest.importorskip("timm" if factory == "quickstart" else "transformers")
     assert main(["check", "--model", f"examples/check_models.py:{factory}", "--rounds", "1"]) == 0
-    output = capsys.readouterr().out
-    assert output.startswith("actcomp check: to_compressed(model, 'mink0.9+int8', rest='8bit')")
-    assert "attention" in output and "layer (its weight gradient)" in output
+    lines = capsys.readouterr().out.splitlines()
+    # Random weights: their noise is no problem (mink0.9's layers measured 0.65-0.91 on the Llama).
+    assert lines[0] == "OK to train: every gradient checked is at or above its floor"
+    assert lines[2] == "actcomp check: to_compressed(model, 'mink0.9+int8', rest='8bit')"
+    assert any(line.startswith("attention ") for line in lines)
+    assert any(line.startswith("layer (its weight gradient)") for line in lines)
 
 
-def test_a_layer_without_a_gradient_in_plain_is_shown_so_not_scored():
-    # A random-init ResNet block whose last BatchNorm starts at zero gives its convs no gradient:
-    # here the layer after "1" starts at zero, so "1" has none.
+def test_a_layer_without_a_gradient_in_plain_is_shown_so_not_scored_and_the_note_says_why():
+    # A weight that starts at zero after layers "0" and "2" (layer 5 here) gives them no gradient
+    # in plain.
     model = net()
     with torch.no_grad():
         model[5].weight.zero_()
     report = actcomp.check(model, BATCH, "int8", rest=None, rounds=1)
 
     row = next(row for row in report.layers if row.name == "2")
-    assert row.cosine != row.cosine and not row.below  # NaN
-    assert "no grad" in str(report)
+    assert row.cosine != row.cosine and row.no_gradient and not row.below and row.zeroed_by is None  # NaN
+    text = str(report)
+    assert re.search(r"^2 +int8 +no grad", text, re.MULTILINE)
+    assert "no grad (2 layers): the weight gradient is zero in plain PyTorch too" in text
+    assert "nothing after them passes a gradient back" in text.replace("\n  ", " ")
+
+
+def test_no_grad_names_the_zero_initialised_norm_after_the_layer():
+    # timm's resnets zero-initialise each residual block's last BatchNorm (zero_init_last): the
+    # convs inside the block get no gradient in plain PyTorch until the model has trained.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+            nn.init.zeros_(self.bn2.weight)
+
+        def forward(self, x):
+            return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), Block(), Block(), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+    report = actcomp.check(model, torch.randn(4, 3, 8, 8), "int8", rest=None, rounds=1)
+
+    zeroed = {row.name: row.zeroed_by for row in report.layers if row.no_gradient}
+    assert zeroed == {"1.conv1": "1.bn2", "1.conv2": "1.bn2", "2.conv1": "2.bn2", "2.conv2": "2.bn2"}
+    assert report.ok
+    note = str(report).split("no grad (4 layers): ", 1)[1].replace("\n  ", " ")
+    assert note.startswith("the weight gradient is zero in plain PyTorch too, so there is nothing to compare: a norm "
+                           "after each starts with all-zero weights (1.bn2, 2.bn2; timm's zero_init_last")
+    assert note.endswith("They are checked once the model has trained a step.")
+
+
+def test_columns_hold_long_layer_names():
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("embed", nn.Linear(32, 64))
+    model.add_module("a_rather_long_module_name_for_a_projection_layer", nn.Linear(64, 64))
+    model.add_module("head", nn.Linear(64, 10))
+    text = str(actcomp.check(model, BATCH, {"head": "int8:scale=group", "*": "int8"}, rest="8bit", rounds=1))
+
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("layer (its weight gradient)"))
+    rows = [line for line in lines if line.split(" ")[0] in ("embed", "head") or line.startswith("a_rather_long")]
+    assert len(rows) == 3
+    # Every column starts where its header does, and the op kinds' table lines up with it.
+    for column in ("spec", "floor"):
+        at = header.index(column)
+        assert all(row[at - 1] == " " and row[at] != " " for row in rows), (column, rows)
+    kinds = next(line for line in lines if line.startswith("op kind (alone)"))
+    assert kinds.index("spec") == header.index("spec") == len("a_rather_long_module_name_for_a_projection_layer") + 1

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import actcomp
 from actcomp.tools.cli import main
 
 TINY = ["--batch", "2", "--img-size", "32"]
@@ -195,7 +196,97 @@ def test_module_entry_point_runs():
                           capture_output=True, text=True)
 
     assert done.returncode == 2
-    assert "unknown timm model 'nope'" in done.stderr
+    assert done.stderr.startswith("python -m actcomp: error: unknown timm model 'nope'")
+    version = subprocess.run([sys.executable, "-m", "actcomp", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout == f"python -m actcomp {actcomp.__version__}\n"
+
+
+@pytest.fixture
+def as_installed(monkeypatch):
+    """Run main() as the installed ``actcomp`` command runs it: argv[0] is the script's path."""
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/actcomp"])
+
+
+def test_version_prints_the_package_version(as_installed, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"actcomp {actcomp.__version__}\n"
+
+
+@pytest.mark.parametrize(("argv0", "name"), [("/venv/bin/actcomp", "actcomp"),
+                                             ("/src/actcomp/__main__.py", "python -m actcomp")])
+def test_usage_and_errors_name_the_program_as_it_was_run(argv0, name, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [argv0])
+    with pytest.raises(SystemExit):
+        main(["check"])
+    assert capsys.readouterr().err.startswith(f"usage: {name} check ")
+
+    assert main(["report", "--model", "resnet18", "--pipeline", "int8", "--batch", "0"]) == 2
+    assert capsys.readouterr().err.startswith(f"{name}: error: --batch and --img-size must be positive")
+
+
+def test_check_of_an_unknown_timm_model_is_a_one_line_error(as_installed, no_work, capsys):
+    assert main(["check", "--timm", "resnet1"]) == 2
+
+    err = capsys.readouterr().err
+    assert err.startswith("actcomp: error: unknown timm model 'resnet1'; similar: ") and err.count("\n") == 1
+
+
+FACTORY = """\
+import torch
+from check_factory_neighbour import WIDTH  # a module beside it, as a user's own file imports one
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, 2))
+    return model, torch.randn(16, 8)
+
+
+def _private():
+    pass
+"""
+
+
+@pytest.fixture
+def factory_folder(tmp_path, monkeypatch):
+    """The current folder holds check_factory_here.py (and the module it imports), and is not on
+    sys.path: as for the installed command, whose path starts at its script's folder."""
+    (tmp_path / "check_factory_here.py").write_text(FACTORY)
+    (tmp_path / "check_factory_neighbour.py").write_text("WIDTH = 16\n")
+    (tmp_path / "check_factory_broken.py").write_text("import not_installed_anywhere_xyz\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", ".", str(tmp_path))])
+    yield tmp_path
+    for name in ("check_factory_here", "check_factory_neighbour", "check_factory_broken"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("where", ["check_factory_here", "check_factory_here.py", "./check_factory_here"])
+def test_check_builds_a_model_from_a_file_in_the_current_folder(where, factory_folder, as_installed, capsys):
+    assert main(["check", "--model", f"{where}:build", "--rest", "none", "--rounds", "1"]) == 0
+
+    assert capsys.readouterr().out.startswith("OK to train")
+    assert str(factory_folder) not in sys.path  # put back as it was
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    ("no_such_module_xyz:build", "--model: no module 'no_such_module_xyz' in the current folder ({tmp}) or the "
+                                 "installed packages; give module:function from the folder that holds it"),
+    ("no_such_file.py:build", "--model: no file 'no_such_file.py' (looked in {tmp}); give FILE.py:FUNCTION"),
+    ("check_factory_here:make", "--model: 'check_factory_here' has no function 'make'; it defines: build"),
+    ("check_factory_here.py:make", "--model: 'check_factory_here.py' has no function 'make'; it defines: build"),
+    ("check_factory_broken:build", "--model: module 'check_factory_broken' could not import what it needs: "
+                                   "No module named 'not_installed_anywhere_xyz'"),
+], ids=["no-module", "no-file", "no-function", "no-function-in-file", "missing-import"])
+def test_check_names_what_is_wrong_with_a_model_factory(model, message, factory_folder, as_installed, capsys):
+    assert main(["check", "--model", model]) == 2
+
+    err = capsys.readouterr().err
+    assert err.startswith(f"actcomp: error: {message.format(tmp=factory_folder)}")
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_report_measures_peak_rss_in_fresh_processes(capsys):

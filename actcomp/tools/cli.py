@@ -1,5 +1,5 @@
-"""Command line: ``python -m actcomp report ...``, ``python -m actcomp check ...`` and
-``python -m actcomp demo`` (installed as the ``actcomp`` command too).
+"""Command line: ``actcomp report ...``, ``actcomp check ...`` and ``actcomp demo`` (the
+installed command; ``python -m actcomp ...`` runs the same).
 
 >>> main(["report", "--model", "resnet18", "--pipeline", "mink0.9", "--batch", "2", "--img-size", "32"])  # doctest: +SKIP
 """
@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib
+import importlib.util
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -28,8 +31,38 @@ from actcomp.tools.plotting import X_LESS_NOTE, pyplot_for
 from actcomp.whole_model.policy import RestPolicy
 
 
+def program_name(argv0: str | None = None) -> str:
+    """The name usage and errors give the program: what the user typed to run it.
+
+    >>> program_name("/venv/bin/actcomp"), program_name("/src/actcomp/__main__.py")
+    ('actcomp', 'python -m actcomp')
+    """
+    name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    # Under `python -m actcomp` argv[0] is the package's __main__.py, which nobody types.
+    return "python -m actcomp" if name in ("__main__.py", "") else name
+
+
+class _Version(argparse.Action):
+    """``--version``: the installed distribution's version (pyproject.toml reads it from
+    ``actcomp.__version__``, a layer above this one), looked up only when asked."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import importlib.metadata
+
+        try:
+            version = importlib.metadata.version("actcomp")
+        except importlib.metadata.PackageNotFoundError:
+            version = "(not installed: pip install -e . to give it one)"
+        print(f"{parser.prog} {version}")  # to stdout, as argparse's own version action prints
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m actcomp", description="Activation compression for training.")
+    parser = argparse.ArgumentParser(prog=program_name(), description="Activation compression for training.")
+    parser.add_argument("--version", action=_Version, help="print the version and exit")
     commands = parser.add_subparsers(dest="command", required=True, help="what to run; add -h after it for its options")
     _add_report_arguments(commands.add_parser(
         "report", help="saved-activation bytes of a timm model, plain vs compressed"))
@@ -50,12 +83,14 @@ def _add_check_arguments(check: argparse.ArgumentParser) -> None:
     check.add_argument("--rest", metavar="PRESET_OR_SPEC", default="8bit",
                        help="whole-model policy ('8bit', '4bit', 'exact', a spec; 'none': Linear/Conv mode only)")
     check.add_argument("--floor", type=float, default=0.99,
-                       help="lowest gradient cosine for the whole model and each op kind (default %(default)s)")
+                       help="lowest gradient cosine for each op kind, a layer under a quantizer alone, and the whole "
+                            "model unless a sparsifier's layers set a lower one (default %(default)s)")
     check.add_argument("--layer-floor", type=float, default=None,
-                       help="lowest cosine of a converted layer's weight gradient (default: what a Gaussian input "
-                            "keeps under the layer's spec, less 5%%; --floor for a quantizer alone)")
+                       help="lowest cosine of every converted layer's weight gradient (default: under a sparsifier, "
+                            "what dropping as many values at random keeps, less 5%%; else --floor)")
     check.add_argument("--rounds", type=int, default=3, help="interleaved timed steps (default %(default)s)")
-    check.add_argument("--batch", type=int, default=8, help="--timm: images per batch (default %(default)s)")
+    check.add_argument("--batch", type=int, default=8,
+                       help="--timm: images per batch, seeded like the weights (default %(default)s)")
     check.add_argument("--img-size", type=int, default=224, help="--timm: image size (default %(default)s)")
 
 
@@ -101,11 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     >>> main(["report", "--model", "resnet18", "--pipeline", "int8", "--batch", "0"])
     2
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
     except ActcompError as error:
-        print(f"error: {error}", file=sys.stderr)
+        # argparse's own form, so a bad value and a bad option read alike.
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
 
 
@@ -154,32 +191,42 @@ def _read_report_arguments(args: argparse.Namespace) -> _ReportSettings:
     rest = None if args.rest is None else RestPolicy.parse(args.rest)
     budget = parse_budget(" ".join(args.max_batch), "--max-batch") if args.max_batch is not None else None
     plt = pyplot_for(args.plot) if args.plot else None
-    timm = _timm()
-    if not timm.is_model(args.model):
-        close = timm.list_models(f"*{args.model.split('_')[0]}*")[:8]
-        hint = f"; similar: {', '.join(close)}" if close else "; see timm.list_models()"
-        raise ActcompError(f"unknown timm model {args.model!r}{hint}")
-    if args.batch < 1 or args.img_size < 1:
-        raise ActcompError(f"--batch and --img-size must be positive, got {args.batch} and {args.img_size}")
+    _check_timm_arguments(args.model, args.batch, args.img_size)
     return _ReportSettings(pipeline, rest, budget, plt)
+
+
+def _check_timm_arguments(name: str, batch: int, img_size: int) -> None:
+    """A timm model's name and sizes, checked before anything is built."""
+    timm = _timm()
+    if not timm.is_model(name):
+        close = timm.list_models(f"*{name.split('_')[0]}*")[:8]
+        hint = f"; similar: {', '.join(close)}" if close else "; see timm.list_models()"
+        raise ActcompError(f"unknown timm model {name!r}{hint}")
+    if batch < 1 or img_size < 1:
+        raise ActcompError(f"--batch and --img-size must be positive, got {batch} and {img_size}")
 
 
 def _timm():
     try:
         import timm
     except ImportError:
-        raise ActcompError("the report command builds timm models: pip install timm") from None
+        raise ActcompError("this command builds timm models: pip install timm") from None
     return timm
+
+
+def _timm_model(name: str, img_size: int) -> nn.Module:
+    """A timm model with seeded random weights, sized for ``img_size`` where it takes one."""
+    timm = _timm()
+    torch.manual_seed(0)
+    try:
+        return timm.create_model(name, pretrained=False, img_size=img_size)
+    except TypeError:
+        return timm.create_model(name, pretrained=False)
 
 
 def _build_models(args: argparse.Namespace, settings: _ReportSettings) -> tuple[nn.Module, nn.Module]:
     """The plain timm model (seeded) and a converted copy of it."""
-    timm = _timm()
-    torch.manual_seed(0)
-    try:
-        plain = timm.create_model(args.model, pretrained=False, img_size=args.img_size)
-    except TypeError:
-        plain = timm.create_model(args.model, pretrained=False)
+    plain = _timm_model(args.model, args.img_size)
     return plain, to_compressed(copy.deepcopy(plain), settings.pipeline, rest=settings.rest)
 
 
@@ -313,13 +360,13 @@ def _plot_by_type(plt, args: argparse.Namespace, spec: str, before: MemoryReport
 
 
 def _check(args: argparse.Namespace) -> int:
-    """``python -m actcomp check``: :func:`actcomp.tools.check.check` on a model of the user's."""
+    """``actcomp check``: :func:`actcomp.tools.check.check` on a model of the user's."""
     from actcomp.tools.check import check
 
     if args.timm:
-        timm = _timm()
-        model = timm.create_model(args.timm, pretrained=False)
-        batch = torch.randn(args.batch, 3, args.img_size, args.img_size)
+        _check_timm_arguments(args.timm, args.batch, args.img_size)
+        model = _timm_model(args.timm, args.img_size)
+        batch = torch.randn(args.batch, 3, args.img_size, args.img_size, generator=torch.Generator().manual_seed(0))
     else:
         model, batch = _from_factory(args.model)
     rest = None if args.rest.lower() == "none" else args.rest
@@ -329,33 +376,65 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _from_factory(text: str) -> tuple[nn.Module, Any]:
-    """``(model, batch)`` from ``"path/to/file.py:function"`` or ``"package.module:function"``."""
-    import importlib
-    import importlib.util
-    from pathlib import Path
-
+    """``(model, batch)`` from ``"path/to/file.py:function"`` or ``"package.module:function"``,
+    a relative path or module found from the current folder, as ``python -m`` finds one."""
     where, _, name = text.rpartition(":")
     if not where or not name:
         raise ActcompError(f"--model wants FILE.py:FUNCTION or module:function, got {text!r}")
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise ActcompError(f"--model: no file {where!r}")
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as error:
-            raise ActcompError(f"--model: cannot import {where!r} ({error})") from error
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise ActcompError(f"--model: {where!r} has no function {name!r}")
-    made = factory()
+    is_file = where.endswith(".py") or os.sep in where or "/" in where
+    folder = os.path.dirname(os.path.abspath(where)) if is_file else os.getcwd()
+    # The file's own imports of its neighbours, and a module beside the user, resolve as they would
+    # under `python my_models.py`: its folder goes first on the path while it loads and builds.
+    with _on_path(folder):
+        module = _load_file(where) if is_file else _import(where)
+        factory = getattr(module, name, None)
+        if not callable(factory):
+            defined = sorted(key for key, value in vars(module).items() if callable(value) and not key.startswith("_")
+                             and getattr(value, "__module__", None) == module.__name__)
+            listing = f"; it defines: {', '.join(defined)}" if defined else "; it defines no function"
+            raise ActcompError(f"--model: {where!r} has no function {name!r}{listing}")
+        made = factory()
     if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module)):
         raise ActcompError(f"--model: {name}() must return (model, batch), got {type(made).__name__}")
     return made
+
+
+@contextlib.contextmanager
+def _on_path(folder: str):
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        sys.path.remove(folder)
+
+
+def _load_file(where: str):
+    """The module in file ``where`` (``.py`` may be left off), relative to the current folder."""
+    path = where if where.endswith(".py") else f"{where}.py"
+    if not os.path.isfile(path):
+        raise ActcompError(f"--model: no file {path!r} (looked in {os.path.abspath(os.path.dirname(path) or '.')}); "
+                           "give FILE.py:FUNCTION with a path from the current folder, or module:function")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(stem, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as error:
+        raise ActcompError(f"--model: {path!r} could not import what it needs: {error}") from error
+    return module
+
+
+def _import(where: str):
+    """Module ``where``, from the current folder or the installed packages."""
+    try:
+        return importlib.import_module(where)
+    except ImportError as error:
+        missing = getattr(error, "name", None)
+        if missing is not None and (where == missing or where.startswith(f"{missing}.")):
+            raise ActcompError(f"--model: no module {where!r} in the current folder ({os.getcwd()}) or the installed "
+                               "packages; give module:function from the folder that holds it, or FILE.py:FUNCTION"
+                               ) from None
+        raise ActcompError(f"--model: module {where!r} could not import what it needs: {error}") from error
 
 
 _COMMANDS = {"report": _report, "check": _check, "demo": _demo}
