@@ -14,6 +14,9 @@ steps; its peak is VmHWM, its step time the median of the steps after the first.
   buffers of 1 MiB and up go back to the OS (:mod:`actcomp.host_allocator`);
 - ``whole, remedy off``: the same with ``ACTCOMP_RETURN_FREED_MEMORY=0`` (the remedy's effect,
   and its price in step time);
+- ``whole, huge pages``: ``whole`` in a process started with
+  ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc asks for transparent huge pages for the blocks
+  it maps: a fault per 2 MiB instead of per 4 KiB page, which is most of the remedy's price);
 - ``checkpoint``: timm's per-block checkpointing (non-reentrant), allocator as it comes;
 - ``checkpoint+whole``: both.
 
@@ -40,6 +43,7 @@ RUNS = {
     "plain, tuned allocator": (False, False, "tuned"),
     "whole": (True, False, "as-user"),
     "whole, remedy off": (True, False, "untouched"),
+    "whole, huge pages": (True, False, "hugetlb"),
     "checkpoint": (False, True, "as-user"),
     "checkpoint+whole": (True, True, "as-user"),
 }

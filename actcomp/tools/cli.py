@@ -314,7 +314,7 @@ def _print_peak_rss(args: argparse.Namespace, spec: str) -> None:
         print(f" done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     rss_plain, rss_packed = rss
     print(f"peak RSS of 3 training steps: plain {format_bytes(rss_plain)}, compressed {format_bytes(rss_packed)}"
-          " (fresh processes; freed memory returned to the OS, see actcomp.tools.peak_rss)")
+          " (fresh processes, AdamW, the allocator as your process gets it: actcomp.tools.peak_rss)")
 
 
 def _print_largest_batches(args: argparse.Namespace, spec: str, budget: int) -> None:

@@ -33,6 +33,9 @@ ALLOCATORS = {
     "as-user": {"MALLOC_MMAP_THRESHOLD_": None, "ACTCOMP_RETURN_FREED_MEMORY": None},
     "tuned": {"MALLOC_MMAP_THRESHOLD_": "65536", "ACTCOMP_RETURN_FREED_MEMORY": None},
     "untouched": {"MALLOC_MMAP_THRESHOLD_": None, "ACTCOMP_RETURN_FREED_MEMORY": "0"},
+    # Transparent huge pages for glibc's mapped blocks: a 2 MiB fault where there were 512.
+    "hugetlb": {"MALLOC_MMAP_THRESHOLD_": None, "ACTCOMP_RETURN_FREED_MEMORY": None,
+                "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
 }
 
 _PROBE = r"""
@@ -113,7 +116,8 @@ def training_steps(model: str, spec: str | None, *, batch: int, img_size: int, s
     :func:`actcomp.to_compressed` with ``spec``; ``rest=None`` is Linear/Conv mode.
     ``allocator`` is ``"as-user"`` (glibc as it comes; a converted model's process returns freed
     buffers, as it would in the user's), ``"tuned"`` (``MALLOC_MMAP_THRESHOLD_=65536`` for every
-    run, plain's too) or ``"untouched"`` (``ACTCOMP_RETURN_FREED_MEMORY=0``: no remedy anywhere);
+    run, plain's too), ``"untouched"`` (``ACTCOMP_RETURN_FREED_MEMORY=0``: no remedy anywhere) or
+    ``"hugetlb"`` (as a user's, started with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``);
     ``optimizer`` is ``"adamw"`` (the Quickstart's) or ``"sgd"``.
     ``checkpoint=True`` turns on timm's per-block activation checkpointing (non-reentrant
     ``torch.utils.checkpoint``), alone or under ``spec``. ``threads`` sets torch's intra-op
