@@ -15,7 +15,8 @@ Steps, each a fresh process (with a time limit) whose exit code and output tail 
    bf16 autocast, and the lossy presets' gradient floors;
 3. ``bench_compressors.py --device cuda``: round trips against ``clone()`` and stored bytes;
 4. ``bench_training_speed.py --device cuda``: training steps against the plain model;
-5. ``bench_gpu_peak.py``: each method's step peak (``max_memory_allocated``) and the process's reserved peak (``max_memory_reserved``), fresh processes;
+5. ``bench_gpu_peak.py``: each method's step peak (``max_memory_allocated``) and the process's reserved
+   peak (``max_memory_reserved``), fresh processes;
 6. ``examples/lora_trainer.py --tiny``: PEFT LoRA through the Trainer, with its CUDA peak column;
 7. ``bench_lm_loss.py --device cuda``: the Llama-shaped model in bf16 at 2,048 and 4,096 tokens.
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import pytest
 import timm
@@ -30,6 +31,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import actcomp
+from actcomp.errors import WARNED
+from actcomp.graph.not_compiled import LAYER_FALLBACK
 
 pytestmark = pytest.mark.usefixtures("seeded", "single_thread")
 
@@ -334,13 +337,16 @@ def test_torch_compile_converted_model_trains(compress_calls):
     inputs, targets = torch.randn(8, 1, 8, 8), torch.arange(8) % 3
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.2) for m in (eager, compiled_model)]
     losses = {"eager": [], "compiled": []}
-    for _ in range(3):
-        for key, model, optimizer in (("eager", eager, optimizers[0]), ("compiled", compiled, optimizers[1])):
-            loss = F.cross_entropy(model(inputs), targets)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses[key].append(loss.item())
+    WARNED.discard(LAYER_FALLBACK)
+    with pytest.warns(UserWarning, match="each converted Linear/Conv layer runs eagerly") as said:
+        for _ in range(3):
+            for key, model, optimizer in (("eager", eager, optimizers[0]), ("compiled", compiled, optimizers[1])):
+                loss = F.cross_entropy(model(inputs), targets)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                losses[key].append(loss.item())
+    assert sum("outside the compiled graph" in str(warning.message) for warning in said) == 1  # once, not a step
 
     # Compression really ran inside the compiled model: 3 compressed layers x 3 steps x 2 models
     # (the first conv reads the model input, so first_layer="auto" runs it plain).
@@ -348,7 +354,7 @@ def test_torch_compile_converted_model_trains(compress_calls):
     # Dynamo compiled the rest; the only graph breaks are the documented ones at the
     # torch.compiler.disable'd compressed forward and model-input hook.
     assert counters["frames"]["ok"] >= 1
-    documented = ("_compressed_forward", "_record_model_inputs")
+    documented = ("_compressed_forward", "_record_model_inputs", "_warn_leaving_graph")
     assert counters["graph_break"]
     assert all(any(name in reason for name in documented) for reason in counters["graph_break"])
     assert losses["compiled"][-1] < losses["compiled"][0]
@@ -404,3 +410,13 @@ def test_digits_mink08_trains_as_well_as_baseline():
     assert baseline_accuracy > 0.93
     assert accuracy >= baseline_accuracy - 0.03
     assert loss <= baseline_loss + 0.1
+
+
+def test_eager_training_of_a_converted_model_says_nothing_about_compile():
+    from actcomp.graph.not_compiled import LAYER_FALLBACK, WHOLE_MODEL_FALLBACK
+
+    WARNED.difference_update({LAYER_FALLBACK, WHOLE_MODEL_FALLBACK})
+    model = actcomp.to_compressed(small_cnn(classes=3, channels=4), "int8", rest="8bit")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*outside the compiled graph")
+        F.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.arange(4) % 3).backward()

@@ -20,6 +20,8 @@ from typing import TypeVar
 
 import torch
 
+from actcomp.errors import WARNED, warn_once
+
 _F = TypeVar("_F", bound=Callable)
 
 
@@ -27,3 +29,28 @@ def not_compiled(function: _F) -> _F:
     """``function``, run eagerly even where a compiled caller traces through it."""
     lazy = getattr(torch, "_disable_dynamo", None)
     return lazy(function) if lazy is not None else torch.compiler.disable(function)
+
+
+# The keys of the two fallbacks' warnings. Traced code reads ``key not in WARNED`` (dynamo
+# guards on it): after the one warning and one recompilation, compiled code no longer calls
+# the warning, which would otherwise be a graph break at every call.
+WHOLE_MODEL_FALLBACK = "a whole-model forward left the compiled graph"
+LAYER_FALLBACK = "a converted Linear/Conv layer left the compiled graph"
+_HOW = ("actcomp.compress_in_graph(model) compresses inside the compiled graph instead "
+        "(docs/guide/compiled.md); this is said once a process")
+
+
+def warn_if_leaving_graph(key: str) -> None:
+    """Say once that a converted model's training forward runs outside ``torch.compile``'s graph:
+    call it from traced code, where ``torch.compiler.is_compiling()``; does nothing elsewhere."""
+    if torch.compiler.is_compiling() and key not in WARNED:
+        _warn_leaving_graph(key)
+
+
+@not_compiled
+def _warn_leaving_graph(key: str) -> None:
+    what = ("the whole-model forward of this converted model runs eagerly, outside the compiled graph (one "
+            "graph break at the model's entry)" if key == WHOLE_MODEL_FALLBACK else
+            "each converted Linear/Conv layer runs eagerly, outside the compiled graph (a graph break at "
+            "every converted layer)")
+    warn_once(key, f"torch.compile of a model converted by actcomp.to_compressed: {what}; {_HOW}", stacklevel=3)

@@ -25,7 +25,7 @@ from actcomp.core.pipeline import Pipeline
 from actcomp.errors import ActcompError, warn_once
 from actcomp.graph.model_inputs import is_model_input
 from actcomp.graph.module_surgery import SwappedModule, rebuild_swapped, swap_class, unswap_class
-from actcomp.graph.not_compiled import not_compiled
+from actcomp.graph.not_compiled import LAYER_FALLBACK, not_compiled, warn_if_leaving_graph
 from actcomp.layers.function import compressed_apply
 from actcomp.layers.ops import ConvOp, GPT2Conv1DOp, LinearOp, Op, conv_op
 from actcomp.layers.own_forward import OwnForwardMode
@@ -81,6 +81,7 @@ class CompressedLayer(SwappedModule):
         # gives the same shapes and saves nothing of size.
         if x.is_meta or not (self.training and torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
             return super().forward(x)
+        warn_if_leaving_graph(LAYER_FALLBACK)
         return _compressed_forward(self, x)
 
     def extra_repr(self) -> str:

@@ -78,7 +78,7 @@ from actcomp.graph.module_surgery import (
     swap_class,
     unswap_class,
 )
-from actcomp.graph.not_compiled import not_compiled
+from actcomp.graph.not_compiled import WHOLE_MODEL_FALLBACK, not_compiled, warn_if_leaving_graph
 from actcomp.graph.saved_tensors import (
     checkpoint_hooks_on_top,
     enter_running_module,
@@ -98,6 +98,7 @@ class CompressedModel(SwappedModule):
         if not (self.training and torch.is_grad_enabled()):
             # Eval and no_grad save nothing: the plain forward, no saved-tensor hooks.
             return super().forward(*args, **kwargs)
+        warn_if_leaving_graph(WHOLE_MODEL_FALLBACK)
         return _whole_model_forward(self, args, kwargs)
 
     def extra_repr(self) -> str:
