@@ -50,3 +50,26 @@ def test_the_quickstart_prints_what_the_readme_shows(tmp_path):
         (got_step, got_loss), (want_step, want_loss) = (re.fullmatch(r"step (\d): loss ([\d.]+)", line).groups()
                                                         for line in (got, want))
         assert got_step == want_step and float(got_loss) == pytest.approx(float(want_loss), abs=0.02)
+
+
+def _ci_blocks() -> list[str]:
+    """The commands of the README's ``<!-- ci:test -->`` blocks, as .ci/run takes them."""
+    marked = re.findall(r"<!-- ci:test -->\n```bash\n(.*?)```\n<!-- /ci:test -->", README, flags=re.S)
+    assert marked, "the README has ci:test blocks"
+    return marked
+
+
+@pytest.mark.parametrize("page", ["docs/install.md", "docs/index.md"])
+def test_pages_that_say_what_ci_runs_show_the_same_commands(page):
+    # A newcomer copies the first block a page shows: it must be what CI installs and runs.
+    text = (ROOT / page).read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    for commands in _ci_blocks():
+        assert commands in blocks, f"{page} does not show the README's ci:test block:\n{commands}"
+
+
+def test_no_page_installs_with_other_extras_than_ci():
+    installs = {line for commands in _ci_blocks() for line in commands.splitlines() if "pip install -e" in line}
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for line in re.findall(r"^pip install -e .*$", page.read_text(), flags=re.M):
+            assert line in installs, f"{page.relative_to(ROOT)} installs with {line!r}; CI runs {sorted(installs)}"
