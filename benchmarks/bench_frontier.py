@@ -14,7 +14,7 @@ For each timm model (224 px, fp32, 10 classes, SGD) and batch size, five ways to
   what lies outside them (the stem, the head) and checkpoint's stored block inputs stay as they are.
 
 1. **Peak memory**: VmHWM of ``--steps`` training steps, each configuration in a fresh process
-   (:func:`actcomp.tools.peak_rss.peak_rss`, freed memory returned to the OS), on ``--threads`` threads.
+   (:func:`actcomp.tools.peak_rss.peak_rss`: AdamW, glibc's allocator as a user's process gets it), on ``--threads`` threads.
 2. **Step time**: every configuration of one model and batch lives in one process, is built from
    the same seeded weights and trains on the same batch; one step of each per round, in rotating
    order (``common.time_rounds``); the ratio is the median over rounds of (configuration step /

@@ -7,8 +7,8 @@
 within 4 GiB; its results files (``max_batch_4GiB_<model>_*.csv``) give the batches here. This
 script trains each method at its own largest batch, each run in a fresh process
 (:func:`actcomp.tools.peak_rss.training_steps`, the search's own probe: the model built from the
-same seed, one untimed step, then ``--steps`` timed steps; the peak read from VmHWM with
-``MALLOC_MMAP_THRESHOLD_=65536``), the methods in rotating
+same seed, one untimed step, then ``--steps`` timed steps; the peak read from VmHWM, AdamW,
+glibc's allocator as a user's process gets it), the methods in rotating
 order for ``--rounds`` rounds. Reported: samples per second (batch / median step time), and
 per round the ratio to plain's samples per second in the same round, median over rounds: what
 a user who fills the budget gets per second of training.

@@ -3,9 +3,9 @@
     python benchmarks/bench_max_batch.py --models resnet50   # 4 GiB, 1 thread: 26 minutes (ViT-S: 49) beside another process
     python benchmarks/bench_max_batch.py --models resnet18 --img-size 64 --budget 1GiB   # check: ~3 minutes
 
-For each timm model (224 px, fp32, 10 classes, SGD), :func:`actcomp.tools.max_batch.largest_batch` finds
+For each timm model (224 px, fp32, 10 classes, AdamW), :func:`actcomp.tools.max_batch.largest_batch` finds
 the largest batch whose training step peaks at most ``--budget`` (VmHWM of a fresh process per
-probe, freed memory returned to the OS; a step at batch 2 first, so the measured step starts with
+probe, AdamW, glibc's allocator as a user's process gets it; a step at batch 2 first, so the measured step starts with
 its gradients allocated, as every step after the first does): an affine first guess from
 batches 16 and 32 (smaller ones overrate the slope: the process itself dominates their peak), a
 doubling walk, then bisection until the largest batch that fits and the smallest that does not

@@ -28,7 +28,7 @@ model (:mod:`gpt2_shaped`; token ids go to an embedding) is converted with ``fir
    configuration bytes. Per op kind (``report.kinds``) for ``8bit``, and the largest storage
    each configuration still keeps as is.
 2. **Peak RSS** of training steps at batch 32, fp32, plain vs ``linear`` vs ``8bit``, each in
-   a fresh process (:mod:`actcomp.tools.peak_rss`, glibc's freed memory returned to the OS; the
+   a fresh process (:mod:`actcomp.tools.peak_rss`: AdamW, glibc's allocator as a user's process gets it; the
    probe uses torch's default thread count). ~2-4 GiB and 30-90 s per process.
    ``--skip-rss`` skips it.
 3. **Step time** (forward + cross-entropy + backward + SGD step), plain vs ``linear``,
@@ -290,9 +290,9 @@ def markdown_body(rows: list[dict], args: argparse.Namespace) -> list[str]:
                         f"| {mib(row['kept_bytes'])} | {ratio} | {row['codecs']} |")
     if part["rss"]:
         body += ["", "## Peak process memory (RSS) of training steps", "",
-                 f"VmHWM of a fresh process running {args.rss_steps} SGD step(s) at batch {args.rss_batch}, "
-                 f"{args.img_size} px, fp32 (`actcomp.tools.peak_rss`: `MALLOC_MMAP_THRESHOLD_=65536`, so freed blocks go "
-                 "back to the OS; parameters, libraries and the backward's temporaries included).", "",
+                 f"VmHWM of a fresh process running {args.rss_steps} AdamW step(s) at batch {args.rss_batch}, "
+                 f"{args.img_size} px, fp32 (`actcomp.tools.peak_rss`: glibc's allocator as a user's process gets it; "
+                 "parameters, libraries and the backward's temporaries included).", "",
                  "| model | config | peak MiB | plain / config | target |", "|---|---|---:|---:|---|"]
         for row in part["rss"]:
             body.append(f"| {row['model']} | {row['config']} | {row['peak_rss_bytes'] / 2**20:.0f} "
