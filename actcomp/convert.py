@@ -99,7 +99,7 @@ def to_compressed(
     ``return_freed_memory`` (default True) makes glibc give freed buffers of 1 MiB and up back to
     the operating system (:mod:`actcomp.host_allocator`), without which a process keeps the pages
     the freed full-size tensors held and its peak shows little of the saving (ViT-S, batch 32:
-    1.29x lower instead of 2.23x). The setting is the process's; ``False`` or
+    1.33x lower instead of 2.15x). The setting is the process's; ``False`` or
     ``ACTCOMP_RETURN_FREED_MEMORY=0`` leave the allocator alone.
 
     Converting an already converted model replaces the pipelines of the layers it selects

@@ -5,12 +5,13 @@ copy right after its backward. glibc's malloc keeps such blocks for reuse: past 
 mapped block its mmap threshold rises to that block's size (up to 32 MiB), every later buffer
 below it comes from the heap, and freed heap is returned only from the top. The process then
 holds the pages a plain run would have needed anyway: ViT-S at batch 32 (224 px, AdamW, 2
-threads) peaked at 2724 MiB under ``rest="8bit"`` against plain's 3519 MiB, 1.29x lower for a
-3.9x smaller set of kept tensors (the trap ActNN's users reported as "memory not actually saved").
+threads) peaked at 2565 MiB under ``"mink0.9+int8", rest="8bit"`` against plain's 3420 MiB, 1.33x
+lower (the trap ActNN's users reported as "memory not actually saved").
 
 :func:`return_freed_memory` fixes glibc's threshold at 1 MiB with ``mallopt``: every buffer of
 1 MiB and up is mapped on its own and unmapped when freed, and resident memory follows live
-memory (the same ViT-S: 1580 MiB, 2.23x lower than plain as a user runs it). :func:`~actcomp.to_compressed`
+memory (the same ViT-S: 1590 MiB, 2.15x lower than plain as a user runs it;
+``benchmarks/results/user_peak_torch2.14.1_cpu_t2.md``). :func:`~actcomp.to_compressed`
 calls it on every conversion that changes something; ``to_compressed(..., return_freed_memory=False)``
 or ``ACTCOMP_RETURN_FREED_MEMORY=0`` in the environment leave the allocator alone. The setting is
 the process's (glibc has one malloc), it stays until the process ends, and it is inherited by
@@ -33,9 +34,9 @@ import ctypes.util
 import os
 import platform
 
-# Buffers from this size up are mapped one by one. 64 KiB, 256 KiB and 1 MiB gave ViT-S's
-# batch-32 step the same peak (1580 MiB), 4 MiB 45 MiB more; the larger the threshold, the
-# fewer mappings (and page faults) a step pays for.
+# Buffers from this size up are mapped one by one. In a one-off probe (not kept in benchmarks/),
+# 64 KiB, 256 KiB and 1 MiB gave ViT-S's batch-32 step the same peak (1580 MiB), 4 MiB 45 MiB
+# more; the larger the threshold, the fewer small mappings a step pays for.
 MMAP_THRESHOLD = 1 << 20
 SWITCH = "ACTCOMP_RETURN_FREED_MEMORY"
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h

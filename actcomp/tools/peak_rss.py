@@ -11,8 +11,8 @@ settings measure otherwise, and a figure taken under them must say so: ``allocat
 sets ``MALLOC_MMAP_THRESHOLD_=65536`` for every run, plain included (how the benchmarks measured
 before stop 40: RSS then follows live memory in plain runs too), ``allocator="untouched"`` sets
 ``ACTCOMP_RETURN_FREED_MEMORY=0`` (the library's remedy off). ViT-S, batch 32, 224 px, 2
-threads, AdamW: plain 3519 MiB as it comes (2889 tuned); ``"mink0.9+int8", rest="8bit"`` 1580
-MiB as it comes, 2724 MiB untouched.
+threads, AdamW (``benchmarks/bench_user_peak.py``): plain 3420 MiB as it comes (2889 tuned);
+``"mink0.9+int8", rest="8bit"`` 1590 MiB as it comes, 2565 MiB untouched.
 
 >>> peak_rss("resnet18", None, batch=2, img_size=32, steps=1) > 0  # doctest: +SKIP
 True
