@@ -59,7 +59,21 @@ def _ci_blocks() -> list[str]:
     return marked
 
 
-@pytest.mark.parametrize("page", ["docs/install.md", "docs/index.md"])
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+# Pages whose prose says they show what CI runs: "this is what CI runs", "which CI runs verbatim".
+_SAYS_WHAT_CI_RUNS = re.compile(r"what\s+CI\s+runs|CI\s+runs\s+verbatim")
+PAGES_SAYING_WHAT_CI_RUNS = [str(page.relative_to(ROOT)) for page in _pages()[1:]
+                             if _SAYS_WHAT_CI_RUNS.search(page.read_text())]
+
+
+def test_the_pages_that_say_what_ci_runs_are_found():
+    assert {"docs/install.md", "docs/index.md"} <= set(PAGES_SAYING_WHAT_CI_RUNS)
+
+
+@pytest.mark.parametrize("page", PAGES_SAYING_WHAT_CI_RUNS)
 def test_pages_that_say_what_ci_runs_show_the_same_commands(page):
     # A newcomer copies the first block a page shows: it must be what CI installs and runs.
     text = (ROOT / page).read_text()
@@ -68,8 +82,18 @@ def test_pages_that_say_what_ci_runs_show_the_same_commands(page):
         assert commands in blocks, f"{page} does not show the README's ci:test block:\n{commands}"
 
 
+def test_a_command_said_to_be_run_as_ci_runs_it_is_one_ci_runs():
+    # development.md lists commands with comments; "as CI runs it" must be CI's line verbatim.
+    ci_lines = {line for commands in _ci_blocks() for line in commands.splitlines()}
+    claimed = [(page, command.strip()) for page in _pages()
+               for command in re.findall(r"^([^#\n]+)#.*\bas CI runs", page.read_text(), flags=re.M)]
+    assert claimed, "development.md says which of its commands CI runs"
+    for page, command in claimed:
+        assert command in ci_lines, f"{page.relative_to(ROOT)}: {command!r} is not a line CI runs: {sorted(ci_lines)}"
+
+
 def test_no_page_installs_with_other_extras_than_ci():
     installs = {line for commands in _ci_blocks() for line in commands.splitlines() if "pip install -e" in line}
-    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+    for page in _pages():
         for line in re.findall(r"^pip install -e .*$", page.read_text(), flags=re.M):
             assert line in installs, f"{page.relative_to(ROOT)} installs with {line!r}; CI runs {sorted(installs)}"
