@@ -97,3 +97,21 @@ def test_no_page_installs_with_other_extras_than_ci():
     for page in _pages():
         for line in re.findall(r"^pip install -e .*$", page.read_text(), flags=re.M):
             assert line in installs, f"{page.relative_to(ROOT)} installs with {line!r}; CI runs {sorted(installs)}"
+
+
+def _demo_outputs(text: str) -> list[str]:
+    """The blocks of a page that show ``actcomp demo``'s output."""
+    return re.findall(r"^```\n(actcomp demo:.*?)```", text, flags=re.S | re.M)
+
+
+def test_every_page_that_shows_the_demo_shows_the_readmes_run():
+    # One run, one CPU line: a page's copy must not keep an older run's numbers. The README's
+    # "..." leaves lines out; another page may show them.
+    (shown,) = _demo_outputs(README)
+    pattern = "".join(r"(?:.*\n)*?" if line == "..." else re.escape(line) + r"\n" for line in shown.splitlines())
+    pages = [page for page in _pages()[1:] if _demo_outputs(page.read_text())]
+    assert {"docs/index.md", "docs/install.md"} <= {str(page.relative_to(ROOT)) for page in pages}
+    for page in pages:
+        for output in _demo_outputs(page.read_text()):
+            assert re.fullmatch(pattern, output), f"{page.relative_to(ROOT)} shows another demo run than the README's"
+
