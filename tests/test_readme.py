@@ -3,6 +3,7 @@ what the README shows."""
 
 from __future__ import annotations
 
+import difflib
 import re
 import subprocess
 import sys
@@ -115,3 +116,26 @@ def test_every_page_that_shows_the_demo_shows_the_readmes_run():
         for output in _demo_outputs(page.read_text()):
             assert re.fullmatch(pattern, output), f"{page.relative_to(ROOT)} shows another demo run than the README's"
 
+
+# What the home page says where the README cannot: the README's links lead into docs/ on GitHub.
+HOME_PAGE_ONLY = {
+    "# actcomp\n": "# actcomp\n\n*This page is the repository's README; the pages in the menu hold the rest.*\n",
+    "The documentation (`mkdocs serve`, or the Markdown under `docs/`):": "The rest of this site:",
+    "MIT licensed ([LICENSE](LICENSE)).": "MIT licensed (`LICENSE` in the repository).",
+    "](CHANGELOG.md)": "](changelog.md)",
+}
+
+
+def test_the_home_page_is_the_readme():
+    # docs/index.md is the README with its links made relative to docs/: an edit to one goes
+    # to the other.
+    home = re.sub(r"^<!-- /?ci:test -->\n", "", README, flags=re.M)
+    home = re.sub(r"\[docs/(?:[\w-]+/)*([\w-]+)\.md\]\(docs/", r"[\1](", home)  # [docs/x.md](docs/x.md)
+    home = home.replace("](docs/", "](")
+    for readme_text, home_text in HOME_PAGE_ONLY.items():
+        assert readme_text in home, f"HOME_PAGE_ONLY names README text that is gone: {readme_text!r}"
+        home = home.replace(readme_text, home_text, 1)
+    page = (ROOT / "docs/index.md").read_text()
+    diff = "\n".join(difflib.unified_diff(home.splitlines(), page.splitlines(), "README.md, made a page", "docs/index.md",
+                                          lineterm="", n=1))
+    assert home == page, f"docs/index.md and README.md differ:\n{diff}"
