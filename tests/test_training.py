@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 import actcomp
 from actcomp.errors import WARNED
-from actcomp.graph.not_compiled import LAYER_FALLBACK
+from actcomp.graph.not_compiled import LAYER_FALLBACK, WHOLE_MODEL_FALLBACK
 
 pytestmark = pytest.mark.usefixtures("seeded", "single_thread")
 
@@ -412,11 +412,10 @@ def test_digits_mink08_trains_as_well_as_baseline():
     assert loss <= baseline_loss + 0.1
 
 
-def test_eager_training_of_a_converted_model_says_nothing_about_compile():
-    from actcomp.graph.not_compiled import LAYER_FALLBACK, WHOLE_MODEL_FALLBACK
-
+@pytest.mark.parametrize("rest", [None, "8bit"], ids=["linear-conv", "whole-model"])
+def test_eager_training_of_a_converted_model_says_nothing_about_compile(rest):
     WARNED.difference_update({LAYER_FALLBACK, WHOLE_MODEL_FALLBACK})
-    model = actcomp.to_compressed(small_cnn(classes=3, channels=4), "int8", rest="8bit")
+    model = actcomp.to_compressed(small_cnn(classes=3, channels=4), "int8", rest=rest)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*outside the compiled graph")
         F.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.arange(4) % 3).backward()
