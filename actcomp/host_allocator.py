@@ -20,10 +20,10 @@ buffer: ``benchmarks/bench_user_peak.py`` states it beside the peaks.
 
 Left alone: a process whose ``MALLOC_MMAP_THRESHOLD_`` is set (the user chose), and every C
 library but glibc (musl, macOS, Windows): there ``mallopt`` does not exist or means something
-else, and the allocator decides (macOS's and Windows' heaps map large blocks on their own).
+else, and the allocator decides (not measured there).
 
 >>> from actcomp.host_allocator import return_freed_memory
->>> return_freed_memory() in {"set", "already set", "left to MALLOC_MMAP_THRESHOLD_", "not glibc"}
+>>> return_freed_memory() in {"set", "already set", "left to MALLOC_MMAP_THRESHOLD_", "not glibc", "refused"}
 True
 """
 
@@ -34,36 +34,42 @@ import ctypes.util
 import os
 import platform
 
+from actcomp.errors import ActcompError
+
 # Buffers from this size up are mapped one by one. In a one-off probe (not kept in benchmarks/),
 # 64 KiB, 256 KiB and 1 MiB gave ViT-S's batch-32 step the same peak (1580 MiB), 4 MiB 45 MiB
 # more; the larger the threshold, the fewer small mappings a step pays for.
 MMAP_THRESHOLD = 1 << 20
 SWITCH = "ACTCOMP_RETURN_FREED_MEMORY"
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-_state: str | None = None
+_threshold_set: int | None = None  # what this process's mallopt call set, if any
 
 
 def return_freed_memory(threshold: int = MMAP_THRESHOLD) -> str:
     """Make glibc map every buffer of ``threshold`` bytes and up on its own, so freeing it returns
     its pages; says what happened: ``"set"``, ``"already set"``, ``"disabled by
-    ACTCOMP_RETURN_FREED_MEMORY=0"``, ``"left to MALLOC_MMAP_THRESHOLD_"`` or ``"not glibc"``.
+    ACTCOMP_RETURN_FREED_MEMORY=0"``, ``"left to MALLOC_MMAP_THRESHOLD_"``, ``"not glibc"`` or
+    ``"refused"`` (mallopt returned 0: glibc caps the threshold, at a size its version decides).
 
     >>> return_freed_memory() != ""
     True
     """
-    global _state
+    global _threshold_set
+    # mallopt takes a C int: a larger value would wrap to another threshold, 0 included.
+    if not 0 < int(threshold) < 2**31:
+        raise ActcompError(f"return_freed_memory: threshold={threshold} bytes is not in 1 .. 2**31 - 1")
     if os.environ.get(SWITCH, "1").strip().lower() in {"0", "false", "no", "off"}:
         return f"disabled by {SWITCH}=0"
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return "left to MALLOC_MMAP_THRESHOLD_"
-    if _state == f"set {threshold}":
+    if _threshold_set == threshold:
         return "already set"
     libc = _glibc()
     if libc is None:
         return "not glibc"
     if not libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)):
-        return "not glibc"  # mallopt refuses values above its maximum (32 MiB on 64-bit)
-    _state = f"set {threshold}"
+        return "refused"
+    _threshold_set = threshold
     return "set"
 
 

@@ -74,3 +74,9 @@ def test_a_conversion_that_changes_nothing_leaves_the_allocator_alone(monkeypatc
     monkeypatch.setattr(host_allocator, "return_freed_memory", lambda: pytest.fail("the allocator was touched"))
     with pytest.warns(UserWarning, match="unchanged"):
         actcomp.to_compressed(torch.nn.Sequential(torch.nn.ReLU()), "int8")
+
+
+@pytest.mark.parametrize("threshold", [0, -1, 1 << 40])
+def test_a_threshold_a_c_int_cannot_hold_is_an_error(threshold):
+    with pytest.raises(actcomp.ActcompError, match=r"not in 1 .. 2\*\*31 - 1"):
+        host_allocator.return_freed_memory(threshold=threshold)
