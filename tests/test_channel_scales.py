@@ -47,8 +47,8 @@ def test_int8_groups_as_before_unless_asked():
     x = outlier_rows()
 
     assert Int8().scale == "group" and Int4().scale == "channel" and Int2().scale == "channel"
-    assert torch.equal(Int8().compress(x, channel_dim=-1).tensors[0], Int8(scale="group").compress(x).tensors[0])
-    assert len(actcomp.parse("int8:scale=channel").compress(x, channel_dim=-1).tensors) == 4
+    assert torch.equal(Int8().compress(x, channel_dim=-1).tensors[1], Int8(scale="group").compress(x).tensors[1])
+    assert len(actcomp.parse("int8:scale=channel").compress(x, channel_dim=-1).tensors) == 5  # with the finite flag
 
 
 def test_one_int8_exponent_per_channel_is_kept():
@@ -56,7 +56,7 @@ def test_one_int8_exponent_per_channel_is_kept():
 
     channel, group = Int4().compress(x, channel_dim=-1), Int4(scale="group").compress(x, channel_dim=-1)
 
-    exponents = channel.tensors[2]
+    exponents = channel.tensors[3]
     assert exponents.dtype == torch.int8 and exponents.shape == (128,)
     assert channel.nbytes == group.nbytes + 128
     # 2**e <= the channel's mean magnitude < 2**(e + 1).
@@ -74,7 +74,7 @@ def test_without_last_axis_channels_of_float32_range_the_groups_are_as_before(x,
     channel = Int4().compress(x, channel_dim=channel_dim)
     group = Int4(scale="group").compress(x, channel_dim=channel_dim)
 
-    assert len(channel.tensors) == len(group.tensors) == 3
+    assert len(channel.tensors) == len(group.tensors) == 4  # the finite flag, offsets, scales, codes
     assert all(torch.equal(a, b) for a, b in zip(channel.tensors, group.tensors))
 
 
@@ -89,7 +89,7 @@ def test_the_scaled_rounding_stays_unbiased():
     packed = stage.compress(row.repeat(draws, 1), channel_dim=-1)
     mean = stage.decompress(packed).mean(dim=0)
 
-    offset, scale, exponents, _ = packed.tensors
+    offset, scale, exponents, _ = packed.tensors[1:]
     step = scale[0].float() * 2.0 ** exponents.float()
     assert ((mean - row).abs() <= 5 * step / (2 * math.sqrt(draws))).all()
 
@@ -147,7 +147,7 @@ def test_the_native_kernels_give_the_reference_bytes(spec, dtype, shape):
             results.append((packed.tensors, stage.decompress(packed)))
     (eager_tensors, eager_out), (native_tensors, native_out) = results
 
-    assert len(eager_tensors) == 4
+    assert len(eager_tensors) == 5  # the finite flag, offsets, scales, exponents, codes
     for expected, got in zip(eager_tensors, native_tensors, strict=True):
         assert torch.equal(expected.reshape(-1).view(torch.uint8), got.reshape(-1).view(torch.uint8))
     assert torch.equal(eager_out.view(torch.uint8), native_out.view(torch.uint8))

@@ -78,7 +78,7 @@ SIZES = {
     "dropout-mask": lambda codec, n, dtype: math.ceil(n / 8) + dtype.itemsize,
     "shape-only": lambda codec, n, dtype: 0,
     "pool-offsets": lambda codec, n, dtype: math.ceil(n * codec.bits / 8),
-    "fewbit": lambda codec, n, dtype: math.ceil(n * codec.bits / 8),
+    "fewbit": lambda codec, n, dtype: math.ceil(n * codec.bits / 8) + 1,  # and the chain's finite flag
 }
 
 
@@ -101,7 +101,7 @@ def example(name: str, dtype: torch.dtype, layout: str = "contiguous"):
 def test_codec_round_trips_with_its_size_dtype_and_layout(name, dtype, layout):
     codec, saved = example(name, dtype, layout)
     if name == "fewbit":
-        saved = saved.nan_to_num(0.0, 0.0, 0.0)  # finite inputs only (whole-model mode checks eagerly)
+        saved = saved.nan_to_num(0.0, 0.0, 0.0)  # a non-finite input decodes to NaN (test below)
 
     kept = CodecChoice(codec).encode(saved)
     standin = kept.unpack()
@@ -187,12 +187,26 @@ def encode_tensors(codec, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (payload, *saved)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_derivative_codes_of_a_tensor_holding_nan_or_inf_decode_to_nan(bad):
+    # No interval holds NaN, and whole-model mode chooses codecs without reading values: the
+    # chain's finite flag makes the whole stand-in NaN, so the gradient is NaN, never a guess.
+    codec, saved = example("fewbit", torch.float32)
+    saved = saved.nan_to_num(0.0, 0.0, 0.0)
+    saved.view(-1)[7] = bad
+
+    kept = CodecChoice(codec).encode(saved)
+
+    assert kept.packed.layout.flagged and not kept.packed.tensors[0]
+    assert kept.unpack().isnan().all()
+
+
 @pytest.mark.parametrize("name", WHOLE_MODEL)
 def test_codec_encode_and_decode_compile_to_the_eager_codes(name):
     codec, saved = example(name, torch.float32)
     flat = saved.reshape(-1)
     if name == "fewbit":
-        flat = flat.nan_to_num(0.0, 0.0, 0.0)  # finite inputs only
+        flat = flat.nan_to_num(0.0, 0.0, 0.0)  # the codes of NaN and inf are the flag's business
     payload, kept, meta = codec.encode(flat, Hints())
     torch._dynamo.reset()
 

@@ -48,6 +48,11 @@ def both_ways(spec, x: torch.Tensor) -> tuple[tuple, tuple]:
 
 
 def assert_same(reference: tuple, native: tuple) -> None:
+    flag = reference[0][0] if reference[0] else None
+    if flag is not None and flag.dtype == torch.bool and flag.dim() == 0 and not flag:
+        # A tensor holding NaN or inf decodes to NaN whatever its codes (the chain's flag).
+        assert not native[0][0] and native[1].isnan().all() and reference[1].isnan().all()
+        return
     for expected, got in zip(reference[0], native[0], strict=True):
         assert expected.dtype == got.dtype and expected.shape == got.shape
         # Bit patterns, so that -0.0 and 0.0 differ and NaN equals NaN.
@@ -87,7 +92,7 @@ def test_non_finite_values_not_set_aside_give_the_reference_values(spec, dtype, 
     results = []
     for backend in ("eager", "native"):
         with use_backend(backend):
-            packed = pack(stage.stages, stage.spec, x, set_aside_non_finite=False)
+            packed = pack(stage.stages, stage.spec, x, flag_non_finite=False)
             results.append((packed.tensors, unpack(stage.stages, stage.spec, packed)))
     (reference, reference_decoded), (native, native_decoded) = results
     for expected, got in zip(reference, native, strict=True):
@@ -150,7 +155,7 @@ def test_sparsifiers_with_native_kernels_give_the_reference_bytes(spec, dtype, m
         kernel = getattr(native_cpu, name)
         monkeypatch.setattr(native_cpu, name, lambda *a, _k=kernel, _n=name, **k: native_calls.add(_n) or _k(*a, **k))
     # Values on a coarse grid: thousands of ties at every magnitude, the threshold's too.
-    x = (values(65536 * 5 + 3, torch.float32) * 2).round().div(2).to(dtype)
+    x = (values(65536 * 5 + 3, torch.float32).clamp(-1e38, 1e38) * 2).round().div(2).to(dtype)
     assert_same(*both_ways(spec, x))
     assert native_calls == {"positions_and_keys", "select", "compact", "gather", "elias_fano_encode",
                             "elias_fano_scatter"}

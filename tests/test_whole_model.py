@@ -48,7 +48,7 @@ from actcomp.whole_model.exact_codecs import (
     clamp_middle,
 )
 from actcomp.whole_model.policy import RestPolicy
-from actcomp.whole_model.session import CodecChoice, _is_dropout_mask, _pool_settings, _with_nan_state
+from actcomp.whole_model.session import CodecChoice, _clamp_settings_on_device, _pool_settings
 
 pytestmark = [
     pytest.mark.usefixtures("seeded", "single_thread"),
@@ -309,8 +309,9 @@ class Kept:
 
 
 def clamp_mask(saved: torch.Tensor, low: float, high: float) -> Kept:
-    """Hardtanh's mask as whole-model mode picks it: with a NaN state where ``saved`` holds NaN."""
-    return Kept(_with_nan_state(saved, ClampMask(low, high)), saved)
+    """Hardtanh's mask as whole-model mode picks it by the device: on a CPU with a NaN state."""
+    settings = _clamp_settings_on_device(Scope("activation", op="hardtanh", args=(saved, low, high)), saved)
+    return Kept(ClampMask(**settings), saved)
 
 
 def pool_offsets(indices, x, kernel, stride, padding, dilation) -> Kept | None:
@@ -361,8 +362,8 @@ def test_hardtanh_mask_gives_hardtanh_backward_exactly(dtype, layout, bounds):
     kept = clamp_mask(saved, *bounds)
     finite = clamp_mask(saved.nan_to_num(0.25), *bounds)
 
-    # NaN is a third state (2 bits an element); without NaN one bit.
-    assert kept.nbytes == packed_bytes(saved.numel(), 2) and finite.nbytes == packed_bytes(saved.numel(), 1)
+    # On a CPU NaN is a third state (2 bits an element), chosen by the device, not the values.
+    assert kept.nbytes == finite.nbytes == packed_bytes(saved.numel(), 2)
     assert torch.equal(torch.ops.aten.hardtanh_backward(grad, finite.unpack(), *bounds),
                        torch.ops.aten.hardtanh_backward(grad, saved.nan_to_num(0.25), *bounds))
     assert torch.equal(torch.ops.aten.hardtanh_backward(grad, kept.unpack(), *bounds),
@@ -388,11 +389,12 @@ def test_dropout_mask_unpacks_to_the_mask(dtype):
     assert torch.equal(kept.unpack(), mask)
 
 
-def test_sdpa_eager_check_refuses_floats_that_are_not_a_mask():
+def test_a_tensor_sdpa_saves_that_is_not_a_dropout_mask_decodes_to_nan():
     # Two non-zero values: not 0 / 1/(1-p), so not a dropout mask (a tensor SDPA saves off
-    # autograd's path that is not its mask).
-    assert _is_dropout_mask(torch.tensor([0.0, 1.0, 2.0]), DropoutMask()) is None
-    assert _is_dropout_mask(torch.tensor([0.0, 2.0, 2.0]), DropoutMask()) == DropoutMask()
+    # autograd's path that is not its mask): checked on the device as it is coded, never read.
+    codec = DropoutMask(other_values="nan")
+    assert codec.decompress(codec.compress(torch.tensor([0.0, 1.0, 2.0]))).isnan().all()
+    assert torch.equal(codec.decompress(codec.compress(torch.tensor([0.0, 2.0, 2.0]))), torch.tensor([0.0, 2.0, 2.0]))
 
 
 POOLS = [
@@ -459,7 +461,7 @@ def test_derivative_code_error_is_within_derivative_error(function, approximate,
     kept = Kept(DerivativeCode(function, approximate, bits), x)
 
     assert kept.codec == f"fewbit{bits}"
-    assert kept.nbytes == packed_bytes(x.numel(), bits)
+    assert kept.nbytes == packed_bytes(x.numel(), bits) + 1  # and the finite flag
     # f' in float64 at the values themselves and at the representatives the backward reads.
     error = (derivative(function, approximate, kept.unpack().double())
              - derivative(function, approximate, x.double())).abs().max().item()
@@ -471,10 +473,11 @@ def test_derivative_code_error_is_within_derivative_error(function, approximate,
 
 
 @pytest.mark.parametrize("function", ["gelu", "silu"])
-def test_non_finite_input_to_derivative_codes_falls_back_to_the_pipeline(function):
+def test_non_finite_input_to_derivative_codes_makes_its_gradient_nan(function):
     # Derivative codes have no code for NaN or inf (a representative would read a finite f'
-    # where plain PyTorch reads NaN): such a tensor goes to the int8 pipeline, which keeps
-    # non-finite values exactly.
+    # where plain PyTorch reads NaN), and the codec is chosen without reading values: the
+    # chain's finite flag decodes such a tensor to NaN, so its gradient is NaN (loud), and the
+    # next finite batch is coded as before.
     activation = getattr(F, function)
 
     class Activation(nn.Module):
@@ -485,21 +488,21 @@ def test_non_finite_input_to_derivative_codes_falls_back_to_the_pipeline(functio
     broken = finite.clone()
     broken[0, :3] = torch.tensor([math.nan, math.inf, -math.inf])
     model = actcomp.to_compressed(Activation(), "mink0", rest={"fewbit": 3})
-    for inputs, codec in ((finite, "fewbit3"), (broken, "int8")):
+    for inputs in (finite, broken, finite):
         inputs = inputs.clone().requires_grad_(True)
         events = []
         with listening(events.append):
             step(model, inputs)
-        assert codecs_used(events) == {codec}
+        assert codecs_used(events) == {"fewbit3"}
         grad = inputs.grad
         inputs.grad = None
         step(Activation(), inputs)
-        # Non-finite positions get plain PyTorch's gradient exactly; finite ones within the
-        # derivative error (times 2 for x * 2; output weights are at most 1).
-        non_finite = ~inputs.isfinite()
-        assert_identical(grad[non_finite], inputs.grad[non_finite])
+        if inputs is broken or not inputs.isfinite().all():
+            assert grad.isnan().all()
+            continue
+        # Within the derivative error (times 2 for x * 2; output weights are at most 1).
         bound = 2 * derivative_error(function, "none", 3)
-        torch.testing.assert_close(grad[~non_finite], inputs.grad[~non_finite], atol=bound, rtol=0)
+        torch.testing.assert_close(grad, inputs.grad, atol=bound, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ from torch's global generator, and run it a chunk at a time.
 >>> import torch
 >>> x = torch.linspace(-1, 1, 1000)
 >>> packed = Int4(group=64).compress(x)
->>> packed.nbytes  # 500 bytes of codes + 16 groups * (4-byte fp32 offset + 2-byte bf16 scale)
-596
+>>> packed.nbytes  # 500 bytes of codes + 16 groups * (4-byte fp32 offset + 2-byte bf16 scale) + the finite flag
+597
 >>> bool((Int4(group=64).decompress(packed) - x).abs().max() <= 2 / 15)
 True
 """
@@ -229,8 +229,8 @@ class Int4(GroupQuant):
 class Int2(GroupQuant):
     """``int2``: 4 values per byte.
 
-    >>> Int2().compress(torch.zeros(8)).nbytes  # 2 bytes of codes, a 4-byte offset, a 2-byte scale
-    8
+    >>> Int2().compress(torch.zeros(8)).nbytes  # 2 bytes of codes, a 4-byte offset, a 2-byte scale, the flag
+    9
     """
 
     name, bits = "int2", 2

@@ -1,9 +1,10 @@
 """Storage casts: keep the tensor in fp16, bf16 or fp8 (e4m3) and cast back on decompress.
 
-Casts saturate: a value beyond the target's range becomes its largest finite value instead
-of overflowing to inf. Inputs are finite: the pipeline sets NaN and +-inf aside and puts them
-back exactly (even for fp8 e4m3, which has no inf). ``fp8`` scales the tensor by
-``amax / 448`` (one fp32 scalar kept) so the e4m3 range is used fully.
+Casts saturate: a finite value beyond the target's range becomes its largest finite value
+instead of overflowing to inf, while NaN and +-inf stay themselves (``fp16`` and ``bf16`` keep
+every non-finite value, so the chain keeps no finite flag for them). ``fp8`` scales the tensor
+by ``amax / 448`` (one fp32 scalar kept) so the e4m3 range is used fully; e4m3 has no inf, so
+a tensor holding one decodes to NaN (the chain's flag).
 
 >>> import torch
 >>> x = torch.tensor([1.0, 1e6, -float("inf")])
@@ -27,10 +28,10 @@ _FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cast with values clamped into ``dtype``'s range (NaN stays NaN).
+    """Cast with finite values clamped into ``dtype``'s range (NaN and +-inf stay as they are).
 
-    >>> saturating_cast(torch.tensor([1e6, -1.0]), torch.float16).tolist()
-    [65504.0, -1.0]
+    >>> saturating_cast(torch.tensor([1e6, -1.0, -float("inf")]), torch.float16).tolist()
+    [65504.0, -1.0, -inf]
     """
     if x.dtype == dtype:
         return x
@@ -40,11 +41,17 @@ def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Clamp in fp32 (the limit may not exist in x's dtype: bf16 rounds 65504 up to 65536), a
     # chunk at a time so the fp32 copy stays a chunk's.
     flat = x.reshape(-1)
-    return map_chunks(flat, dtype, lambda part: part.float().clamp(-limit, limit)).view(x.shape)
+    return map_chunks(flat, dtype, lambda part: _clamped_finite(part.float(), limit)).view(x.shape)
+
+
+def _clamped_finite(values: torch.Tensor, limit: float) -> torch.Tensor:
+    """``values`` clamped to ``[-limit, limit]``, infinities left alone."""
+    return torch.where(values.isinf(), values, values.clamp(-limit, limit))
 
 
 class _Cast(Compressor):
     kind = "quantizer"
+    flags_non_finite = False  # NaN and +-inf cast to themselves
     storage: ClassVar[torch.dtype]
 
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:

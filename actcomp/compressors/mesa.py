@@ -95,8 +95,10 @@ class Mesa8(Compressor):
             empty = torch.zeros(self.groups, device=x.device)
             return Encoded(x.to(torch.uint8), (empty, empty), (channel_dim, x.dtype))
         # Reductions over the other axes allocate nothing of x's size.
-        batch_low = grouped.amin(dim=(0, 2, 3)).float()
-        batch_high = grouped.amax(dim=(0, 2, 3)).float()
+        # A group's NaN or inf would poison the running range for every later batch: such a
+        # group's extreme counts as 0 (the tensor itself decodes to NaN, by the chain's flag).
+        batch_low = grouped.amin(dim=(0, 2, 3)).float().nan_to_num_(0.0, 0.0, 0.0)
+        batch_high = grouped.amax(dim=(0, 2, 3)).float().nan_to_num_(0.0, 0.0, 0.0)
         low, high = running.update(batch_low, batch_high, self.momentum)
         scale = (high - low).clamp_(min=0) / _LEVELS
         safe_scale = torch.where(scale > 0, scale, 1.0)

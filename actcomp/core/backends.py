@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from actcomp.errors import ActcompError, warn_once
-from actcomp.kernels import native_cpu
+from actcomp.kernels import eager_cpu, native_cpu
 
 BACKENDS = ("eager", "native", "compiled")
 DEFAULT = "native"
@@ -83,6 +83,12 @@ def active_backend() -> str:
     return _ENVIRONMENT_VALUES[value]
 
 
+def takes_cpu_shortcut(tensor: torch.Tensor) -> bool:
+    """Whether code around the codecs may read ``tensor``'s values back (a CPU tensor outside
+    ``torch.compile``, :mod:`~actcomp.kernels.eager_cpu`), which the reference never does."""
+    return active_backend() != "eager" and eager_cpu.applies(tensor)
+
+
 def encode(codec: Any, x: torch.Tensor, hints: Any, *state: Any) -> Any:
     """``codec.encode(x, hints, *state)`` by the active backend."""
     return _run(codec, "encode", x, hints, *state)
@@ -100,10 +106,12 @@ def _run(codec: Any, method: str, *args: Any) -> Any:
         result = getattr(codec, f"native_{method}")(*args)
         return eager(*args) if result is None else result
     if backend == "eager":
-        # The reference through and through: no native kernel inside the codec either.
+        # The reference through and through: no native kernel inside the codec, and no CPU
+        # shortcut that reads a value back (the device path's oracle reads nothing).
         previous = native_cpu.allow(False)
         try:
-            return eager(*args)
+            with eager_cpu.static_path_only():
+                return eager(*args)
         finally:
             native_cpu.allow(previous)
     if torch.compiler.is_compiling() or type(codec) in _failed or not codec.compiles():

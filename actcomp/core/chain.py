@@ -5,12 +5,12 @@ what each stage saves; :func:`unpack` runs them backwards. A :class:`~actcomp.co
 and a stage used alone both pack through here. :class:`Hints` and :class:`Encoded` are what
 passes between this loop and a stage.
 
-Non-finite values stay where they were, whatever the stages: ``pack`` sets every NaN,
-+inf and -inf aside (their flat positions as int32, int64 beyond 2**31 elements, and their
-values in the input dtype, both among the packed tensors), hands the stages the input with
-those elements zeroed, and ``unpack`` puts them back exactly. So overflow reaches the
-gradients just where it would without compression (loss scalers rely on it), and stages
-only ever see finite values.
+A tensor holding NaN, +inf or -inf decodes to NaN everywhere: ``pack`` keeps a 0-d bool
+*finite flag* (one reduction on the tensor's device, never read back) as the first packed
+tensor, and ``unpack`` turns the whole output to NaN where it is false. So overflow reaches
+the gradients (loss scalers see it and skip the step) on every device, eager or compiled,
+with no host read and a number of packed tensors fixed by the stages. The stages themselves
+see the values as they are; what they make of a non-finite value does not matter.
 
 >>> import torch
 >>> from actcomp.compressors import Int8, MinK
@@ -20,13 +20,13 @@ only ever see finite values.
 >>> packed = pack(stages, "mink0.9+int8", x)
 >>> packed.nbytes < 0.06 * x.numel() * x.element_size()
 True
->>> y = unpack(stages, "mink0.9+int8", packed)
->>> y[[3, 70]], int(y.isfinite().sum())
-(tensor([nan, -inf]), 4094)
+>>> bool(unpack(stages, "mink0.9+int8", packed).isnan().all())
+True
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -42,7 +42,7 @@ class Stage(Protocol):
     """What the loop needs of a stage (:class:`~actcomp.core.codec.Compressor` is one)."""
 
     takes: frozenset[str]
-    sets_aside_non_finite: bool
+    flags_non_finite: bool
 
     def encode(self, x: torch.Tensor, hints: Hints, *state: Any) -> Encoded: ...
 
@@ -54,26 +54,26 @@ class Stage(Protocol):
 
 
 def pack(stages: Sequence[Stage], spec: str, x: torch.Tensor, *, channel_dim: int | None = None,
-         states: Sequence[Any] | None = None, set_aside_non_finite: bool = True) -> Packed:
+         states: Sequence[Any] | None = None, flag_non_finite: bool = True) -> Packed:
     """Run ``stages`` (whose spec string is ``spec``) on ``x``; ``channel_dim`` names its channel
     axis for channel-wise stages. ``states`` are the stages' runtime states, which the caller
     keeps between calls (see :meth:`~actcomp.core.codec.Compressor.initial_state`);
-    without them every stage starts from its initial state. ``set_aside_non_finite=False``
-    skips the eager-only check for NaN and inf (one sum read back to Python): the stages then
-    see them, and a quantizer's group holding one decodes to NaN.
+    without them every stage starts from its initial state. ``flag_non_finite=False`` skips
+    the finite flag (one reduction): a non-finite value then decodes as the stages make it (a
+    quantizer's group holding NaN decodes to NaN, one holding inf saturates).
 
     >>> from actcomp.compressors import MinK
     >>> packed = pack([MinK(0.5)], "mink0.5", torch.tensor([1.0, -4.0, 2.0, 0.5]))
-    >>> packed.tensors  # the kept positions as a bitmask (0b0110), then the kept values
-    (tensor([6], dtype=torch.uint8), tensor([-4.,  2.]))
+    >>> packed.tensors  # the finite flag, the kept positions as a bitmask (0b0110), the kept values
+    (tensor(True), tensor([6], dtype=torch.uint8), tensor([-4.,  2.]))
     """
     if watchers.active():
-        return watchers.watched("pack", x, lambda: _pack(stages, spec, x, channel_dim, states, set_aside_non_finite))
-    return _pack(stages, spec, x, channel_dim, states, set_aside_non_finite)
+        return watchers.watched("pack", x, lambda: _pack(stages, spec, x, channel_dim, states, flag_non_finite))
+    return _pack(stages, spec, x, channel_dim, states, flag_non_finite)
 
 
 def _pack(stages: Sequence[Stage], spec: str, x: torch.Tensor, channel_dim: int | None,
-          states: Sequence[Any] | None, set_aside_non_finite: bool) -> Packed:
+          states: Sequence[Any] | None, flag_non_finite: bool) -> Packed:
     if not isinstance(x, torch.Tensor):
         raise ActcompError(f"compress expects a tensor, got {type(x).__name__}")
     category = "float" if x.is_floating_point() else "bool" if x.dtype == torch.bool else "int"
@@ -85,10 +85,12 @@ def _pack(stages: Sequence[Stage], spec: str, x: torch.Tensor, channel_dim: int 
     if states is None:
         states = [stage.initial_state() for stage in stages]
     hints = Hints(channel_dim=channel_dim if x.dim() else None)
-    payload, non_finite = x.detach(), ()
-    if category == "float" and stages[0].sets_aside_non_finite and set_aside_non_finite:
-        payload, non_finite = _set_aside_non_finite(payload)
-    tensors = list(non_finite)
+    payload = x.detach()
+    # Flagged unless every stage keeps NaN and inf itself (an exact mask, a cast, a sparsifier
+    # that drops nothing).
+    flagged = category == "float" and flag_non_finite and any(
+        stage.flags_non_finite and not stage.lossless() for stage in stages)
+    tensors = [finite_flag(payload)] if flagged else []
     stage_layouts = []
     for stage, state in zip(stages, states, strict=True):
         # Only stateful stages take a third argument: every other stage keeps encode(x, hints).
@@ -99,7 +101,7 @@ def _pack(stages: Sequence[Stage], spec: str, x: torch.Tensor, channel_dim: int 
         if payload.dim() != x.dim():
             hints = Hints(channel_dim=None)
     tensors.append(payload)
-    layout = PackedLayout(spec, x.shape, x.dtype, x.device, tuple(stage_layouts), len(non_finite))
+    layout = PackedLayout(spec, x.shape, x.dtype, x.device, tuple(stage_layouts), flagged)
     return Packed(tuple(tensors), layout)
 
 
@@ -115,17 +117,14 @@ def _unpack(stages: Sequence[Stage], spec: str, packed: Packed) -> torch.Tensor:
     layout = packed.layout
     if layout.spec != spec:
         raise ActcompError(f"packed data was made by pipeline {layout.spec!r}, not {spec!r}")
-    non_finite = packed.tensors[:layout.non_finite]
-    *tensors, payload = packed.tensors[layout.non_finite:]
+    *tensors, payload = packed.tensors[1:] if layout.flagged else packed.tensors
     end = len(tensors)
     for stage, (count, meta) in reversed(list(zip(stages, layout.stages))):
         saved = tuple(tensors[end - count:end])
         end -= count
         payload = backends.decode(stage, payload, saved, meta)
-    if non_finite:
-        positions, values = non_finite
-        # Out of place: a stage may hand back one of the packed tensors itself.
-        payload = payload.reshape(-1).index_put((positions.long(),), values)
+    if layout.flagged:
+        payload = _nan_unless_finite(payload, packed.tensors[0])
     return _laid_out(payload, layout)
 
 
@@ -147,18 +146,24 @@ def _laid_out(payload: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
     return restride(out, layout.strides)
 
 
-def _set_aside_non_finite(x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """``x`` with its NaN and +-inf zeroed, and their flat positions and exact values; ``x``
-    itself and no tensors when every element is finite."""
-    # A NaN or inf anywhere makes the sum non-finite, so one reduction clears the usual case.
-    # fp16 sums into fp32: large finite fp16 tensors would overflow their own dtype.
-    total = x.sum(dtype=torch.float32) if x.dtype == torch.float16 else x.sum()
-    if bool(total.isfinite()):
-        return x, ()
-    non_finite = ~x.isfinite()
-    positions = non_finite.reshape(-1).nonzero().view(-1)
-    if positions.numel() == 0:  # the finite values summed past the dtype's range
-        return x, ()
-    values = x.reshape(-1)[positions]
-    index_dtype = torch.int32 if x.numel() < 2**31 else torch.int64
-    return x.masked_fill(non_finite, 0), (positions.to(index_dtype), values)
+def finite_flag(x: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on ``x``'s device: whether every element of ``x`` is finite. One
+    reduction, never read back.
+
+    >>> finite_flag(torch.tensor([1.0, 2.0])), finite_flag(torch.tensor([1.0, float("inf")]))
+    (tensor(True), tensor(False))
+    """
+    if x.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=x.device)
+    # The extremes, not a sum: a sum of finite values near the dtype's maximum overflows, and
+    # that finite tensor would decode to NaN. NaN propagates through both.
+    low, high = torch.aminmax(x)
+    return low.isfinite() & high.isfinite()
+
+
+def _nan_unless_finite(payload: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """``payload``, or NaN in its shape where ``finite`` (a 0-d bool) is false."""
+    if backends.takes_cpu_shortcut(payload):
+        # On a CPU outside compile the flag is a read of host memory: skip the pass when finite.
+        return payload if bool(finite) else torch.full_like(payload, math.nan)
+    return torch.where(finite, payload, math.nan)

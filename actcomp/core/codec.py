@@ -127,10 +127,12 @@ class Compressor:
     :meth:`initial_state`). Everything :meth:`decode` reads is in the tensors :meth:`encode`
     kept and its metadata (plain values), so a packed tensor needs no closure to come back.
 
-    ``takes`` names the input dtypes a codec accepts ("float", "bool", "int"). By default
-    :meth:`encode` sees only finite values: the chain sets NaN and +-inf aside and puts them
-    back after :meth:`decode`; a codec that keeps them itself (an exact mask must: a NaN
-    decides a branch of the backward) sets ``sets_aside_non_finite = False``.
+    ``takes`` names the input dtypes a codec accepts ("float", "bool", "int"). By default the
+    chain keeps a finite flag beside the codes and decodes a tensor that held NaN or +-inf to
+    NaN everywhere (:mod:`actcomp.core.chain`), so :meth:`encode` need not care what it makes
+    of them; a codec that keeps every one of them itself (an exact mask must: a NaN decides a
+    branch of the backward; a cast does) sets ``flags_non_finite = False``, and a lossless one
+    (:meth:`lossless`) is not flagged either.
 
     >>> import torch, actcomp
     >>> stage = actcomp.compressors.MinK(0.5)
@@ -143,7 +145,7 @@ class Compressor:
     kind: ClassVar[str] = ""
     takes_rate: ClassVar[bool] = False
     takes: ClassVar[frozenset[str]] = frozenset({"float"})
-    sets_aside_non_finite: ClassVar[bool] = True
+    flags_non_finite: ClassVar[bool] = True
     # Whether encode draws from torch's global generator (a random choice of what to keep): then
     # two compressions of one tensor differ, and each must really run.
     draws_global_random: ClassVar[bool] = False

@@ -47,9 +47,9 @@ class PackedLayout:
     device: torch.device
     # Per stage: how many of the packed tensors are its own, and its metadata.
     stages: tuple[tuple[int, Any], ...]
-    # How many of the packed tensors, the first ones, hold the input's non-finite values:
-    # 0, or 2 (their flat positions and their values).
-    non_finite: int = 0
+    # Whether the first packed tensor is the input's finite flag (0-d bool, see
+    # actcomp.core.chain): a tensor holding NaN or inf decodes to NaN everywhere.
+    flagged: bool = False
     # Whole-model mode packs a saved tensor flat, in the axis order ``permutation`` (None: its
     # own), and rebuilds it with ``strides`` (None: contiguous), since backward kernels choose
     # by strides.
@@ -67,7 +67,7 @@ class Packed:
 
     >>> from actcomp.compressors import Int8
     >>> Int8().compress(torch.zeros(4, 256))
-    Packed('int8', float32[4, 256] on cpu, 1,048 of 4,096 bytes (25.6%): float32[4], bfloat16[4], uint8[1024])
+    Packed('int8', float32[4, 256] on cpu, 1,049 of 4,096 bytes (25.6%): bool[], float32[4], bfloat16[4], uint8[1024])
     """
 
     tensors: tuple[torch.Tensor, ...]

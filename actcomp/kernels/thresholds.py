@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from actcomp.kernels import eager_cpu
 from actcomp.kernels.chunks import aligned_length, spans
 from actcomp.kernels.noise import lowbias32_
 
@@ -133,14 +134,15 @@ def select_threshold(keys_of: Callable[[int, int], torch.Tensor], count: int, ke
 
 def _bin_counts(bins: torch.Tensor, size: int) -> torch.Tensor:
     """How many of ``bins`` (integers in ``[0, size)``) fall in each of ``size`` bins."""
-    if torch.compiler.is_compiling() or bins.device.type != "cpu":
+    if not eager_cpu.applies(bins):
         # bincount's length depends on the largest bin (data) unless it is at most minlength:
         # compiled, that is a data-dependent shape; on a GPU, a read of that bin back to the
         # host (the first GPU run caught it: tests/test_cuda_sync.py). Integer sums are exact
         # in any order, so the atomics behind index_add_ change nothing.
         counts = torch.zeros(size, dtype=torch.int64, device=bins.device)
         return counts.index_add_(0, bins.long(), torch.ones_like(bins, dtype=torch.int64))
-    # Eager on the CPU: bincount is a plain counting loop, several times faster than index_add_.
+    # Eager on the CPU, where reading the largest bin back stalls nothing: bincount is a plain
+    # counting loop, several times faster than index_add_.
     return torch.bincount(bins, minlength=size)
 
 

@@ -28,6 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from actcomp.core import backends
 from actcomp.errors import ActcompError
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -160,9 +161,14 @@ def _check(hidden, weight, target, bias, reduction, softcap, chunk_rows) -> None
 
 
 def _check_targets(target: torch.Tensor, vocabulary: int, ignore_index: int) -> None:
-    # A class out of range would read another row's logit, silently: plain raises, so do we (one
-    # reduction read back per call).
+    # A class out of range would read another row's logit, silently: plain raises, so do we. On
+    # a CPU (one reduction read back) with the value named; on a device as plain's CUDA kernel
+    # does, by an assertion on the device, which reads nothing back.
     bad = (target != ignore_index) & ((target < 0) | (target >= vocabulary))
+    if not backends.takes_cpu_shortcut(target):
+        torch._assert_async(~bad.any(), f"linear_cross_entropy: a target is out of range for a vocabulary of "
+                            f"{vocabulary} (valid: 0 to {vocabulary - 1}, or ignore_index={ignore_index})")
+        return
     if bool(bad.any()):
         value = int(target[bad][0])
         raise ActcompError(f"linear_cross_entropy: target {value} is out of range for a vocabulary of {vocabulary} "

@@ -17,7 +17,7 @@ kernels themselves, so they match what the backward computes.
 >>> codec = DerivativeCode("gelu", bits=3)
 >>> packed = codec.compress(x)
 >>> packed.nbytes, codec.label, round(derivative_error("gelu", "none", 3), 3)
-(375, 'fewbit3', 0.08)
+(376, 'fewbit3', 0.08)
 >>> d = lambda t: torch.ops.aten.gelu_backward(torch.ones_like(t), t)
 >>> bool((d(codec.decompress(packed)) - d(x)).abs().max() <= derivative_error("gelu", "none", 3) + 1e-3)  # + fp32 rounding
 True
@@ -34,6 +34,7 @@ from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_codec
 from actcomp.kernels.bitpack import unpack_codes
 from actcomp.kernels.chunks import spans
+from actcomp.kernels.device_constants import device_table
 from actcomp.whole_model.exact_codecs import pack_chunked
 
 # f' on [-10, 10] decides the intervals; beyond it GELU's and SiLU's derivatives are within
@@ -114,9 +115,10 @@ def derivative_error(function: str, approximate: str, bits: int) -> float:
 @dataclass(frozen=True)
 class DerivativeCode(Compressor):
     """``x`` (the input GELU or SiLU saved) as ``bits``-bit interval indices, ``ceil(n * bits
-    / 8)`` bytes; ``function`` is ``"gelu"`` (``approximate`` ``"none"`` or ``"tanh"``) or
-    ``"silu"``. Finite inputs only: a NaN or inf has no interval (whole-model mode sends such a
-    tensor to the activation pipeline, an eager-only check).
+    / 8) + 1`` bytes (the last, the chain's finite flag); ``function`` is ``"gelu"`` (``approximate`` ``"none"`` or ``"tanh"``) or
+    ``"silu"``, plus the chain's finite flag: a NaN or inf has no interval, so a tensor holding
+    one decodes to NaN everywhere (:mod:`actcomp.core.chain`) and its gradient is NaN, as
+    overflow should be (chosen by the op alone: nothing is read to choose).
 
     Works in chunks of :data:`CHUNK` elements, so its temporaries stay a few chunks in size
     whatever the tensor's (whole-tensor interval indices alone would be 1 byte per element).
@@ -124,7 +126,6 @@ class DerivativeCode(Compressor):
 
     name = "fewbit"
     kind = "derivative"
-    sets_aside_non_finite = False
     function: Literal["gelu", "silu"] = "gelu"
     approximate: Literal["none", "tanh"] = "none"
     bits: int = setting(3, minimum=1, below=9)
@@ -140,7 +141,7 @@ class DerivativeCode(Compressor):
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
         boundaries, _, _ = _codebook(self.function, self.approximate, self.bits)
         # The edges as the input's dtype rounds them, as a comparison with a Python number would.
-        edges = torch.tensor(boundaries, dtype=x.dtype, device=x.device)
+        edges = device_table(tuple(boundaries), x.dtype, x.device)
         flat = x.reshape(-1)
         packed = pack_chunked(flat, self.bits, lambda part: _interval(part, edges), CHUNK)
         return Encoded(packed, (), (flat.numel(), x.dtype))
@@ -148,7 +149,7 @@ class DerivativeCode(Compressor):
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
         count, dtype = meta
         _, representatives, _ = _codebook(self.function, self.approximate, self.bits)
-        values = torch.tensor(representatives, dtype=dtype, device=payload.device)
+        values = device_table(tuple(representatives), dtype, payload.device)
         out = torch.empty(count, dtype=dtype, device=payload.device)
         for start, stop in spans(count, CHUNK):
             codes = unpack_codes(payload[start * self.bits // 8:], self.bits, stop - start)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -39,6 +39,7 @@ from actcomp.core.registry import register_codec
 from actcomp.kernels import native_cpu
 from actcomp.kernels.bitpack import pack_bits, pack_codes, packed_size, unpack_bits, unpack_codes
 from actcomp.kernels.chunks import aligned_length, spans
+from actcomp.kernels.device_constants import device_table
 
 
 def select(codes: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -74,7 +75,7 @@ class BitMask(Compressor):
     """
 
     kind = "exact"
-    sets_aside_non_finite = False
+    flags_non_finite = False
     inside: ClassVar[float] = 1.0
     outside: ClassVar[float] = 0.0
     # The native kernel's name for the predicate (native_cpu.MASK_MODES), None if it has none.
@@ -99,7 +100,7 @@ class BitMask(Compressor):
         if (outside, inside) == (0, 1):
             # 1 and 0 (ReLU's stand-in) are the mask itself, cast: cheaper than a select.
             return mask.view(torch.uint8).to(dtype)
-        return select(mask, torch.tensor([outside, inside], dtype=dtype, device=payload.device))
+        return select(mask, device_table((outside, inside), dtype, payload.device))
 
     def native_encode(self, x: torch.Tensor, hints: Hints) -> Encoded | None:
         """:meth:`encode` in one pass of :mod:`~actcomp.kernels.native_cpu`, for the predicates it knows."""
@@ -181,7 +182,7 @@ class ClampMask(Compressor):
 
     name = "clamp-mask"
     kind = "exact"
-    sets_aside_non_finite = False
+    flags_non_finite = False
     low: float = -1.0
     high: float = 1.0
     states: int = setting(2, minimum=2, below=4)
@@ -205,7 +206,7 @@ class ClampMask(Compressor):
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
         count, dtype = meta
         middle = (self.low + self.high) / 2  # rounded to dtype below, as clamp_middle rounds it
-        values = torch.tensor([-math.inf, middle, math.nan], dtype=dtype, device=payload.device)
+        values = device_table((-math.inf, middle, math.nan), dtype, payload.device)
         if self.states == 2:
             return select(unpack_bits(payload, count), values)
         return select(unpack_codes(payload, 2, count), values)
@@ -216,19 +217,38 @@ class ClampMask(Compressor):
 class DropoutMask(BitMask):
     """Dropout's saved mask, one bit an element (``ceil(n / 8)`` bytes): ``bool`` as it is;
     floats, all ``0`` or one scale ``1/(1-p)`` (the CPU kernel's), with the scale kept too
-    (one element more)."""
+    (one element more). ``other_values="nan"`` checks that on the device as it codes (a tensor
+    that may not be a mask: one SDPA saves): one that is not decodes to NaN, never to a wrong
+    mask, and nothing is read back to decide.
+
+    >>> codec = DropoutMask(other_values="nan")
+    >>> codec.decompress(codec.compress(torch.tensor([0.0, 2.0, 2.0])))
+    tensor([0., 2., 2.])
+    >>> codec.decompress(codec.compress(torch.tensor([0.0, 2.0, 0.5])))
+    tensor([nan, nan, nan])
+    """
 
     name = "dropout-mask"
     takes = frozenset({"bool", "float"})
+    other_values: Literal["trust", "nan"] = "trust"
+
+    @property
+    def label(self) -> str:
+        return self.name
 
     def predicate(self, part: torch.Tensor) -> torch.Tensor:
         return part if part.dtype == torch.bool else part != 0
 
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
         bits, _, meta = super().encode(x, hints)
+        if x.dtype == torch.bool:
+            return Encoded(bits, (), meta)
         # The scale is the largest value (a reduction on the device: nothing read back).
-        scale = () if x.dtype == torch.bool else (x.reshape(-1).amax().reshape(1),)
-        return Encoded(bits, scale, meta)
+        scale = x.reshape(-1).amax().reshape(1)
+        if self.other_values == "nan":
+            is_mask = ((x == 0) | (x == scale)).all()
+            scale = torch.where(is_mask, scale, math.nan)
+        return Encoded(bits, (scale,), meta)
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
         count, dtype = meta
@@ -236,7 +256,8 @@ class DropoutMask(BitMask):
         if dtype == torch.bool:
             return mask
         (scale,) = saved
-        return select(mask, torch.cat([scale.new_zeros(1), scale]))
+        # A NaN scale (not a mask) makes the zeros NaN too.
+        return select(mask, torch.cat([scale * 0, scale]))
 
 
 @register_codec
@@ -247,7 +268,7 @@ class ShapeOnly(Compressor):
 
     name = "shape-only"
     kind = "exact"
-    sets_aside_non_finite = False
+    flags_non_finite = False
 
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
         return Encoded(torch.empty(0, dtype=torch.uint8, device=x.device), (), (x.numel(), x.dtype))
@@ -274,7 +295,7 @@ class PoolOffsets(Compressor):
     name = "pool-offsets"
     kind = "exact"
     takes = frozenset({"int"})
-    sets_aside_non_finite = False
+    flags_non_finite = False
     kernel: tuple[int, ...] = setting((2, 2), minimum=1)
     stride: tuple[int, ...] = setting((2, 2), minimum=1)
     padding: tuple[int, ...] = setting((0, 0), minimum=0)

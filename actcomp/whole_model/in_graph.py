@@ -277,7 +277,7 @@ def _pack(saved: torch.Tensor, plan_hash: str):
     if pipeline is None or (comparisons and comparison is None):
         return ("keep", saved)
     # No set-aside of NaN and inf (a sum read back to Python, which a graph cannot hold).
-    packed = pack(pipeline.stages, pipeline.spec, saved, set_aside_non_finite=False)
+    packed = pack(pipeline.stages, pipeline.spec, saved, flag_non_finite=False)
     # The layout goes to the unpack hook as a string constant: a dataclass in the hook's output
     # would be traced as a call that builds it, which the inlining cannot carry to backward.
     key = f"layout {len(_LAYOUTS)}"

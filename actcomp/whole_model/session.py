@@ -235,13 +235,11 @@ def _no_settings(call: Scope, tensor: torch.Tensor) -> dict:
 class OpCodec:
     """An op-table entry: a registered codec class and ``settings(call, tensor)``, its settings
     read from the op's call (arguments, and the saved tensor's shape and dtype, never its
-    values) or None where the codec does not apply to this call. ``eager_check(tensor, codec)``,
-    where given, is an eager-only step that reads values: it returns the codec to use, or None
-    to fall back to the kind's own choice."""
+    values) or None where the codec does not apply to this call. Nothing reads values to
+    choose: what depends on them (a NaN, a mask that is not one) is the codec's to encode."""
 
     codec: type[Compressor]
     settings: Callable[[Scope, torch.Tensor], dict | None] = _no_settings
-    eager_check: Callable[[torch.Tensor, Compressor], Compressor | None] | None = None
 
 
 def _clamp_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
@@ -252,9 +250,14 @@ def _clamp_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
     return {"low": low, "high": high}
 
 
-def _with_nan_state(tensor: torch.Tensor, codec: Compressor) -> Compressor:
-    """Eager-only: a clamp's input holding NaN gets the mask with a NaN state (2 bits an element)."""
-    return replace(codec, states=3) if bool(tensor.isnan().any()) else codec
+def _clamp_settings_on_device(call: Scope, tensor: torch.Tensor) -> dict | None:
+    """:func:`_clamp_settings`, and the mask's states by the device, never by the values: on a
+    CPU, hardtanh's backward answers NaN by code path, so NaN is a third state there (2 bits an
+    element); CUDA's kernel and compiled code pass NaN as inside, which the 1-bit mask says."""
+    settings = _clamp_settings(call, tensor)
+    if settings is not None and tensor.device.type == "cpu":
+        settings["states"] = 3
+    return settings
 
 
 def _pair(value) -> tuple[int, int]:
@@ -278,39 +281,26 @@ def _derivative_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
     return {"function": call.op, "approximate": approximate}
 
 
-def _finite(tensor: torch.Tensor, codec: Compressor) -> Compressor | None:
-    """Eager-only: derivative codes have no code for NaN or inf; such a tensor goes to the
-    kind's fallback (a pipeline keeps them exactly). One reduction: any non-finite element makes
-    the sum non-finite."""
-    return codec if bool(tensor.sum(dtype=torch.float32).isfinite()) else None
-
-
 def _sdpa_mask_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
     """SDPA's math path (CPU) multiplies by a 0-or-1/(1-p) tensor it drew and saves it: with
     dropout on, a saved tensor off autograd's path (the mask needs no gradient) may be it."""
     if float(argument(call, 4, "dropout_p", 0.0)) > 0 and tensor.grad_fn is None and not tensor.requires_grad:
-        return {}
+        # Checked on the device as it is coded: a tensor not all 0 or one scale decodes to NaN.
+        return {"other_values": "nan"}
     return None
-
-
-def _is_dropout_mask(tensor: torch.Tensor, codec: Compressor) -> Compressor | None:
-    """Eager-only: whether floats are all 0 or one scale (a tensor SDPA saves off autograd's
-    path is its dropout mask only then; else the attention choice applies)."""
-    scale = tensor.amax()
-    return codec if bool(((tensor == 0) | (tensor == scale)).all()) else None
 
 
 OP_CODECS: dict[str, tuple[OpCodec, ...]] = {
     "relu": (OpCodec(ReluMask),),
     "leaky_relu": (OpCodec(LeakyReluMask),),
-    "hardtanh": (OpCodec(ClampMask, _clamp_settings, _with_nan_state),),
-    "relu6": (OpCodec(ClampMask, _clamp_settings, _with_nan_state),),
-    "gelu": (OpCodec(DerivativeCode, _derivative_settings, _finite),),
-    "silu": (OpCodec(DerivativeCode, _derivative_settings, _finite),),
+    "hardtanh": (OpCodec(ClampMask, _clamp_settings_on_device),),
+    "relu6": (OpCodec(ClampMask, _clamp_settings_on_device),),
+    "gelu": (OpCodec(DerivativeCode, _derivative_settings),),
+    "silu": (OpCodec(DerivativeCode, _derivative_settings),),
     # Every float tensor a dropout op saves is its 0-or-scale mask (alpha dropout's too).
     "dropout": (OpCodec(DropoutMask),),
     "max_pool2d": (OpCodec(PoolOffsets, _pool_settings), OpCodec(ShapeOnly)),
-    "sdpa": (OpCodec(DropoutMask, _sdpa_mask_settings, _is_dropout_mask),),
+    "sdpa": (OpCodec(DropoutMask, _sdpa_mask_settings),),
 }
 
 
@@ -360,7 +350,7 @@ def unregister_op_codec(function: Callable) -> None:
 @dataclass(frozen=True)
 class CodecChoice:
     """What whole-model mode does with one saved tensor: ``codec`` on it, laid out in
-    ``unit``'s rows (a norm's input); ``eager_check`` and ``fallback`` as in :class:`OpCodec`.
+    ``unit``'s rows (a norm's input).
 
     Frozen and hashable: whole-model mode shares one encoding between saves of one tensor
     only when their choices are equal.
@@ -373,16 +363,12 @@ class CodecChoice:
 
     codec: Compressor | Pipeline
     unit: Unit | None = None
-    eager_check: Callable[[torch.Tensor, Compressor], Compressor | None] | None = None
-    fallback: CodecChoice | None = None
 
     def encode(self, tensor: torch.Tensor) -> _Compressed | None:
         """``tensor`` packed flat, in its unit's rows, to be rebuilt in its own axis order and
         dense strides (backward kernels choose by strides); None when this would not save
         memory (a norm's rows of a few elements, each with a range of its own)."""
-        codec = self.codec if self.eager_check is None else self.eager_check(tensor, self.codec)
-        if codec is None:
-            return None if self.fallback is None else self.fallback.encode(tensor)
+        codec = self.codec
         permutation = None if self.unit is None else self.unit.permutation
         values = tensor.detach() if permutation is None else tensor.detach().permute(permutation)
         packed = codec.compress(values.reshape(-1))
@@ -417,7 +403,7 @@ def choose_codec(policy: RestPolicy, tensor: torch.Tensor, kind: str, scope: Sco
         settings = entry.settings(scope, tensor)
         if settings is not None:
             codec = entry.codec(**settings, bits=choice.bits) if derivative else entry.codec(**settings)
-            return CodecChoice(codec, eager_check=entry.eager_check, fallback=fallback)
+            return CodecChoice(codec)
     return fallback
 
 
