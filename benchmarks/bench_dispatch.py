@@ -10,7 +10,10 @@ per-call times, each round a batch of ``--calls`` calls):
 - ``registry``: the same through :func:`actcomp.core.backends.encode` (look-up by codec class
   and device, the choice of implementation, the call);
 - ``custom op``: the same function registered as ``torch.library.custom_op`` with
-  ``register_fake`` and ``register_kernel("cpu")``, called through the dispatcher.
+  ``register_fake`` and ``register_kernel("cpu")``, called through the dispatcher;
+
+and the dispatch alone: a Python function and a custom op that each return an empty tensor,
+and the registry's choice of implementation (:func:`actcomp.core.backends.choose`).
 
 Then, under ``torch.compile(backend="eager")`` (Dynamo only: graph breaks are Dynamo's), a
 function that encodes and decodes is traced three ways (the registry's encode, the custom op,
@@ -56,6 +59,25 @@ def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     count, group = x.numel(), CODEC.group
     groups = -(-count // group)
     return (x.new_empty(count, dtype=torch.uint8), x.new_empty(groups), x.new_empty(groups, dtype=torch.bfloat16))
+
+
+@torch.library.custom_op("actcomp_bench::nothing", mutates_args=())
+def nothing_op(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(0)
+
+
+@nothing_op.register_kernel("cpu")
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(0)
+
+
+@nothing_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(0)
+
+
+def nothing(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(0)
 
 
 def direct(x: torch.Tensor):
@@ -133,6 +155,18 @@ def main() -> None:
         body.append(f"| {text} | {times['direct']:.1f} | {times['registry']:.1f} | {times['op']:.1f} | "
                     f"{times['registry'] - times['direct']:+.1f} | {times['op'] - times['direct']:+.1f} |")
         print(body[-1], flush=True)
+    # The dispatch alone, around a kernel that does nothing (an empty tensor): the rows above
+    # move with the machine's load by more than the differences they show.
+    x = torch.randn(4, 256)
+    calls = {"python": lambda: nothing(x), "custom op": lambda: nothing_op(x),
+             "registry choice": lambda: backends.choose(CODEC, "encode", x, HINTS)}
+    time_calls(calls, 3, args.calls * 10)
+    times = {name: statistics.median(values) for name, values in time_calls(calls, args.rounds, args.calls * 10).items()}
+    body += ["", "## The dispatch alone, around a kernel that returns an empty tensor (microseconds per call)", "",
+             "| plain Python call | custom op (register_kernel cpu + register_fake) | the registry's choice of int8's "
+             "encode (backends.choose) |", "|---|---|---|",
+             f"| {times['python']:.2f} | {times['custom op']:.2f} | {times['registry choice']:.2f} |"]
+    print(body[-1], flush=True)
     sizes = [1000, 1500, 4096]
     body += ["", f"## Under torch.compile(backend='eager'), encode then decode, sizes {sizes}", "",
              "| traced | graphs | graph breaks | frames compiled |", "|---|---|---|---|"]
