@@ -112,8 +112,9 @@ def register_implementation(klass: type, name: str, *, encode: Callable[..., Any
                             decodes: Callable[..., bool] | None = None) -> None:
     """Register ``klass``'s ``name`` kernels (``"native"``: CPU; ``"triton"``: CUDA), each with
     its capability predicate: ``encode(codec, x, hints)`` where ``encodes(codec, x, hints)``,
-    ``decode(codec, payload, saved, meta)`` where ``decodes(...)``. Subclasses inherit them; a
-    subclass may register its own, or ``None`` to take the reference back.
+    ``decode(codec, payload, saved, meta)`` where ``decodes(...)``. Subclasses inherit them (a
+    subclass may register its own); a predicate that asks ``type(codec).encode`` keeps a kernel
+    off a subclass that encodes otherwise.
 
     >>> from actcomp.compressors.casts import Fp16
     >>> register_implementation(Fp16, "triton", encode=lambda codec, x, hints: codec.encode(x, hints),
@@ -128,8 +129,8 @@ def register_implementation(klass: type, name: str, *, encode: Callable[..., Any
         if function is not None and takes is None:
             raise ActcompError(f"the {name} {method} of {klass.__name__} needs a capability predicate "
                                f"({method}s=...): which tensors it takes")
-        if function is not None or (klass, method, name) in _REGISTRY:
-            _REGISTRY[(klass, method, name)] = Implementation(name, function, takes or _never)
+        if function is not None:
+            _REGISTRY[(klass, method, name)] = Implementation(name, function, takes)
     _RESOLVED.clear()
 
 
@@ -159,16 +160,10 @@ def _resolved(klass: type, method: str) -> tuple[Implementation, ...]:
             # The nearest class in the MRO that registered this name decides (None: not here).
             for base in klass.__mro__:
                 if (base, method, name) in _REGISTRY:
-                    kernel = _REGISTRY[(base, method, name)]
-                    if kernel.function is not None:
-                        found[name] = kernel
+                    found[name] = _REGISTRY[(base, method, name)]
                     break
         _RESOLVED[key] = tuple(found.values())
     return _RESOLVED[key]
-
-
-def _never(*args: Any) -> bool:
-    return False
 
 
 @contextlib.contextmanager
