@@ -38,7 +38,7 @@ def test_the_default_is_native_and_the_environment_or_a_block_chooses(monkeypatc
 
 
 def test_bad_choices_are_clear_errors(monkeypatch):
-    with pytest.raises(ActcompError, match="unknown codec backend 'fused'; known: eager, native, compiled"):
+    with pytest.raises(ActcompError, match="unknown codec backend 'fused'; known: eager, native, triton, compiled \\(and cuda"):
         with use_backend("fused"):
             pass
     monkeypatch.setenv("ACTCOMP_COMPILE", "yes")

@@ -31,6 +31,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
 from actcomp.kernels import native_cpu
@@ -120,39 +121,6 @@ class GroupQuant(Compressor):
                 scale[first_group:first_group + groups], bits, group, torch.Size([stop - start]), dtype)
         return _unscaled(out, exponents).view(shape)
 
-    def native_encode(self, x: torch.Tensor, hints: Hints) -> Encoded | None:
-        """:meth:`encode` in one pass of :mod:`~actcomp.kernels.native_cpu`, on CPU float32 and
-        bfloat16 (a pass per chunk when channels are scaled: the scaled copy is a chunk's)."""
-        if not native_cpu.quantizes(x.device, x.dtype, x.numel(), self.bits):
-            return None
-        flat = x.reshape(-1).contiguous()
-        count, channels = flat.numel(), self._channels(x, hints)
-        exponents, inverse = _channel_exponents(flat, channels)
-        groups = grouped_shape(count, self.group)[0]
-        codes = torch.empty(packed_size(count, self.bits), dtype=torch.uint8)
-        offset = torch.empty(groups, dtype=flat.dtype)
-        scale = torch.empty(groups, dtype=torch.bfloat16)
-        seed = noise_seed(flat)
-        if channels is None:
-            native_cpu.quantize(flat, self.bits, self.group, seed, codes, offset, scale)
-        else:
-            length = aligned_length(flat.device, count, self.group, 8, channels)
-            for start, stop in spans(count, length):
-                first, first_group = start * self.bits // 8, start // self.group
-                native_cpu.quantize(_scaled(flat[start:stop], inverse), self.bits, self.group, seed, codes[first:],
-                                    offset[first_group:], scale[first_group:], base=start)
-        return Encoded(codes, (offset, scale, *exponents), (x.shape, x.dtype))
-
-    def native_decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor | None:
-        """:meth:`decode` in one pass of :mod:`~actcomp.kernels.native_cpu`."""
-        shape, dtype = meta
-        if not native_cpu.quantizes(payload.device, dtype, shape.numel(), self.bits):
-            return None
-        offset, scale, *exponents = saved
-        out = torch.empty(shape.numel(), dtype=dtype)
-        native_cpu.dequantize(payload.contiguous(), offset.contiguous(), scale.contiguous(), self.bits, self.group, out)
-        return _unscaled(out, exponents).view(shape)
-
 
 # Dtypes whose range holds a value divided by a channel's power of two (see _channel_exponents).
 _FP32_RANGE = (torch.float32, torch.bfloat16, torch.float64)
@@ -197,6 +165,45 @@ def _unscaled(out: torch.Tensor, exponents: list[torch.Tensor]) -> torch.Tensor:
     if exponents:
         out.view(-1, exponents[0].numel()).mul_(torch.exp2(exponents[0].float()).to(out.dtype))
     return out
+
+
+def _cpu_encode(codec: GroupQuant, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`GroupQuant.encode` in one pass of :mod:`~actcomp.kernels.native_cpu` (a pass per
+    chunk when channels are scaled: the scaled copy is a chunk's)."""
+    flat = x.reshape(-1).contiguous()
+    count, channels = flat.numel(), codec._channels(x, hints)
+    exponents, inverse = _channel_exponents(flat, channels)
+    groups = grouped_shape(count, codec.group)[0]
+    codes = torch.empty(packed_size(count, codec.bits), dtype=torch.uint8)
+    offset = torch.empty(groups, dtype=flat.dtype)
+    scale = torch.empty(groups, dtype=torch.bfloat16)
+    seed = noise_seed(flat)
+    if channels is None:
+        native_cpu.quantize(flat, codec.bits, codec.group, seed, codes, offset, scale)
+    else:
+        length = aligned_length(flat.device, count, codec.group, 8, channels)
+        for start, stop in spans(count, length):
+            first, first_group = start * codec.bits // 8, start // codec.group
+            native_cpu.quantize(_scaled(flat[start:stop], inverse), codec.bits, codec.group, seed, codes[first:],
+                                offset[first_group:], scale[first_group:], base=start)
+    return Encoded(codes, (offset, scale, *exponents), (x.shape, x.dtype))
+
+
+def _cpu_decode(codec: GroupQuant, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
+    """:meth:`GroupQuant.decode` in one pass of :mod:`~actcomp.kernels.native_cpu`."""
+    shape, dtype = meta
+    offset, scale, *exponents = saved
+    out = torch.empty(shape.numel(), dtype=dtype)
+    native_cpu.dequantize(payload.contiguous(), offset.contiguous(), scale.contiguous(), codec.bits, codec.group, out)
+    return _unscaled(out, exponents).view(shape)
+
+
+# CPU float32 and bfloat16, 1 to 2**31 - 1 values, the kernels built.
+register_implementation(
+    GroupQuant, "native",
+    encode=_cpu_encode, encodes=lambda codec, x, hints: native_cpu.quantizes(x.device, x.dtype, x.numel(), codec.bits),
+    decode=_cpu_decode,
+    decodes=lambda codec, payload, saved, meta: native_cpu.quantizes(payload.device, meta[1], meta[0].numel(), codec.bits))
 
 
 # The registered widths: a name and a width each, all behaviour in GroupQuant. They are classes,

@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import torch
 
+from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints
 from actcomp.core.registry import register_compressor
 from actcomp.kernels import native_cpu
@@ -96,19 +97,25 @@ class Fp8(Compressor):
         values = map_chunks(payload.reshape(-1), meta, lambda part: (part.float() * saved[0]).clamp(-limit, limit))
         return values.view(payload.shape)
 
-    def native_encode(self, x: torch.Tensor, hints: Hints) -> Encoded | None:
-        """:meth:`encode` in two passes of :mod:`~actcomp.kernels.native_cpu` (the range, then
-        the codes), on CPU float32 and bfloat16."""
-        if not native_cpu.casts(x.device, x.dtype, x.numel()):
-            return None
-        flat = x.reshape(-1).contiguous()
-        scale = native_cpu.fp8_amax(flat) / _FP8_MAX
-        # The scale as encode computes it: zero (or an underflow) keeps 1.
-        scale = torch.where(scale > 0, scale, 1.0)
-        return Encoded(native_cpu.fp8_encode(flat, scale).view(x.shape), (scale,), x.dtype)
 
-    def native_decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor | None:
-        if not native_cpu.casts(payload.device, meta, payload.numel()) or saved[0].dtype != torch.float32:
-            return None
-        codes = payload.reshape(-1).contiguous().view(torch.uint8)
-        return native_cpu.fp8_decode(codes, saved[0].contiguous(), meta).view(payload.shape)
+def _cpu_encode(codec: Fp8, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`Fp8.encode` in two passes of :mod:`~actcomp.kernels.native_cpu` (the range, then the codes)."""
+    flat = x.reshape(-1).contiguous()
+    scale = native_cpu.fp8_amax(flat) / _FP8_MAX
+    # The scale as encode computes it: zero (or an underflow) keeps 1.
+    scale = torch.where(scale > 0, scale, 1.0)
+    return Encoded(native_cpu.fp8_encode(flat, scale).view(x.shape), (scale,), x.dtype)
+
+
+def _cpu_decode(codec: Fp8, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
+    codes = payload.reshape(-1).contiguous().view(torch.uint8)
+    return native_cpu.fp8_decode(codes, saved[0].contiguous(), meta).view(payload.shape)
+
+
+# CPU float32 and bfloat16, 1 to 2**31 - 1 values, the kernels built (and a float32 scale to decode by).
+register_implementation(
+    Fp8, "native",
+    encode=_cpu_encode, encodes=lambda codec, x, hints: native_cpu.casts(x.device, x.dtype, x.numel()),
+    decode=_cpu_decode,
+    decodes=lambda codec, payload, saved, meta: native_cpu.casts(payload.device, meta, payload.numel())
+    and saved[0].dtype == torch.float32)

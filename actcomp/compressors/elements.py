@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
 from actcomp.kernels import eager_cpu
@@ -93,9 +94,9 @@ class _ElementSparsifier(Compressor):
         return rice_form(count, kept, length) if rice else static_form(count, kept)
 
     def kept_positions(self, flat: torch.Tensor, kept: int) -> torch.Tensor | None:
-        """The eager CPU path (:mod:`~actcomp.kernels.eager_select`): the ascending positions
-        the selector would keep (``flat.numel()`` in an empty slot), or None to take the static
-        path. A stage without one always takes the static path."""
+        """The CPU selection (:mod:`~actcomp.kernels.eager_select`, run by the CPU implementation
+        below): the ascending positions the selector would keep (``flat.numel()`` in an empty
+        slot), or None to take the static path. A stage without one always takes the static path."""
         return None
 
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
@@ -104,16 +105,47 @@ class _ElementSparsifier(Compressor):
         kept = self.kept_count(count)
         length = self.chunk_length(flat.device, count)
         form = self.position_form(count, kept, length)
-        if isinstance(form, (Bitmask, EliasFano, Indices)) and eager_cpu.applies(flat) \
-                and worth_it(count, kept, flat.element_size()):
-            positions = self.kept_positions(flat, kept)
-            if positions is not None:
-                return Encoded(*encode_positions(flat, positions, form))
         select = self.selector(flat, kept) if kept < count else None
         return Encoded(*encode_kept(flat, select, kept, form, length))
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: PositionForm) -> torch.Tensor:
         return meta.scatter(payload, saved)
+
+
+def _cpu_form(codec: _ElementSparsifier, x: torch.Tensor) -> Bitmask | EliasFano | Indices | None:
+    """The position form the CPU selection writes for ``x``, None where it does not run: off a CPU
+    (or under :func:`~actcomp.kernels.eager_cpu.static_path_only`), for a stage without its own
+    selection or encode, a form written otherwise (dense, Rice), or candidates too large beside
+    the input (:func:`~actcomp.kernels.eager_select.worth_it`)."""
+    if not eager_cpu.applies(x) or type(codec).encode is not _ElementSparsifier.encode \
+            or type(codec).kept_positions is _ElementSparsifier.kept_positions:
+        return None
+    count = x.numel()
+    kept = codec.kept_count(count)
+    form = codec.position_form(count, kept, codec.chunk_length(x.device, count))
+    if isinstance(form, (Bitmask, EliasFano, Indices)) and worth_it(count, kept, x.element_size()):
+        return form
+    return None
+
+
+def _cpu_encode(codec: _ElementSparsifier, x: torch.Tensor, hints: Hints) -> Encoded:
+    """The static path's codes from the CPU selection: candidates found with ``nonzero``, the
+    positions written by the native kernels where they are built."""
+    flat = x.reshape(-1)
+    positions = codec.kept_positions(flat, codec.kept_count(flat.numel()))
+    if positions is None:  # the sample missed (about once in 30,000 tensors): the static path
+        return codec.encode(x, hints)
+    return Encoded(*encode_positions(flat, positions, _cpu_form(codec, x)))
+
+
+# The CPU implementation of the element sparsifiers: the candidate search and Elias-Fano's
+# scatter read data-sized results back, which costs a CPU nothing (eager_cpu).
+register_implementation(
+    _ElementSparsifier, "native", encode=_cpu_encode,
+    encodes=lambda codec, x, hints: _cpu_form(codec, x) is not None,
+    decode=lambda codec, payload, saved, meta: meta.scatter_on_cpu(payload, saved),
+    decodes=lambda codec, payload, saved, meta: isinstance(meta, EliasFano) and eager_cpu.applies(payload)
+    and type(codec).decode is _ElementSparsifier.decode)
 
 
 def threshold_selector(threshold: Threshold) -> Selector:

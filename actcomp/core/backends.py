@@ -1,47 +1,67 @@
-"""Which implementation of a codec runs: its eager reference, its native CPU kernel, or the
-same pair compiled.
+"""Which implementation of a codec's encode or decode runs: its eager reference, a kernel it
+registered for the tensor's device, or the reference compiled. The one place that chooses.
 
-Every registered codec's ``encode``/``decode`` in eager PyTorch is its *reference*: always
-there, and what the tests compare every other implementation against. :func:`encode` and
-:func:`decode` are what the chain calls; they pick one of
+Every codec method has implementations by name:
 
-- ``"eager"``: the reference, nothing else;
-- ``"native"`` (the default): a codec's native CPU kernel where it has one and it takes the
-  tensor (:meth:`~actcomp.core.codec.Compressor.native_encode`; today the int8/int4/int2
-  quantizers, fp8 and the ReLU masks, and the min-k selection and positions inside the eager
-  sparsifiers), built once per
-  machine by :mod:`~actcomp.kernels.native_cpu`; the reference elsewhere. Its bytes are the
-  reference's, bit for bit; only the time differs (``benchmarks/bench_compressors.py``);
-- ``"compiled"``: the pair under ``torch.compile(fullgraph=True)``, compiled once per codec
-  class and settings and at most twice per tensor rank (symbolic sizes, settings as constants:
-  new sizes do not recompile), compiled code cached by Inductor across processes. The codec
-  contract (no value read back to Python, shapes fixed by the input's shape and the settings)
-  lets Inductor fuse a chunked loop of eager operations into a few kernels (C++/OpenMP on CPU,
-  Triton on CUDA) that give the eager codes. Not the default: on these CPUs the compiled forms
-  are slower than the native ones and than eager for most codecs
-  (``benchmarks/bench_fused.py``), and compiling costs seconds per codec on first use.
+- ``"eager"``: the reference, the class's own ``encode``/``decode`` in eager PyTorch. Always
+  there, the oracle every test compares the others with; run as the reference
+  (:func:`reference`), it reads nothing back to the host (every CPU-only shortcut off).
+- ``"native"``: a CPU kernel the codec registered (:func:`register_implementation`): today
+  the int8/int4/int2 quantizers, fp8 and the ReLU masks (C kernels built once per machine by
+  :mod:`~actcomp.kernels.native_cpu`), and the element sparsifiers' CPU selection (candidate
+  search with ``nonzero``, :mod:`~actcomp.kernels.eager_select`, and Elias-Fano's CPU scatter).
+- ``"triton"`` (also called ``"cuda"``): the slot for CUDA kernels. None is registered yet:
+  asked for, it runs the reference after one warning.
+- ``"compiled"``: the reference under ``torch.compile(fullgraph=True)``, compiled once per
+  codec class and settings and at most twice per tensor rank (symbolic sizes, settings as
+  constants), for codecs whose ``compiles()`` says so; the others run eagerly.
+- the shape-only implementation, :func:`encoded_shapes`: the reference on meta tensors, what
+  every output's shape and dtype will be (a codec's contract: shapes follow from the input's
+  shape and the settings). Under ``torch.compile`` the reference itself is traced.
 
-The choice, first match wins: :func:`use_backend` (a context manager, for a block of code),
-then the environment variable ``ACTCOMP_COMPILE`` (``0``: eager, nothing built or compiled;
-``1``: compiled), then the default, native. A codec that cannot compile (``compiles()`` false:
-Rice-coded positions, a stage with runtime state, a draw from torch's generator) runs eagerly
-when compiled is asked. A compile that fails (no C++ compiler, an Inductor error) warns once
-and that codec runs eagerly from then on; so does one that would recompile past torch's limit,
-rather than falling back silently frame by frame; a native build that fails warns once and the
-references run.
+Each kernel comes with a capability predicate (device, dtype, size, whether the C kernels were
+built). The choice, in the manner of Liger Kernel's ``backends/dispatch.py``, first match wins:
+a ``backend=`` argument to :func:`encode`/:func:`decode`, then :func:`use_backend` (a context
+manager), then the environment variable ``ACTCOMP_COMPILE`` (``0``: eager; ``1``: compiled),
+then preference: the first of :data:`KERNELS` (triton, native) whose predicate takes the
+tensors, else the reference, silently. A backend that was asked for and cannot take a tensor
+leaves it to the reference with one warning a process (:func:`actcomp.errors.warn_once`); a
+compile that fails warns once and that codec runs eagerly from then on. While Dynamo traces
+(``torch.compile``), the reference runs: a kernel is an opaque call Dynamo would break the
+graph at.
+
+Why a Python registry and not ``torch.library`` custom ops (``benchmarks/bench_dispatch.py``,
+``benchmarks/results/dispatch_overhead.md``: AMD EPYC, 1 thread, a loaded 2-core machine):
+around a kernel that does nothing, a custom op with ``register_fake`` and a CPU kernel cost
+10.3 us a call, a plain Python call 1.3 us, and this module's choice (the look-up and the
+capability predicate, which an op would need too) 4.6 us; for a whole int8 encode the
+differences drown in the machine's noise (106/119/116 us direct/registry/op on (4, 256),
+1627/1661/1751 us on (32, 197, 384)). Under ``torch.compile`` neither breaks the graph (the
+registry hands Dynamo the reference), and over sizes 1000, 1500 and 4096 the op made 2 graphs
+where the traced reference made 3: the reference's remainder branch guards on the size
+dividing by the group, a matter of the reference's formulation, not of the dispatch. And an
+op's outputs are a fixed list of tensors, while a codec's encode returns Python metadata (a
+position form, a shape) beside a tuple whose length depends on the settings (int4's channel
+exponents), and ``rice=1``'s positions have a size that depends on the data: every codec would
+need a second, tensor-only signature. The output count and shapes do follow from the input's
+shape and the settings for every built-in codec but ``rice=1`` (``tests/test_dispatch.py``
+checks :func:`encoded_shapes` against the reference), so an op per codec stays possible where
+a graph needs one.
 
 >>> import torch, actcomp
 >>> with use_backend("eager"):
 ...     packed = actcomp.parse("int8").compress(torch.zeros(4))
->>> active_backend()
-'native'
+>>> active_backend(), choose(actcomp.parse("int8").stages[0], "encode", torch.zeros(4), None)
+('native', 'native')
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,7 +69,14 @@ import torch
 from actcomp.errors import ActcompError, warn_once
 from actcomp.kernels import eager_cpu, native_cpu
 
-BACKENDS = ("eager", "native", "compiled")
+# The names a caller may ask for. "eager" is every codec's reference; "native" and "triton" name
+# kernels a codec registers (register_implementation); "compiled" is the reference compiled.
+BACKENDS = ("eager", "native", "triton", "compiled")
+# Other names for a backend: the CUDA slot is filled with Triton kernels.
+ALIASES = {"cuda": "triton"}
+# Kernels a codec may register, the most preferred first: with nothing asked for, the first one
+# that takes the tensors runs, else the reference.
+KERNELS = ("triton", "native")
 DEFAULT = "native"
 ENVIRONMENT = "ACTCOMP_COMPILE"
 _ENVIRONMENT_VALUES = {"0": "eager", "1": "compiled"}
@@ -58,25 +85,123 @@ _compiled: dict[tuple[type, str], Callable[..., Any]] = {}
 _failed: set[type] = set()
 
 
+@dataclass(frozen=True)
+class Implementation:
+    """One kernel of one codec method: ``function(codec, *args)`` gives the reference's result
+    bit for bit wherever ``takes(codec, *args)`` (its capability predicate: device, dtype, size,
+    the kernels built) says yes.
+
+    >>> kernel = Implementation("native", lambda codec, x, hints: x, lambda codec, x, hints: x.is_cpu)
+    >>> kernel.takes(None, torch.zeros(2), None)
+    True
+    """
+
+    name: str
+    function: Callable[..., Any]
+    takes: Callable[..., bool]
+
+
+# (codec class, "encode" or "decode", kernel name) -> its implementation.
+_REGISTRY: dict[tuple[type, str, str], Implementation] = {}
+# (codec class, method) -> the implementations it inherits or registers, the preferred first.
+_RESOLVED: dict[tuple[type, str], tuple[Implementation, ...]] = {}
+
+
+def register_implementation(klass: type, name: str, *, encode: Callable[..., Any] | None = None,
+                            encodes: Callable[..., bool] | None = None, decode: Callable[..., Any] | None = None,
+                            decodes: Callable[..., bool] | None = None) -> None:
+    """Register ``klass``'s ``name`` kernels (``"native"``: CPU; ``"triton"``: CUDA), each with
+    its capability predicate: ``encode(codec, x, hints)`` where ``encodes(codec, x, hints)``,
+    ``decode(codec, payload, saved, meta)`` where ``decodes(...)``. Subclasses inherit them (a
+    subclass may register its own); a predicate that asks ``type(codec).encode`` keeps a kernel
+    off a subclass that encodes otherwise.
+
+    >>> from actcomp.compressors.casts import Fp16
+    >>> register_implementation(Fp16, "triton", encode=lambda codec, x, hints: codec.encode(x, hints),
+    ...                         encodes=lambda codec, x, hints: x.is_cuda)
+    >>> sorted(implementations(Fp16, "encode")); unregister_implementation(Fp16, "triton")
+    ['eager', 'triton']
+    """
+    if name not in KERNELS:
+        raise ActcompError(f"unknown kernel name {name!r} for {klass.__name__}; known: {', '.join(KERNELS)} "
+                           "(the eager reference is the class's own encode/decode)")
+    for method, function, takes in (("encode", encode, encodes), ("decode", decode, decodes)):
+        if function is not None and takes is None:
+            raise ActcompError(f"the {name} {method} of {klass.__name__} needs a capability predicate "
+                               f"({method}s=...): which tensors it takes")
+        if function is not None:
+            _REGISTRY[(klass, method, name)] = Implementation(name, function, takes)
+    _RESOLVED.clear()
+
+
+def unregister_implementation(klass: type, name: str) -> None:
+    """Forget ``klass``'s own ``name`` kernels (those it inherits stay)."""
+    for method in ("encode", "decode"):
+        _REGISTRY.pop((klass, method, name), None)
+    _RESOLVED.clear()
+
+
+def implementations(klass: type, method: str) -> dict[str, Implementation | None]:
+    """Every implementation ``klass.<method>`` has, by name: ``"eager"`` (the reference, always;
+    None: it is the method itself) and each registered kernel, own or inherited.
+
+    >>> from actcomp.compressors.affine import Int4
+    >>> sorted(implementations(Int4, "decode"))
+    ['eager', 'native']
+    """
+    return {"eager": None, **{kernel.name: kernel for kernel in _resolved(klass, method)}}
+
+
+def _resolved(klass: type, method: str) -> tuple[Implementation, ...]:
+    key = (klass, method)
+    if key not in _RESOLVED:
+        found = {}
+        for name in KERNELS:
+            # The nearest class in the MRO that registered this name decides (None: not here).
+            for base in klass.__mro__:
+                if (base, method, name) in _REGISTRY:
+                    found[name] = _REGISTRY[(base, method, name)]
+                    break
+        _RESOLVED[key] = tuple(found.values())
+    return _RESOLVED[key]
+
+
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Run codecs with backend ``name`` (``"eager"``, ``"native"`` or ``"compiled"``) inside the block."""
-    if name not in BACKENDS:
-        raise ActcompError(f"unknown codec backend {name!r}; known: {', '.join(BACKENDS)}")
-    _chosen.append(name)
+    """Run codecs with backend ``name`` inside the block: ``"eager"`` (the reference),
+    ``"native"`` (CPU kernels), ``"triton"`` (alias ``"cuda"``: CUDA kernels; none registered
+    yet) or ``"compiled"``. A kernel asked for that cannot take a tensor leaves it to the
+    reference, with one warning a process."""
+    _chosen.append(_known(name, f"unknown codec backend {name!r}"))
     try:
         yield
     finally:
         _chosen.pop()
 
 
+def _known(name: str, problem: str) -> str:
+    name = ALIASES.get(name, name)
+    if name not in BACKENDS:
+        raise ActcompError(f"{problem}; known: {', '.join(BACKENDS)} (and {', '.join(ALIASES)}, another name for "
+                           f"{', '.join(ALIASES.values())})")
+    return name
+
+
 def active_backend() -> str:
     """The backend asked for here: :func:`use_backend`, else ``ACTCOMP_COMPILE``, else native."""
+    return _asked() or DEFAULT
+
+
+def _asked(backend: str | None = None) -> str | None:
+    """The backend asked for: the argument, else :func:`use_backend`, else the environment; None
+    when none is (then the preferred kernel that takes the tensors runs, silently)."""
+    if backend is not None:
+        return _known(backend, f"unknown codec backend {backend!r}")
     if _chosen:
         return _chosen[-1]
     value = os.environ.get(ENVIRONMENT)
     if value is None or value == "":
-        return DEFAULT
+        return None
     if value not in _ENVIRONMENT_VALUES:
         raise ActcompError(f"{ENVIRONMENT}={value!r} is not valid; use 0 (eager reference codecs) or 1 (compiled "
                            "codecs), or leave it unset (native kernels where a codec has one)")
@@ -86,36 +211,89 @@ def active_backend() -> str:
 def takes_cpu_shortcut(tensor: torch.Tensor) -> bool:
     """Whether code around the codecs may read ``tensor``'s values back (a CPU tensor outside
     ``torch.compile``, :mod:`~actcomp.kernels.eager_cpu`), which the reference never does."""
-    return active_backend() != "eager" and eager_cpu.applies(tensor)
+    return active_backend() != "eager" and eager_cpu.applies(tensor) and not torch.compiler.is_compiling()
 
 
-def encode(codec: Any, x: torch.Tensor, hints: Any, *state: Any) -> Any:
-    """``codec.encode(x, hints, *state)`` by the active backend."""
-    return _run(codec, "encode", x, hints, *state)
+def encode(codec: Any, x: torch.Tensor, hints: Any, *state: Any, backend: str | None = None) -> Any:
+    """``codec.encode(x, hints, *state)`` by the implementation :func:`choose` picks."""
+    return _run(codec, "encode", (x, hints, *state), backend)
 
 
-def decode(codec: Any, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
-    """``codec.decode(payload, saved, meta)`` by the active backend."""
-    return _run(codec, "decode", payload, saved, meta)
+def decode(codec: Any, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any, *,
+           backend: str | None = None) -> torch.Tensor:
+    """``codec.decode(payload, saved, meta)`` by the implementation :func:`choose` picks."""
+    return _run(codec, "decode", (payload, saved, meta), backend)
 
 
-def _run(codec: Any, method: str, *args: Any) -> Any:
-    eager = getattr(codec, method)
-    backend = active_backend()
-    if backend == "native" and not torch.compiler.is_compiling():
-        result = getattr(codec, f"native_{method}")(*args)
-        return eager(*args) if result is None else result
-    if backend == "eager":
-        # The reference through and through: no native kernel inside the codec, and no CPU
-        # shortcut that reads a value back (the device path's oracle reads nothing).
-        previous = native_cpu.allow(False)
-        try:
-            with eager_cpu.static_path_only():
-                return eager(*args)
-        finally:
-            native_cpu.allow(previous)
-    if torch.compiler.is_compiling() or type(codec) in _failed or not codec.compiles():
-        return eager(*args)
+def choose(codec: Any, method: str, *args: Any, backend: str | None = None) -> str:
+    """The name of the implementation that runs ``codec.<method>(*args)``: ``"eager"``,
+    ``"compiled"`` or a kernel's name.
+
+    >>> import actcomp
+    >>> int8, x = actcomp.parse("int8").stages[0], torch.zeros(4, dtype=torch.float64)
+    >>> choose(int8, "encode", x, None), choose(int8, "encode", x, None, backend="eager")
+    ('eager', 'eager')
+    """
+    return _chosen_implementation(codec, method, args, _asked(backend))[0]
+
+
+def reference(codec: Any, method: str, *args: Any) -> Any:
+    """``codec.<method>(*args)`` as the reference: every CPU-only shortcut off (the native
+    kernels, the candidate searches of :mod:`~actcomp.kernels.eager_cpu`), so nothing is read
+    back to the host and every shape follows from the input's and the settings."""
+    previous = native_cpu.allow(False)
+    try:
+        with eager_cpu.static_path_only():
+            return getattr(codec, method)(*args)
+    finally:
+        native_cpu.allow(previous)
+
+
+def encoded_shapes(codec: Any, x: torch.Tensor, hints: Any) -> Any:
+    """The shape-only implementation: ``codec.encode``'s outputs as tensors on the meta device
+    (shapes and dtypes, no data), and its metadata, from ``x``'s shape and dtype and the settings.
+
+    >>> import actcomp
+    >>> payload, saved, meta = encoded_shapes(actcomp.parse("int8").stages[0], torch.zeros(1000), None)
+    >>> payload.shape, [(s.shape, s.dtype) for s in saved]
+    (torch.Size([1000]), [(torch.Size([4]), torch.float32), (torch.Size([4]), torch.bfloat16)])
+    """
+    return reference(codec, "encode", torch.empty_like(x, device="meta"), hints)
+
+
+def _chosen_implementation(codec: Any, method: str, args: tuple, asked: str | None) -> tuple[str, Callable[..., Any]]:
+    if asked == "eager":
+        return "eager", functools.partial(reference, codec, method)
+    if asked == "compiled":
+        if type(codec) in _failed or not codec.compiles():
+            return "eager", getattr(codec, method)
+        return "compiled", functools.partial(_run_compiled, codec, method)
+    for kernel in _resolved(type(codec), method):
+        if (asked is None or kernel.name == asked) and kernel.takes(codec, *args):
+            return kernel.name, functools.partial(kernel.function, codec)
+    if asked is not None:
+        _warn_fallback(asked, codec, method, args[0])
+        return "eager", functools.partial(reference, codec, method)
+    return "eager", getattr(codec, method)
+
+
+def _run(codec: Any, method: str, args: tuple, backend: str | None) -> Any:
+    if torch.compiler.is_compiling():
+        # Dynamo traces the reference: a kernel is an opaque call it would break the graph at,
+        # and the reference reads nothing back, so every shape in the graph is symbolic.
+        return getattr(codec, method)(*args)
+    return _chosen_implementation(codec, method, args, _asked(backend))[1](*args)
+
+
+def _warn_fallback(asked: str, codec: Any, method: str, tensor: torch.Tensor) -> None:
+    has = [kernel.name for kernel in _resolved(type(codec), method)]
+    why = "takes no such tensor" if asked in has else "is not registered for it"
+    warn_once(("backend fallback", asked), f"actcomp: backend {asked!r} cannot run {codec.name!r} {method} on a "
+              f"{tensor.dtype} tensor of {tuple(tensor.shape)} on {tensor.device} (its {asked} kernel {why}); the eager "
+              f"reference runs wherever it cannot (said once a process; kernels here: {', '.join(has) or 'none'})")
+
+
+def _run_compiled(codec: Any, method: str, *args: Any) -> Any:
     compiled = _compiled_method(type(codec), method)
     try:
         # Past torch's recompile limit, dynamo would quietly run the frame eagerly from then on;
@@ -129,9 +307,7 @@ def _run(codec: Any, method: str, *args: Any) -> Any:
         warn_once(f"compiling {type(codec).__name__}", f"actcomp: compiling codec {codec.name!r} failed "
                   f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); it runs "
                   f"eagerly from now on ({ENVIRONMENT}=0 skips compiling)")
-        return eager(*args)
-
-
+        return getattr(codec, method)(*args)
 def _compiled_method(klass: type, method: str) -> Callable[..., Any]:
     """``klass.<method>`` compiled once; the codec is an argument, so its settings are guarded.
 
@@ -155,3 +331,4 @@ def _with_dynamic_sizes(args: tuple) -> tuple:
                 for dim in range(tensor.dim()):
                     torch._dynamo.maybe_mark_dynamic(tensor, dim)
     return args
+

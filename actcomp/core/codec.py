@@ -156,16 +156,6 @@ class Compressor:
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
         raise NotImplementedError
 
-    def native_encode(self, x: torch.Tensor, hints: Hints, *state: Any) -> Encoded | None:
-        """:meth:`encode` by a native kernel (:mod:`~actcomp.kernels.native_cpu`), the same bytes
-        bit for bit; None (the default) where there is none or it does not take ``x``: then
-        :mod:`~actcomp.core.backends` runs :meth:`encode`."""
-        return None
-
-    def native_decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor | None:
-        """:meth:`decode` by a native kernel, as :meth:`native_encode`; None: run :meth:`decode`."""
-        return None
-
     def lossless(self) -> bool:
         """Whether decoding gives back every value exactly: a sparsifier that drops nothing
         (``mink0``). False by default: a codec of unknown loss counts as lossy."""

@@ -1,11 +1,14 @@
-"""Where a data-sized op costs nothing extra: on a CPU, outside ``torch.compile``.
+"""Where a data-sized op costs nothing extra: on a CPU.
 
-The codecs' static path reads nothing back to Python and fixes every shape in advance, so it
-runs on a GPU without stalling the launch queue and compiles; it is the reference. Where the
-tensor is on a CPU and no graph is being traced, ``nonzero`` and other data-sized ops stall
-nothing, and a few codecs (min-k selection, Elias-Fano positions) take a shorter path there
-that gives the static path's outputs bit for bit; :func:`static_path_only` turns it off, which
-is how the tests compare the two.
+The codecs' reference reads nothing back to Python and fixes every shape in advance, so it
+runs on a GPU without stalling the launch queue and compiles. On a CPU, ``nonzero`` and other
+data-sized ops stall nothing, and the element sparsifiers' CPU implementation (min-k
+selection, Elias-Fano positions, registered with :mod:`~actcomp.core.backends`) takes a shorter
+path there that gives the reference's outputs bit for bit. :func:`applies` is that
+implementation's capability predicate; :func:`static_path_only` turns it off, which is how the
+reference runs (:func:`actcomp.core.backends.reference`) and how the tests compare the two.
+(No check for ``torch.compile`` here: while Dynamo traces, :mod:`~actcomp.core.backends` runs
+the reference and no implementation is asked.)
 
 >>> import torch
 >>> applies(torch.zeros(3)), applies(torch.zeros(3, device="meta"))
@@ -25,8 +28,8 @@ _enabled = True
 
 
 def applies(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` takes the eager CPU path: on a CPU, outside ``torch.compile``."""
-    return _enabled and tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+    """Whether ``tensor`` takes the CPU path: on a CPU, outside :func:`static_path_only`."""
+    return _enabled and tensor.device.type == "cpu"
 
 
 @contextmanager

@@ -14,8 +14,10 @@ cost nothing extra (:mod:`~actcomp.kernels.eager_cpu`), this path
 
 Its outputs equal the static path's bit for bit (the tests run both), and a sample that misses
 (the candidates fewer than ``k``, about once in 30,000 tensors) hands the tensor to the static
-path. Used on a CPU outside ``torch.compile`` (:mod:`~actcomp.kernels.eager_cpu`), where the
-candidates' temporaries stay small beside the input (:func:`worth_it`).
+path. It is the element sparsifiers' CPU implementation (registered in
+:mod:`actcomp.compressors.elements`, chosen by :mod:`actcomp.core.backends`), taken on a CPU
+(:mod:`~actcomp.kernels.eager_cpu`) where the candidates' temporaries stay small beside the
+input (:func:`worth_it`); the reference never runs it.
 
 >>> import torch
 >>> from actcomp.kernels.thresholds import kept_count

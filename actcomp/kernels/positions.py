@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from actcomp.errors import ActcompError
-from actcomp.kernels import eager_cpu, native_cpu
+from actcomp.kernels import native_cpu
 from actcomp.kernels.bitpack import pack_bits, pack_codes, packed_size, unpack_bits
 from actcomp.kernels.chunks import aligned_length, spans
 
@@ -111,7 +111,7 @@ class EliasFano:
         bit ``(position >> b) + slot`` of the high stream, and each position's low bits."""
         bits = self.low_bits
         high = torch.zeros(packed_size(self.high_length, 1), dtype=torch.uint8, device=positions.device)
-        if eager_cpu.applies(positions) and native_cpu.codes_positions(positions):
+        if native_cpu.codes_positions(positions):
             low = torch.zeros(packed_size(self.capacity, bits), dtype=torch.uint8)
             native_cpu.elias_fano_encode(positions.contiguous(), bits, high, low)
             return high, low
@@ -127,11 +127,6 @@ class EliasFano:
     def scatter(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
         high, low = saved
         device = values.device
-        if eager_cpu.applies(values) and native_cpu.scatters(values):
-            return native_cpu.elias_fano_scatter(values.contiguous(), high.contiguous(), low.contiguous(),
-                                                 self.low_bits, self.count)
-        if eager_cpu.applies(values):
-            return self._scatter_found(values, high, low)
         # Set bit i of the high stream is slot j's, j its rank among the set bits, and i - j its
         # bucket (the position's high part); its low code is read at slot j. A chunk of the high
         # stream at a time: temporaries are a chunk's, never a slot's worth of the tensor.
@@ -148,10 +143,14 @@ class EliasFano:
             kept = rank[-1] + 1
         return out[:self.count]
 
-    def _scatter_found(self, values: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-        """:meth:`scatter` on a CPU outside torch.compile (:mod:`~actcomp.kernels.eager_cpu`): the
-        set bits of a chunk of the high stream found with ``nonzero``, and only their slots
-        visited, instead of a rank and a scatter for every bit."""
+    def scatter_on_cpu(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """:meth:`scatter` on a CPU (:mod:`~actcomp.kernels.eager_cpu`): one pass of the native
+        kernel where it is built, else the set bits of a chunk of the high stream found with
+        ``nonzero``, and only their slots visited, instead of a rank and a scatter for every bit."""
+        high, low = saved
+        if native_cpu.scatters(values):
+            return native_cpu.elias_fano_scatter(values.contiguous(), high.contiguous(), low.contiguous(),
+                                                 self.low_bits, self.count)
         out = values.new_zeros(self.count + 1)  # one past the end takes the empty slots
         slot = 0
         # Chunks of a quarter of the values' length: the few int64 temporaries per set bit (~40%
@@ -315,7 +314,7 @@ def encode_positions(flat: torch.Tensor, positions: torch.Tensor, form: Bitmask 
     ([2.0, 3.0, 8.0, 0.0], True)
     """
     count = flat.numel()
-    if eager_cpu.applies(flat) and native_cpu.codes_positions(positions) and native_cpu.scatters(flat):
+    if native_cpu.codes_positions(positions) and native_cpu.scatters(flat):
         return native_cpu.gather(flat.contiguous(), positions.contiguous()), form.from_positions(positions), form
     values = _bits_of(flat).index_select(0, positions.clamp(max=count - 1))
     values.masked_fill_(positions == count, 0)  # an empty slot holds +0.0

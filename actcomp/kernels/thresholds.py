@@ -134,7 +134,7 @@ def select_threshold(keys_of: Callable[[int, int], torch.Tensor], count: int, ke
 
 def _bin_counts(bins: torch.Tensor, size: int) -> torch.Tensor:
     """How many of ``bins`` (integers in ``[0, size)``) fall in each of ``size`` bins."""
-    if not eager_cpu.applies(bins):
+    if not eager_cpu.applies(bins) or torch.compiler.is_compiling():
         # bincount's length depends on the largest bin (data) unless it is at most minlength:
         # compiled, that is a data-dependent shape; on a GPU, a read of that bin back to the
         # host (the first GPU run caught it: tests/test_cuda_sync.py). Integer sums are exact

@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_codec
 from actcomp.kernels import native_cpu
@@ -102,22 +103,27 @@ class BitMask(Compressor):
             return mask.view(torch.uint8).to(dtype)
         return select(mask, device_table((outside, inside), dtype, payload.device))
 
-    def native_encode(self, x: torch.Tensor, hints: Hints) -> Encoded | None:
-        """:meth:`encode` in one pass of :mod:`~actcomp.kernels.native_cpu`, for the predicates it knows."""
-        if (self.native_predicate is None or type(self).encode is not BitMask.encode
-                or not native_cpu.casts(x.device, x.dtype, x.numel())):
-            return None
-        flat = x.reshape(-1).contiguous()
-        return Encoded(native_cpu.mask_pack(flat, self.native_predicate), (), (flat.numel(), x.dtype))
 
-    def native_decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor | None:
-        count, dtype = meta
-        # Only where decode is this class's own (a subclass may decode otherwise: dropout's scale).
-        if (type(self).decode is not BitMask.decode or self.native_predicate is None
-                or not native_cpu.unpacks_mask(payload.device, dtype) or count == 0):
-            return None
-        standins = torch.tensor(self.standins(dtype), dtype=dtype)
-        return native_cpu.mask_unpack(payload.contiguous(), count, standins)
+def _cpu_mask_encode(codec: BitMask, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`BitMask.encode` in one pass of :mod:`~actcomp.kernels.native_cpu`."""
+    flat = x.reshape(-1).contiguous()
+    return Encoded(native_cpu.mask_pack(flat, codec.native_predicate), (), (flat.numel(), x.dtype))
+
+
+def _cpu_mask_decode(codec: BitMask, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+    count, dtype = meta
+    return native_cpu.mask_unpack(payload.contiguous(), count, torch.tensor(codec.standins(dtype), dtype=dtype))
+
+
+# For the predicates the kernels know, and only where encode (decode) is BitMask's own: a
+# subclass may decode otherwise (dropout's scale).
+register_implementation(
+    BitMask, "native", encode=_cpu_mask_encode,
+    encodes=lambda codec, x, hints: codec.native_predicate is not None and type(codec).encode is BitMask.encode
+    and native_cpu.casts(x.device, x.dtype, x.numel()),
+    decode=_cpu_mask_decode,
+    decodes=lambda codec, payload, saved, meta: codec.native_predicate is not None
+    and type(codec).decode is BitMask.decode and meta[0] > 0 and native_cpu.unpacks_mask(payload.device, meta[1]))
 
 
 @register_codec
