@@ -85,7 +85,7 @@ def test_a_registered_quantizer_is_listed_parsed_and_round_trips(registry):
     x = torch.tensor([1.0, -4.0, 2.0, 0.5])
     packed = pipeline.compress(x)
     assert torch.equal(pipeline.decompress(packed), torch.tensor([0.0, -4.0, 2.0, 0.0]))
-    assert packed.nbytes == 2 * 2 + 1  # two fp16 values and a 4-element bitmask
+    assert packed.nbytes == 2 * 2 + 1 + 1  # two fp16 values, a 4-element bitmask, the finite flag
 
 
 def test_a_registered_sparsifier_takes_a_rate_and_chains(registry):

@@ -73,8 +73,8 @@ def extra_peak(specs: list[str], *, count: int, dtype: str = "float32", threads:
                with_nan: bool = False) -> list[dict]:
     """Per spec: the extra peak of compressing and of decompressing a ``count``-element tensor
     (a multiple of 65536) of ``dtype``, as fractions of its bytes, in one fresh process.
-    ``with_nan`` puts a NaN in it: the pipeline then sets the non-finite values aside, which
-    costs a zeroed copy of the tensor."""
+    ``with_nan`` puts a NaN in it: the tensor then decodes to NaN (the chain's finite flag),
+    which costs a whole decoded tensor beside the NaN one."""
     if count % 65536:
         raise ActcompError(f"count must be a multiple of 65536 (a (N, 64, 32, 32) tensor), got {count}")
     settings = {"specs": list(specs), "count": count, "dtype": dtype, "threads": threads, "with_nan": with_nan}
