@@ -16,6 +16,12 @@ none can be built (no compiler, a failed build), :func:`library` warns once and 
 and the codecs run their eager reference. ``ACTCOMP_COMPILE=0`` (:mod:`~actcomp.core.backends`)
 runs the eager reference everywhere.
 
+The build targets this CPU (``-march=native``). ``ACTCOMP_NATIVE_MARCH`` names another x86-64
+level (:data:`MARCH_LEVELS`: ``x86-64-v3`` is AVX2, ``x86-64-v4`` AVX-512), part of the cache
+key, read when the library is first built: how the AVX2 kernels are built and measured on an
+AVX-512 machine (``benchmarks/bench_native_levels.py``). A level this CPU cannot run is an
+error, not a crash.
+
 >>> import torch
 >>> native = library()
 >>> x = torch.tensor([1.0, -3.0, 0.5, 2.0])
@@ -39,11 +45,22 @@ from typing import Any
 
 import torch
 
-from actcomp.errors import warn_once
+from actcomp.errors import ActcompError, warn_once
 from actcomp.kernels.layouts import is_subclass_tensor
 
 SOURCE = Path(__file__).with_name("native_cpu.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
+FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
+MARCH_ENVIRONMENT = "ACTCOMP_NATIVE_MARCH"
+# The -march targets ACTCOMP_NATIVE_MARCH may name, with the /proc/cpuinfo flags each needs
+# (gcc's and clang's x86-64 micro-architecture levels; "native" is whatever this CPU has).
+MARCH_LEVELS = {
+    "native": (),
+    "x86-64": (),
+    "x86-64-v2": ("sse4_2", "ssse3", "popcnt", "cx16"),
+    "x86-64-v3": ("sse4_2", "ssse3", "popcnt", "cx16", "avx2", "fma", "bmi2", "f16c", "movbe"),
+    "x86-64-v4": ("sse4_2", "ssse3", "popcnt", "cx16", "avx2", "fma", "bmi2", "f16c", "movbe", "avx512f",
+                  "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+}
 # Positions are int32 (the position forms' own width), so the kernels take tensors below 2**31.
 MAX_ELEMENTS = 2**31 - 1
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -100,6 +117,17 @@ def dequantize(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, b
     _call(f"actcomp_dequantize_{_DTYPES[out.dtype]}", (codes, offset, scale, out),
           _pointer(codes), _pointer(offset), _pointer(scale), ctypes.c_int64(out.numel()), ctypes.c_int64(group),
           ctypes.c_int(bits), _pointer(out), _threads())
+
+
+def vector_bits() -> int:
+    """The vector width, in bits, of the kernels' hand-vectorized path in this build: 512 (AVX-512),
+    256 (AVX2 with FMA), 0 for the portable loops or no build.
+
+    >>> vector_bits() in (0, 256, 512)
+    True
+    """
+    native = library()
+    return 0 if native is None else int(native.actcomp_vector_bits())
 
 
 def casts(device: torch.device, dtype: torch.dtype, count: int) -> bool:
@@ -325,6 +353,27 @@ def _load() -> ctypes.CDLL | None:
     return native
 
 
+def march() -> str:
+    """The ``-march`` the kernels are built for: ``$ACTCOMP_NATIVE_MARCH``, else ``"native"``.
+
+    >>> march() in MARCH_LEVELS
+    True
+    """
+    level = os.environ.get(MARCH_ENVIRONMENT) or "native"
+    if level not in MARCH_LEVELS:
+        raise ActcompError(f"unknown {MARCH_ENVIRONMENT}={level!r}; valid: {', '.join(MARCH_LEVELS)}")
+    if level != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        raise ActcompError(f"{MARCH_ENVIRONMENT}={level!r} is an x86-64 level, and this CPU is "
+                           f"{platform.machine()}; valid here: native")
+    flags = set(_cpu_flags().split())
+    missing = [flag for flag in MARCH_LEVELS[level] if flag not in flags]
+    if missing:
+        raise ActcompError(f"{MARCH_ENVIRONMENT}={level!r} needs CPU features this CPU lacks "
+                           f"({', '.join(missing)}); it would stop at the first such instruction; valid here: "
+                           f"{', '.join(name for name, need in MARCH_LEVELS.items() if flags.issuperset(need))}")
+    return level
+
+
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
@@ -335,7 +384,8 @@ def _compiler() -> str | None:
 def _built(compiler: str) -> Path:
     """The shared library for this source, compiler and CPU, built once per cache directory."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *FLAGS, platform.machine(),
+    flags = (f"-march={march()}", *FLAGS)
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *flags, platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     directory = Path(os.environ.get("ACTCOMP_CACHE_DIR") or Path.home() / ".cache" / "actcomp")
     path = directory / f"native_cpu-{key}.so"
@@ -346,7 +396,7 @@ def _built(compiler: str) -> Path:
         handle, temporary = tempfile.mkstemp(suffix=".so", dir=directory)
         os.close(handle)
         try:
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", temporary], capture_output=True, text=True, check=True)
+            subprocess.run([compiler, *flags, str(SOURCE), "-o", temporary], capture_output=True, text=True, check=True)
             os.replace(temporary, path)
         finally:
             if os.path.exists(temporary):
@@ -366,6 +416,7 @@ def _cpu_flags() -> str:
 
 
 def _declare(native: ctypes.CDLL) -> None:
+    native.actcomp_vector_bits.restype = ctypes.c_int
     for name in ("actcomp_candidates_32", "actcomp_candidates_16", "actcomp_ef_scatter_16", "actcomp_ef_scatter_32",
                  "actcomp_compact_32", "actcomp_compact_16", "actcomp_select_32", "actcomp_select_16"):
         getattr(native, name).restype = ctypes.c_int64
