@@ -947,14 +947,15 @@ static inline __attribute__((always_inline)) __m256i fp8_codes_eight(const void 
 static inline __attribute__((always_inline)) void fp8_encode(const void *x, int64_t count, const float *scale,
                                                              uint8_t *codes, int threads, const int dtype) {
     const float step = *scale;
-    int64_t vectored = 0;
 #if defined(ACTCOMP_AVX2)
-    vectored = count / 32 * 32;
+    const int64_t vectored = count / 32 * 32;
     const __m256 steps = _mm256_set1_ps(step);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < vectored; i += 32)
         store_thirty_two(codes + i, fp8_codes_eight(x, i, steps, dtype), fp8_codes_eight(x, i + 8, steps, dtype),
                          fp8_codes_eight(x, i + 16, steps, dtype), fp8_codes_eight(x, i + 24, steps, dtype));
+#else
+#define vectored 0 /* a literal: a variable would be captured by the OpenMP region and change its code */
 #endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = vectored; i < count; i++) {
@@ -963,6 +964,7 @@ static inline __attribute__((always_inline)) void fp8_encode(const void *x, int6
         value = value > 448.0f ? 448.0f : value;
         codes[i] = float_to_e4m3fn(value);
     }
+#undef vectored
 }
 
 static inline __attribute__((always_inline)) void fp8_decode(const uint8_t *codes, int64_t count, const float *scale,
