@@ -91,7 +91,7 @@ def library() -> ctypes.CDLL | None:
 def quantizes(device: torch.device, dtype: torch.dtype, count: int, bits: int) -> bool:
     """Whether :func:`quantize` and :func:`dequantize` take ``count`` values of ``dtype`` on
     ``device`` at ``bits`` bits: CPU float32 or bfloat16, 1 to 2**31 - 1 values, 8, 4 or 2
-    bits, and the kernels built."""
+    bits, and the kernels built with a hand-vectorized path (:func:`outruns_reference`)."""
     return bits in (2, 4, 8) and casts(device, dtype, count)
 
 
@@ -130,10 +130,28 @@ def vector_bits() -> int:
     return 0 if native is None else int(native.actcomp_vector_bits())
 
 
+def outruns_reference() -> bool:
+    """Whether the quantizer, fp8 and mask kernels run here: only in a build with a
+    hand-vectorized path (:func:`vector_bits`: AVX2 or AVX-512).
+
+    A measured decision (``benchmarks/bench_native_levels.py --levels x86-64 x86-64-v2``, Zen 4,
+    1 thread): built for a CPU without AVX2, their portable loops took 1.3-3.4x the eager
+    reference's time for the int8 and int2 encode, 2-4x for the fp8 encode and 1.7-6.4x for the
+    mask decode. The min-k selection and Elias-Fano kernels stay on everywhere: their portable
+    loops still beat the reference (0.1-0.5x).
+
+    >>> outruns_reference() == (vector_bits() > 0)
+    True
+    """
+    return vector_bits() > 0
+
+
 def casts(device: torch.device, dtype: torch.dtype, count: int) -> bool:
-    """Whether the fp8 kernels take ``count`` values of ``dtype`` on ``device``: CPU float32 or
-    bfloat16, 1 to 2**31 - 1 values, and the kernels built."""
-    return device.type == "cpu" and dtype in _DTYPES and 0 < count <= MAX_ELEMENTS and library() is not None
+    """Whether the fp8 kernels and :func:`mask_pack` take ``count`` values of ``dtype`` on
+    ``device``: CPU float32 or bfloat16, 1 to 2**31 - 1 values, and the kernels built with a
+    hand-vectorized path (:func:`outruns_reference`)."""
+    return (device.type == "cpu" and dtype in _DTYPES and 0 < count <= MAX_ELEMENTS and library() is not None
+            and outruns_reference())
 
 
 def fp8_amax(flat: torch.Tensor) -> torch.Tensor:
@@ -174,8 +192,9 @@ def mask_pack(flat: torch.Tensor, mode: str) -> torch.Tensor:
 
 
 def unpacks_mask(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether :func:`mask_unpack` writes ``dtype`` on ``device``: 2- or 4-byte elements on a CPU."""
-    return device.type == "cpu" and dtype.itemsize in _KEY_WIDTHS and library() is not None
+    """Whether :func:`mask_unpack` writes ``dtype`` on ``device``: 2- or 4-byte elements on a CPU,
+    and the kernels built with a hand-vectorized path (:func:`outruns_reference`)."""
+    return device.type == "cpu" and dtype.itemsize in _KEY_WIDTHS and library() is not None and outruns_reference()
 
 
 def mask_unpack(bits: torch.Tensor, count: int, standins: torch.Tensor) -> torch.Tensor:
