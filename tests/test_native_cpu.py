@@ -5,6 +5,7 @@ cannot be built."""
 from __future__ import annotations
 
 import platform
+import subprocess
 import warnings
 
 import pytest
@@ -191,11 +192,17 @@ def test_a_failed_build_warns_once_and_the_references_run(monkeypatch, tmp_path)
 def test_the_portable_build_gives_the_reference_bytes(monkeypatch, tmp_path):
     # A CPU without AVX-512, FMA or BMI2 runs the kernels' portable loops; this machine's build
     # never does, so build for the x86-64 baseline and compare those loops too.
-    monkeypatch.setattr(native_cpu, "FLAGS", tuple("-march=x86-64" if flag == "-march=native" else flag
-                                                   for flag in native_cpu.FLAGS))
+    monkeypatch.setenv(native_cpu.MARCH_ENVIRONMENT, "x86-64")
     monkeypatch.setattr(native_cpu, "_loaded", [])
     monkeypatch.setenv("ACTCOMP_CACHE_DIR", str(tmp_path))
-    assert native_cpu.library() is not None
+    assert native_cpu.library() is not None and native_cpu.vector_bits() == 0
+    # There the quantizer, fp8 and mask kernels decline (slower than the reference) ...
+    assert not native_cpu.quantizes(torch.device("cpu"), torch.float32, 100, 8)
+    assert not native_cpu.casts(torch.device("cpu"), torch.float32, 100)
+    assert not native_cpu.unpacks_mask(torch.device("cpu"), torch.float32)
+    assert native_cpu.selects(torch.zeros(100))
+    # ... but their loops are the vector paths' tails everywhere: made to run, they must agree too.
+    monkeypatch.setattr(native_cpu, "outruns_reference", lambda: True)
     x = values(70_001, torch.float32, seed=5)
     x[::9] = 0.0
     for dtype in (torch.float32, torch.bfloat16):
@@ -203,6 +210,87 @@ def test_the_portable_build_gives_the_reference_bytes(monkeypatch, tmp_path):
             assert_same(*both_ways(spec, x.to(dtype)))
         for name in ("relu-mask", "leaky-relu-mask"):
             assert_same(*both_ways(codec_class(name)(), x.to(dtype)))
+
+
+def builds_for_avx2() -> bool:
+    """Whether this CPU runs AVX2 code and the compiler takes -march=x86-64-v3 (GCC 11, Clang 12 on)."""
+    compiler = native_cpu._compiler()
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    if not set(native_cpu.MARCH_LEVELS["x86-64-v3"]) <= set(native_cpu._cpu_flags().split()):
+        return False
+    probe = subprocess.run([compiler, "-march=x86-64-v3", "-x", "c", "-E", "-o", "/dev/null", "-"], input="",
+                           capture_output=True, text=True, check=False)
+    return probe.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def avx2_cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("avx2_build"))
+
+
+@needs_native
+@pytest.mark.skipif(not builds_for_avx2(), reason="no AVX2 CPU, or a compiler without -march=x86-64-v3")
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_avx2_build_gives_the_reference_bytes(dtype, threads, monkeypatch, avx2_cache):
+    # A CPU with AVX2 and no AVX-512 (Zen 1-3, Intel before Ice Lake) runs the kernels' AVX2
+    # paths; an AVX-512 machine's own build never does, so build for x86-64-v3 and compare.
+    monkeypatch.setenv(native_cpu.MARCH_ENVIRONMENT, "x86-64-v3")
+    monkeypatch.setattr(native_cpu, "_loaded", [])
+    monkeypatch.setenv("ACTCOMP_CACHE_DIR", avx2_cache)
+    assert native_cpu.vector_bits() == 256
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # Sizes around the vector steps (8, 16, 32 elements) and the groups' tails.
+        for count in (1, 7, 31, 33, 257, 4099, 70_001):
+            x = values(count, torch.float32, seed=count)
+            x[::9] = 0.0
+            x[1::11] = -0.0
+            for spec in ("int8", "int4", "int2", "int4:group=100", "int2:group=7", "fp8", "mink0.9+int8",
+                         "smink0.8+int4"):
+                assert_same(*both_ways(spec, x.to(dtype)))
+            for name in ("relu-mask", "leaky-relu-mask"):
+                assert_same(*both_ways(codec_class(name)(), x.to(dtype)))
+        x = values(200_003, dtype)
+        floor = magnitude_keys(torch.tensor([2.5], dtype=dtype))[0]
+        positions, keys = native_cpu.positions_and_keys(x, floor)
+        expected = (magnitude_keys(x) >= floor).nonzero().view(-1)
+        assert torch.equal(positions.long(), expected) and torch.equal(keys, magnitude_keys(x)[expected])
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_native
+@pytest.mark.skipif(not builds_for_avx2(), reason="no AVX2 CPU, or a compiler without -march=x86-64-v3")
+@pytest.mark.parametrize("spec", ["int8", "int2:group=7", "fp8"])
+@pytest.mark.parametrize("special", ["nan", "inf", "-inf"])
+def test_the_avx2_build_treats_non_finite_values_as_the_reference(spec, special, monkeypatch, avx2_cache):
+    monkeypatch.setenv(native_cpu.MARCH_ENVIRONMENT, "x86-64-v3")
+    monkeypatch.setattr(native_cpu, "_loaded", [])
+    monkeypatch.setenv("ACTCOMP_CACHE_DIR", avx2_cache)
+    test_non_finite_values_not_set_aside_give_the_reference_values(spec, torch.float32, special)
+
+
+@pytest.mark.parametrize("level", ["skylake", "x86-64-v5", "X86-64-V3"])
+def test_an_unknown_march_is_an_error_naming_the_valid_ones(level, monkeypatch):
+    monkeypatch.setenv(native_cpu.MARCH_ENVIRONMENT, level)
+    with pytest.raises(errors.ActcompError, match=f"unknown ACTCOMP_NATIVE_MARCH='{level}'; valid: native, x86-64, "
+                                                  "x86-64-v2, x86-64-v3, x86-64-v4"):
+        native_cpu.march()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the levels are x86-64's")
+def test_a_march_this_cpu_cannot_run_is_an_error(monkeypatch):
+    # Loading AVX2 code on a CPU without AVX2 would stop the process at its first such instruction.
+    monkeypatch.setattr(native_cpu, "_cpu_flags", lambda: "flags : fpu sse sse2 ssse3 sse4_2 popcnt cx16")
+    monkeypatch.setenv(native_cpu.MARCH_ENVIRONMENT, "x86-64-v3")
+    with pytest.raises(errors.ActcompError, match=r"needs CPU features this CPU lacks \(avx2, fma, bmi2, f16c, "
+                                                  r"movbe\).*valid here: native, x86-64, x86-64-v2$"):
+        native_cpu.march()
+    monkeypatch.delenv(native_cpu.MARCH_ENVIRONMENT)
+    assert native_cpu.march() == "native"
 
 
 @needs_native

@@ -10,15 +10,33 @@
  */
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX512F__) || defined(__FMA__) || defined(__BMI2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__FMA__) || defined(__BMI2__)
 #include <immintrin.h>
 #endif
+/* Two hand-vectorized paths: AVX-512 (x86-64-v4, Zen 4, Intel since Skylake-X) and AVX2 with
+ * FMA (x86-64-v3, Zen 1-3, Intel since Haswell). Without either, the portable loops run. The
+ * AVX2 path exists because GCC does not vectorize the portable loops there: their 64-byte
+ * vector types are split and spilled to the stack lane by lane, which made the AVX2 int8
+ * encode 8x slower than the AVX-512 one and 2x slower than the eager reference. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
 #define ACTCOMP_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ACTCOMP_AVX2 1
 #endif
 #include <stdlib.h>
 #include <string.h>
+
+/* The vector width, in bits, of the hand-vectorized path this build compiled: 512 (AVX-512),
+ * 256 (AVX2), or 0 (the portable loops, vectorized as the compiler can). */
+int actcomp_vector_bits(void) {
+#if defined(ACTCOMP_AVX512)
+    return 512;
+#elif defined(ACTCOMP_AVX2)
+    return 256;
+#else
+    return 0;
+#endif
+}
 
 /* Groups per parallel task: eight groups hold a whole number of bytes of codes at any width,
  * so no two threads write the same byte. */
@@ -77,26 +95,30 @@ static inline float round_up_to_bf16(float value) {
 }
 
 /* Eight codes of bits bits <-> eight bytes: one bit-field extract or deposit per eight codes
- * where the CPU has BMI2, a loop over the fields elsewhere. */
-#if defined(__BMI2__)
-#include <immintrin.h>
-#endif
+ * where the CPU has AVX-512 (and so a fast PEXT/PDEP), shifts and masks elsewhere: Zen 1 and
+ * Zen 2 have BMI2 but run PEXT/PDEP in microcode, 18 to 300 cycles each. */
 static inline uint64_t byte_fields(int bits) {
     return bits == 4 ? 0x0F0F0F0F0F0F0F0Full : 0x0303030303030303ull;
 }
 
 static inline uint64_t pack_eight(uint64_t bytes, const int bits) {
-#if defined(__BMI2__)
+#if defined(ACTCOMP_AVX512)
     return _pext_u64(bytes, byte_fields(bits));
 #else
-    uint64_t packed = 0;
-    for (int k = 0; k < 8; k++) packed |= ((bytes >> (8 * k)) & 0xFFu) << (k * bits);
-    return packed;
+    /* Each step halves the number of fields and joins neighbours: 8 bytes -> 4 -> 2 -> 1. */
+    if (bits == 4) {
+        bytes = (bytes | bytes >> 4) & 0x00FF00FF00FF00FFull;
+        bytes = (bytes | bytes >> 8) & 0x0000FFFF0000FFFFull;
+        return (bytes | bytes >> 16) & 0xFFFFFFFFull;
+    }
+    bytes = (bytes | bytes >> 6) & 0x000F000F000F000Full;
+    bytes = (bytes | bytes >> 12) & 0x000000FF000000FFull;
+    return (bytes | bytes >> 24) & 0xFFFFull;
 #endif
 }
 
 static inline uint64_t unpack_eight(uint64_t packed, const int bits) {
-#if defined(__BMI2__)
+#if defined(ACTCOMP_AVX512)
     return _pdep_u64(packed, byte_fields(bits));
 #else
     uint64_t bytes = 0;
@@ -189,6 +211,47 @@ static inline void store_sixty_four(uint8_t *to, __m512i a, __m512i b, __m512i c
     const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
     _mm512_storeu_si512((void *)to, _mm512_permutexvar_epi32(order, bytes));
 }
+#elif defined(ACTCOMP_AVX2)
+/* The same steps eight lanes wide: each instruction below is its AVX-512 twin's lower half, so
+ * the codes are the same bits (MAXPS/MINPS/CVTTPS2DQ behave alike at both widths). */
+static inline __attribute__((always_inline)) __m256 load_eight(const void *x, int64_t i, const int dtype) {
+    if (dtype == 0) return _mm256_loadu_ps((const float *)x + i);
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
+}
+
+static inline __m256i lowbias32_eight(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int32_t)0x846CA68Bu));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+static inline __attribute__((always_inline)) __m256 noise_eight(uint32_t place, uint32_t seed) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i places = _mm256_and_si256(_mm256_add_epi32(_mm256_set1_epi32((int32_t)place), lane),
+                                            _mm256_set1_epi32(0xFFFF));
+    const __m256i hashed = lowbias32_eight(_mm256_xor_si256(places, _mm256_set1_epi32((int32_t)seed)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(hashed, 8)), _mm256_set1_ps(0x1p-24f));
+}
+
+static inline __attribute__((always_inline)) __m256i codes_eight(const void *x, int64_t at, __m256 noise, float low,
+                                                                 float inverse, float levels, const int dtype) {
+    __m256 code = _mm256_add_ps(
+        _mm256_mul_ps(_mm256_sub_ps(load_eight(x, at, dtype), _mm256_set1_ps(low)), _mm256_set1_ps(inverse)), noise);
+    code = _mm256_min_ps(_mm256_set1_ps(levels), _mm256_max_ps(_mm256_setzero_ps(), code));
+    return _mm256_cvttps_epi32(code);
+}
+
+/* Thirty-two codes (int32 lanes of 0 to 255 or INT32_MIN) as bytes, in order: the packs work
+ * within 128-bit halves, leaving a's, b's, c's, d's first four codes in the lower half and their
+ * last four in the upper; one permutation of 32-bit words puts them back in order. */
+static inline void store_thirty_two(uint8_t *to, __m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256((__m256i *)to, _mm256_permutevar8x32_epi32(bytes, order));
+}
 #endif
 
 static inline __attribute__((always_inline)) void group_range(const void *x, int64_t start, int64_t stop,
@@ -212,6 +275,28 @@ static inline __attribute__((always_inline)) void group_range(const void *x, int
     low = (lanes_f32)low_lanes;
     high = (lanes_f32)high_lanes;
     int nan = unordered != 0;
+#elif defined(ACTCOMP_AVX2)
+    /* Lanes 0-7 and 8-15 in two registers each: the same sixteen running minima and maxima as
+     * the other paths, so signed zeros resolve as there. */
+    __m256 low_first = _mm256_set1_ps(INFINITY), low_second = low_first;
+    __m256 high_first = _mm256_set1_ps(-INFINITY), high_second = high_first;
+    __m256 unordered = _mm256_setzero_ps();
+    for (; i + LANES <= stop; i += LANES) {
+        const __m256 first = load_eight(x, i, dtype), second = load_eight(x, i + 8, dtype);
+        low_first = _mm256_min_ps(first, low_first);
+        low_second = _mm256_min_ps(second, low_second);
+        high_first = _mm256_max_ps(first, high_first);
+        high_second = _mm256_max_ps(second, high_second);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(first, second, _CMP_UNORD_Q));
+    }
+    float spill[LANES];
+    _mm256_storeu_ps(spill, low_first);
+    _mm256_storeu_ps(spill + 8, low_second);
+    memcpy(&low, spill, sizeof low);
+    _mm256_storeu_ps(spill, high_first);
+    _mm256_storeu_ps(spill + 8, high_second);
+    memcpy(&high, spill, sizeof high);
+    int nan = _mm256_movemask_ps(unordered) != 0;
 #else
     lanes_i32 unordered = {0};
     for (; i + LANES <= stop; i += LANES) {
@@ -301,6 +386,14 @@ static inline __attribute__((always_inline)) void quantize_groups(
                     store_sixty_four(tile + k, CODES_SIXTEEN(k), CODES_SIXTEEN(k + 16), CODES_SIXTEEN(k + 32),
                                      CODES_SIXTEEN(k + 48));
 #undef CODES_SIXTEEN
+#elif defined(ACTCOMP_AVX2)
+#define CODES_EIGHT(K)                                                                                    \
+    codes_eight(x, at + (K), noise_eight(((uint32_t)((place0 + (K)) & 0xFFFF) + rotation) & 0xFFFFu, seed), \
+                low, inverse, levels, dtype)
+                for (; k + 4 * 8 <= length; k += 4 * 8)
+                    store_thirty_two(tile + k, CODES_EIGHT(k), CODES_EIGHT(k + 8), CODES_EIGHT(k + 16),
+                                     CODES_EIGHT(k + 24));
+#undef CODES_EIGHT
 #endif
                 for (; k < length; k++) {
                     const uint32_t place = ((uint32_t)((place0 + k) & 0xFFFF) + rotation) & 0xFFFFu;
@@ -383,6 +476,38 @@ static inline __attribute__((always_inline)) void decode_sixteen(const uint64_t 
 #endif
 }
 
+#if defined(ACTCOMP_AVX2)
+/* Codes at to at + 7 (at a multiple of 8) as int32 lanes: bytes widened, or the bits * 8 bits
+ * of packed codes broadcast and each lane shifted to its own field (no PDEP, which Zen 1 and 2
+ * run in microcode, and no byte buffer read back wider than it was written). */
+static inline __attribute__((always_inline)) __m256i unpack_codes_eight(const uint8_t *codes, int64_t at,
+                                                                        const int bits) {
+    if (bits == 8) return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + at)));
+    uint32_t packed = 0;
+    memcpy(&packed, codes + at / (8 / bits), (size_t)bits);
+    const __m256i fields = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int32_t)packed), fields),
+                            _mm256_set1_epi32((1 << bits) - 1));
+}
+
+/* decode_one for eight codes, as decode_sixteen does sixteen. */
+static inline __attribute__((always_inline)) void decode_eight(__m256i codes, float step, float low, float limit,
+                                                               void *out, int64_t at, const int dtype) {
+    __m256 value = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), _mm256_set1_ps(step), _mm256_set1_ps(low));
+    value = _mm256_min_ps(_mm256_set1_ps(limit), _mm256_max_ps(_mm256_set1_ps(-limit), value));
+    if (dtype == 0) {
+        _mm256_storeu_ps((float *)out + at, value);
+    } else {
+        __m256i wide = _mm256_castps_si256(value); /* float_to_bf16, per lane */
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(wide, 16), _mm256_set1_epi32(1));
+        wide = _mm256_srli_epi32(_mm256_add_epi32(wide, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+        /* Lanes hold 0 to 0xFFFF, which the unsigned-saturating pack keeps as they are. */
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + at),
+                         _mm_packus_epi32(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1)));
+    }
+}
+#endif
+
 /* Groups first to last of dequantize(). */
 static inline __attribute__((always_inline)) void dequantize_groups(
     const uint8_t *codes, const void *offset, const uint16_t *scale, int64_t count, int64_t group, int64_t first,
@@ -398,6 +523,10 @@ static inline __attribute__((always_inline)) void dequantize_groups(
         const float step = bits_to_float((uint32_t)scale[g] << 16);
         int64_t at = start;
         if (start % 8 == 0) {
+#if defined(ACTCOMP_AVX2)
+            for (; at + 8 <= stop; at += 8) decode_eight(unpack_codes_eight(codes, at, bits), step, low, limit, out,
+                                                         at, dtype);
+#endif
             for (; at + LANES <= stop; at += LANES) {
                 uint64_t bytes[2];
                 if (bits == 8) {
@@ -486,6 +615,55 @@ static inline void store_keys16(int16_t *keys, int64_t at, __mmask16 room, __m51
                 at += n;                                                                          \
             }                                                                                     \
             index = _mm512_add_epi32(index, _mm512_set1_epi32(16));                               \
+        }                                                                                         \
+    }
+#elif defined(ACTCOMP_AVX2)
+/* AVX2 has no compress: for each 8-bit mask of chosen lanes, the permutation that moves them to
+ * the front, filled in once when the library is loaded. The chosen lanes are then stored eight
+ * wide while eight more fit in the block's own part of the outputs (a store past it would race
+ * with the next block's thread); the last few go one at a time. */
+static int32_t chosen_first[256][8];
+__attribute__((constructor)) static void fill_chosen_first(void) {
+    for (int mask = 0; mask < 256; mask++) {
+        int n = 0;
+        for (int lane = 0; lane < 8; lane++)
+            if (mask >> lane & 1) chosen_first[mask][n++] = lane;
+        while (n < 8) chosen_first[mask][n++] = 0;
+    }
+}
+static inline __m256i keys_of(const int32_t *x, int64_t i) {
+    return _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), _mm256_set1_epi32(0x7FFFFFFF));
+}
+static inline __m256i keys16_of(const int16_t *x, int64_t i) {
+    return _mm256_and_si256(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(x + i))),
+                            _mm256_set1_epi32(0x7FFF));
+}
+static inline void store_keys(int32_t *keys, int64_t at, __m256i chosen) {
+    _mm256_storeu_si256((__m256i *)(keys + at), chosen);
+}
+static inline void store_keys16(int16_t *keys, int64_t at, __m256i chosen) {
+    /* Keys below 2**15: the signed-saturating pack keeps them. */
+    _mm_storeu_si128((__m128i *)(keys + at),
+                     _mm_packs_epi32(_mm256_castsi256_si128(chosen), _mm256_extracti128_si256(chosen, 1)));
+}
+#define VECTOR_CANDIDATES(LOAD, STORE)                                                            \
+    {                                                                                             \
+        const int64_t end = found[b + 1];                                                         \
+        /* key >= floor as key > floor - 1 (AVX2 compares only for greater), in int32 range */    \
+        const int64_t below_floor = floor - 1;                                                    \
+        const __m256i below = _mm256_set1_epi32(below_floor > INT32_MAX ? INT32_MAX              \
+                                                : below_floor < INT32_MIN ? INT32_MIN : (int32_t)below_floor); \
+        __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int32_t)i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); \
+        for (; i + 8 <= stop && at + 8 <= end; i += 8) {                                          \
+            const __m256i key = LOAD(x, i);                                                       \
+            const int take = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, below))); \
+            if (take) {                                                                           \
+                const __m256i order = _mm256_loadu_si256((const __m256i *)chosen_first[take]);    \
+                _mm256_storeu_si256((__m256i *)(positions + at), _mm256_permutevar8x32_epi32(index, order)); \
+                STORE(keys, at, _mm256_permutevar8x32_epi32(key, order));                         \
+                at += __builtin_popcount(take);                                                   \
+            }                                                                                     \
+            index = _mm256_add_epi32(index, _mm256_set1_epi32(8));                                \
         }                                                                                         \
     }
 #else
@@ -735,16 +913,58 @@ static inline __attribute__((always_inline)) void fp8_range(const void *x, int64
     *amax = !count ? 0.0f : low != low ? NAN : (-low > high ? -low : high);
 }
 
+#if defined(ACTCOMP_AVX2)
+/* float_to_e4m3fn for eight values, its three cases computed for every lane and blended (GCC
+ * vectorizes the branchy scalar form with AVX-512's masks, not with AVX2). */
+static inline __m256i e4m3fn_eight(__m256 value) {
+    const __m256i all = _mm256_castps_si256(value);
+    const __m256i sign = _mm256_and_si256(all, _mm256_set1_epi32((int32_t)0x80000000u));
+    const __m256i bits = _mm256_xor_si256(all, sign); /* below 2**31: signed comparisons are unsigned ones */
+    const __m256i saturated = _mm256_cmpgt_epi32(bits, _mm256_set1_epi32((1087 << 20) - 1));
+    const __m256i subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), bits);
+    const __m256i denormal = _mm256_set1_epi32(141 << 23);
+    const __m256i subnormal_code = _mm256_sub_epi32(
+        _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(bits), _mm256_castsi256_ps(denormal))), denormal);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 20), _mm256_set1_epi32(1));
+    const __m256i normal_code = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32((int32_t)((uint32_t)(7 - 127) << 23) + 0x7FFFF))),
+        20);
+    __m256i code = _mm256_blendv_epi8(normal_code, subnormal_code, subnormal);
+    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), saturated);
+    /* The scalar form's (uint8_t) keeps the low byte. */
+    return _mm256_or_si256(_mm256_and_si256(code, _mm256_set1_epi32(0xFF)), _mm256_srli_epi32(sign, 24));
+}
+
+/* (x / step) clamped to +-448 as fp8_encode's scalar steps do: MAXPS/MINPS with the value second
+ * keep a NaN, as those comparisons do. */
+static inline __attribute__((always_inline)) __m256i fp8_codes_eight(const void *x, int64_t at, __m256 step,
+                                                                     const int dtype) {
+    const __m256 value = _mm256_div_ps(load_eight(x, at, dtype), step);
+    return e4m3fn_eight(_mm256_min_ps(_mm256_set1_ps(448.0f), _mm256_max_ps(_mm256_set1_ps(-448.0f), value)));
+}
+#endif
+
 static inline __attribute__((always_inline)) void fp8_encode(const void *x, int64_t count, const float *scale,
                                                              uint8_t *codes, int threads, const int dtype) {
     const float step = *scale;
+#if defined(ACTCOMP_AVX2)
+    const int64_t vectored = count / 32 * 32;
+    const __m256 steps = _mm256_set1_ps(step);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < count; i++) {
+    for (int64_t i = 0; i < vectored; i += 32)
+        store_thirty_two(codes + i, fp8_codes_eight(x, i, steps, dtype), fp8_codes_eight(x, i + 8, steps, dtype),
+                         fp8_codes_eight(x, i + 16, steps, dtype), fp8_codes_eight(x, i + 24, steps, dtype));
+#else
+#define vectored 0 /* a literal: a variable would be captured by the OpenMP region and change its code */
+#endif
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = vectored; i < count; i++) {
         float value = load(x, i, dtype) / step;
         value = value < -448.0f ? -448.0f : value;
         value = value > 448.0f ? 448.0f : value;
         codes[i] = float_to_e4m3fn(value);
     }
+#undef vectored
 }
 
 static inline __attribute__((always_inline)) void fp8_decode(const uint8_t *codes, int64_t count, const float *scale,
@@ -807,6 +1027,19 @@ static inline __attribute__((always_inline)) void mask_pack(const void *x, int64
             memcpy(bits + block * 2, &held, 2);
             continue;
         }
+#elif defined(ACTCOMP_AVX2)
+        if (first + 16 <= count) {
+            const __m256 low = load_eight(x, first, dtype), high = load_eight(x, first + 8, dtype);
+            const __m256 zero = _mm256_setzero_ps();
+            const int held = mode == 0
+                ? _mm256_movemask_ps(_mm256_cmp_ps(low, zero, _CMP_NLE_UQ))
+                    | _mm256_movemask_ps(_mm256_cmp_ps(high, zero, _CMP_NLE_UQ)) << 8
+                : _mm256_movemask_ps(_mm256_cmp_ps(low, zero, _CMP_GT_OQ))
+                    | _mm256_movemask_ps(_mm256_cmp_ps(high, zero, _CMP_GT_OQ)) << 8;
+            const uint16_t packed = (uint16_t)held;
+            memcpy(bits + block * 2, &packed, 2);
+            continue;
+        }
 #endif
         for (int64_t byte = block * 2; byte < block * 2 + 2 && byte < whole; byte++) {
             uint8_t packed = 0;
@@ -846,6 +1079,32 @@ void actcomp_mask_pack_bf16(const uint16_t *x, int64_t count, int mode, uint8_t 
             uint16_t held;                                                                            \
             memcpy(&held, bits + byte, 2);                                                            \
             _mm256_storeu_si256((__m256i *)(out + byte * 8), _mm256_mask_blend_epi16(held, outside_lanes, inside_lanes)); \
+        }                                                                                             \
+    }
+#elif defined(ACTCOMP_AVX2)
+/* Eight 4-byte or sixteen 2-byte elements at a time: each lane tests its own bit of the
+ * broadcast byte(s) and picks its stand-in. */
+#define MASK_UNPACK_16_LANES(WORD)                                                                    \
+    if (sizeof(WORD) == 4) {                                                                          \
+        const __m256i outside_lanes = _mm256_set1_epi32((int32_t)outside);                            \
+        const __m256i inside_lanes = _mm256_set1_epi32((int32_t)inside);                              \
+        const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);                      \
+        for (; byte + 1 <= stop_byte && (byte + 1) * 8 <= count; byte++) {                           \
+            const __m256i held = _mm256_cmpeq_epi32(                                                  \
+                _mm256_and_si256(_mm256_set1_epi32(bits[byte]), lane_bit), lane_bit);                 \
+            _mm256_storeu_si256((__m256i *)(out + byte * 8), _mm256_blendv_epi8(outside_lanes, inside_lanes, held)); \
+        }                                                                                             \
+    } else {                                                                                          \
+        const __m256i outside_lanes = _mm256_set1_epi16((int16_t)outside);                            \
+        const __m256i inside_lanes = _mm256_set1_epi16((int16_t)inside);                              \
+        const __m256i lane_bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, \
+                                                   8192, 16384, (int16_t)0x8000);                     \
+        for (; byte + 2 <= stop_byte && (byte + 2) * 8 <= count; byte += 2) {                         \
+            uint16_t two;                                                                             \
+            memcpy(&two, bits + byte, 2);                                                             \
+            const __m256i held = _mm256_cmpeq_epi16(                                                  \
+                _mm256_and_si256(_mm256_set1_epi16((int16_t)two), lane_bit), lane_bit);               \
+            _mm256_storeu_si256((__m256i *)(out + byte * 8), _mm256_blendv_epi8(outside_lanes, inside_lanes, held)); \
         }                                                                                             \
     }
 #else

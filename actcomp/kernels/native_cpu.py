@@ -16,6 +16,12 @@ none can be built (no compiler, a failed build), :func:`library` warns once and 
 and the codecs run their eager reference. ``ACTCOMP_COMPILE=0`` (:mod:`~actcomp.core.backends`)
 runs the eager reference everywhere.
 
+The build targets this CPU (``-march=native``). ``ACTCOMP_NATIVE_MARCH`` names another x86-64
+level (:data:`MARCH_LEVELS`: ``x86-64-v3`` is AVX2, ``x86-64-v4`` AVX-512), part of the cache
+key, read when the library is first built: how the AVX2 kernels are built and measured on an
+AVX-512 machine (``benchmarks/bench_native_levels.py``). A level this CPU cannot run is an
+error, not a crash.
+
 >>> import torch
 >>> native = library()
 >>> x = torch.tensor([1.0, -3.0, 0.5, 2.0])
@@ -39,11 +45,22 @@ from typing import Any
 
 import torch
 
-from actcomp.errors import warn_once
+from actcomp.errors import ActcompError, warn_once
 from actcomp.kernels.layouts import is_subclass_tensor
 
 SOURCE = Path(__file__).with_name("native_cpu.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
+FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
+MARCH_ENVIRONMENT = "ACTCOMP_NATIVE_MARCH"
+# The -march targets ACTCOMP_NATIVE_MARCH may name, with the /proc/cpuinfo flags each needs
+# (gcc's and clang's x86-64 micro-architecture levels; "native" is whatever this CPU has).
+MARCH_LEVELS = {
+    "native": (),
+    "x86-64": (),
+    "x86-64-v2": ("sse4_2", "ssse3", "popcnt", "cx16"),
+    "x86-64-v3": ("sse4_2", "ssse3", "popcnt", "cx16", "avx2", "fma", "bmi2", "f16c", "movbe"),
+    "x86-64-v4": ("sse4_2", "ssse3", "popcnt", "cx16", "avx2", "fma", "bmi2", "f16c", "movbe", "avx512f",
+                  "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+}
 # Positions are int32 (the position forms' own width), so the kernels take tensors below 2**31.
 MAX_ELEMENTS = 2**31 - 1
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -74,7 +91,7 @@ def library() -> ctypes.CDLL | None:
 def quantizes(device: torch.device, dtype: torch.dtype, count: int, bits: int) -> bool:
     """Whether :func:`quantize` and :func:`dequantize` take ``count`` values of ``dtype`` on
     ``device`` at ``bits`` bits: CPU float32 or bfloat16, 1 to 2**31 - 1 values, 8, 4 or 2
-    bits, and the kernels built."""
+    bits, and the kernels built with a hand-vectorized path (:func:`outruns_reference`)."""
     return bits in (2, 4, 8) and casts(device, dtype, count)
 
 
@@ -102,10 +119,39 @@ def dequantize(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, b
           ctypes.c_int(bits), _pointer(out), _threads())
 
 
+def vector_bits() -> int:
+    """The vector width, in bits, of the kernels' hand-vectorized path in this build: 512 (AVX-512),
+    256 (AVX2 with FMA), 0 for the portable loops or no build.
+
+    >>> vector_bits() in (0, 256, 512)
+    True
+    """
+    native = library()
+    return 0 if native is None else int(native.actcomp_vector_bits())
+
+
+def outruns_reference() -> bool:
+    """Whether the quantizer, fp8 and mask kernels run here: only in a build with a
+    hand-vectorized path (:func:`vector_bits`: AVX2 or AVX-512).
+
+    A measured decision (``benchmarks/bench_native_levels.py --levels x86-64 x86-64-v2``, Zen 4,
+    1 thread): built for a CPU without AVX2, their portable loops took 1.3-3.4x the eager
+    reference's time for the int8 and int2 encode, 2-4x for the fp8 encode and 1.7-6.4x for the
+    mask decode. The min-k selection and Elias-Fano kernels stay on everywhere: their portable
+    loops still beat the reference (0.1-0.5x).
+
+    >>> outruns_reference() == (vector_bits() > 0)
+    True
+    """
+    return vector_bits() > 0
+
+
 def casts(device: torch.device, dtype: torch.dtype, count: int) -> bool:
-    """Whether the fp8 kernels take ``count`` values of ``dtype`` on ``device``: CPU float32 or
-    bfloat16, 1 to 2**31 - 1 values, and the kernels built."""
-    return device.type == "cpu" and dtype in _DTYPES and 0 < count <= MAX_ELEMENTS and library() is not None
+    """Whether the fp8 kernels and :func:`mask_pack` take ``count`` values of ``dtype`` on
+    ``device``: CPU float32 or bfloat16, 1 to 2**31 - 1 values, and the kernels built with a
+    hand-vectorized path (:func:`outruns_reference`)."""
+    return (device.type == "cpu" and dtype in _DTYPES and 0 < count <= MAX_ELEMENTS and library() is not None
+            and outruns_reference())
 
 
 def fp8_amax(flat: torch.Tensor) -> torch.Tensor:
@@ -146,8 +192,9 @@ def mask_pack(flat: torch.Tensor, mode: str) -> torch.Tensor:
 
 
 def unpacks_mask(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether :func:`mask_unpack` writes ``dtype`` on ``device``: 2- or 4-byte elements on a CPU."""
-    return device.type == "cpu" and dtype.itemsize in _KEY_WIDTHS and library() is not None
+    """Whether :func:`mask_unpack` writes ``dtype`` on ``device``: 2- or 4-byte elements on a CPU,
+    and the kernels built with a hand-vectorized path (:func:`outruns_reference`)."""
+    return device.type == "cpu" and dtype.itemsize in _KEY_WIDTHS and library() is not None and outruns_reference()
 
 
 def mask_unpack(bits: torch.Tensor, count: int, standins: torch.Tensor) -> torch.Tensor:
@@ -325,6 +372,27 @@ def _load() -> ctypes.CDLL | None:
     return native
 
 
+def march() -> str:
+    """The ``-march`` the kernels are built for: ``$ACTCOMP_NATIVE_MARCH``, else ``"native"``.
+
+    >>> march() in MARCH_LEVELS
+    True
+    """
+    level = os.environ.get(MARCH_ENVIRONMENT) or "native"
+    if level not in MARCH_LEVELS:
+        raise ActcompError(f"unknown {MARCH_ENVIRONMENT}={level!r}; valid: {', '.join(MARCH_LEVELS)}")
+    if level != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        raise ActcompError(f"{MARCH_ENVIRONMENT}={level!r} is an x86-64 level, and this CPU is "
+                           f"{platform.machine()}; valid here: native")
+    flags = set(_cpu_flags().split())
+    missing = [flag for flag in MARCH_LEVELS[level] if flag not in flags]
+    if missing:
+        raise ActcompError(f"{MARCH_ENVIRONMENT}={level!r} needs CPU features this CPU lacks "
+                           f"({', '.join(missing)}); it would stop at the first such instruction; valid here: "
+                           f"{', '.join(name for name, need in MARCH_LEVELS.items() if flags.issuperset(need))}")
+    return level
+
+
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
@@ -335,7 +403,8 @@ def _compiler() -> str | None:
 def _built(compiler: str) -> Path:
     """The shared library for this source, compiler and CPU, built once per cache directory."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *FLAGS, platform.machine(),
+    flags = (f"-march={march()}", *FLAGS)
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *flags, platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     directory = Path(os.environ.get("ACTCOMP_CACHE_DIR") or Path.home() / ".cache" / "actcomp")
     path = directory / f"native_cpu-{key}.so"
@@ -346,7 +415,7 @@ def _built(compiler: str) -> Path:
         handle, temporary = tempfile.mkstemp(suffix=".so", dir=directory)
         os.close(handle)
         try:
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", temporary], capture_output=True, text=True, check=True)
+            subprocess.run([compiler, *flags, str(SOURCE), "-o", temporary], capture_output=True, text=True, check=True)
             os.replace(temporary, path)
         finally:
             if os.path.exists(temporary):
@@ -366,6 +435,7 @@ def _cpu_flags() -> str:
 
 
 def _declare(native: ctypes.CDLL) -> None:
+    native.actcomp_vector_bits.restype = ctypes.c_int
     for name in ("actcomp_candidates_32", "actcomp_candidates_16", "actcomp_ef_scatter_16", "actcomp_ef_scatter_32",
                  "actcomp_compact_32", "actcomp_compact_16", "actcomp_select_32", "actcomp_select_16"):
         getattr(native, name).restype = ctypes.c_int64
