@@ -59,8 +59,8 @@ SHAPES = ["32x197x384", "32x64x56x56"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # ATen's kernels for a CPU of each level; "native": whatever this CPU has.
 ATEN_CAPABILITY = {"x86-64": "default", "x86-64-v2": "default", "x86-64-v3": "avx2", "x86-64-v4": "avx512"}
-# The codecs whose kernels outruns_reference() governs (the others always run natively).
-GOVERNED = {"int8", "int4", "int2", "fp8", "relu-mask"}
+# The codecs with a kernel outruns_reference() governs (the mask decode; the others always run).
+GOVERNED = {("relu-mask", "decode")}
 COLUMNS = ["level", "vector_bits", "aten_capability", "by_default", "shape", "dtype", "codec", "direction",
            "native_ms", "reference_ms", "clone_ms",
            "native_vs_reference", "native_vs_clone", "vs_native_build"]
@@ -175,7 +175,8 @@ def summarize(levels: list[dict]) -> list[dict]:
             versus_clone = ratio_summary(case["native"], case["clone"])["ratio"]
             if level["level"] == "native":
                 native_vs_clone[key] = versus_clone
-            by_default = "reference" if level["declined"] and case["codec"] in GOVERNED else "kernel"
+            by_default = "reference" if level["declined"] and (case["codec"], case["direction"]) in GOVERNED \
+                else "kernel"
             rows.append({"level": level["level"], "vector_bits": level["vector_bits"],
                          "aten_capability": level["aten_capability"], "by_default": by_default,
                          "shape": case["shape"],

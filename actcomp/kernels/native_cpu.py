@@ -91,7 +91,7 @@ def library() -> ctypes.CDLL | None:
 def quantizes(device: torch.device, dtype: torch.dtype, count: int, bits: int) -> bool:
     """Whether :func:`quantize` and :func:`dequantize` take ``count`` values of ``dtype`` on
     ``device`` at ``bits`` bits: CPU float32 or bfloat16, 1 to 2**31 - 1 values, 8, 4 or 2
-    bits, and the kernels built with a hand-vectorized path (:func:`outruns_reference`)."""
+    bits, and the kernels built."""
     return bits in (2, 4, 8) and casts(device, dtype, count)
 
 
@@ -131,14 +131,14 @@ def vector_bits() -> int:
 
 
 def outruns_reference() -> bool:
-    """Whether the quantizer, fp8 and mask kernels run here: only in a build with a
-    hand-vectorized path (:func:`vector_bits`: AVX2 or AVX-512).
+    """Whether :func:`mask_unpack` runs here: only in a build with a hand-vectorized path
+    (:func:`vector_bits`: AVX2 or AVX-512).
 
-    A measured decision (``benchmarks/bench_native_levels.py --levels x86-64 x86-64-v2``, Zen 4,
-    1 thread): built for a CPU without AVX2, their portable loops took 1.3-3.4x the eager
-    reference's time for the int8 and int2 encode, 2-4x for the fp8 encode and 1.7-6.4x for the
-    mask decode. The min-k selection and Elias-Fano kernels stay on everywhere: their portable
-    loops still beat the reference (0.1-0.5x).
+    A measured decision (``benchmarks/bench_native_levels.py``, Zen 4, 1 thread, the reference
+    on ATen's kernels for the level): built for x86-64 or x86-64-v2, the mask decode's portable
+    loop took 2.1-2.5x the reference's time; every other kernel's round trip still took at most
+    0.6x the reference's there (the fp32 int8 decode alone took 1.0-1.2x, and the fp32 fp8
+    encode 1.0-1.2x, while their encodes, and decodes, took under half the reference's).
 
     >>> outruns_reference() == (vector_bits() > 0)
     True
@@ -148,10 +148,8 @@ def outruns_reference() -> bool:
 
 def casts(device: torch.device, dtype: torch.dtype, count: int) -> bool:
     """Whether the fp8 kernels and :func:`mask_pack` take ``count`` values of ``dtype`` on
-    ``device``: CPU float32 or bfloat16, 1 to 2**31 - 1 values, and the kernels built with a
-    hand-vectorized path (:func:`outruns_reference`)."""
-    return (device.type == "cpu" and dtype in _DTYPES and 0 < count <= MAX_ELEMENTS and library() is not None
-            and outruns_reference())
+    ``device``: CPU float32 or bfloat16, 1 to 2**31 - 1 values, and the kernels built."""
+    return device.type == "cpu" and dtype in _DTYPES and 0 < count <= MAX_ELEMENTS and library() is not None
 
 
 def fp8_amax(flat: torch.Tensor) -> torch.Tensor:
