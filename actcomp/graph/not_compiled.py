@@ -52,5 +52,6 @@ def _warn_leaving_graph(key: str) -> None:
     what = ("the whole-model forward of this converted model runs eagerly, outside the compiled graph (one "
             "graph break at the model's entry)" if key == WHOLE_MODEL_FALLBACK else
             "each converted Linear/Conv layer runs eagerly, outside the compiled graph (a graph break at "
-            "every converted layer)")
+            "every converted layer whose codec cannot run in a graph: Rice-coded positions, running ranges, "
+            "random draws)")
     warn_once(key, f"torch.compile of a model converted by actcomp.to_compressed: {what}; {_HOW}", stacklevel=3)

@@ -132,6 +132,8 @@ def _whole_model_forward(module: CompressedModel, args: tuple, kwargs: dict):
     forward = super(CompressedModel, module).forward
     if _RUNNING.owner is not None:
         return forward(*args, **kwargs)  # a whole-model inside another: the outer one's hooks decide
+    # Called from a compiled caller, the model-input hook was traced and recorded nothing.
+    record_model_inputs(tensors_in((args, kwargs)))
     try:
         _start(module, module.actcomp_rest, [*module.buffers(), *tensors_in((args, kwargs))],
                type(module).actcomp_base)
