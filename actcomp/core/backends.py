@@ -48,6 +48,7 @@ import torch
 
 from actcomp.errors import ActcompError, warn_once
 from actcomp.kernels import native_cpu
+from actcomp.torch_compat import maybe_mark_dynamic, recompile_limit_raises
 
 BACKENDS = ("eager", "native", "compiled")
 DEFAULT = "native"
@@ -112,7 +113,7 @@ def _run(codec: Any, method: str, *args: Any) -> Any:
     try:
         # Past torch's recompile limit, dynamo would quietly run the frame eagerly from then on;
         # an error instead, so the fallback below says so once.
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        with recompile_limit_raises():
             return compiled(codec, *_with_dynamic_sizes(args))
     except Exception as error:  # noqa: BLE001 - any compile failure falls back to the reference
         if isinstance(error, ActcompError):
@@ -145,5 +146,5 @@ def _with_dynamic_sizes(args: tuple) -> tuple:
         for tensor in value if isinstance(value, tuple) else (value,):
             if isinstance(tensor, torch.Tensor):
                 for dim in range(tensor.dim()):
-                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+                    maybe_mark_dynamic(tensor, dim)
     return args

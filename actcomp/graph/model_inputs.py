@@ -30,6 +30,7 @@ from torch import nn
 
 from actcomp.graph.module_surgery import remove_forward_hooks
 from actcomp.kernels.layouts import storage_key
+from actcomp.torch_compat import forward_hook_tables
 
 _INPUTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -70,7 +71,7 @@ def is_model_input(tensor: torch.Tensor) -> bool:
 
 def watch_model_inputs(model: nn.Module) -> None:
     """Record ``model``'s tensor arguments on every call (idempotent)."""
-    if _record_model_inputs not in model._forward_pre_hooks.values():
+    if _record_model_inputs not in forward_hook_tables(model)[0][0].values():
         model.register_forward_pre_hook(_record_model_inputs, with_kwargs=True)
 
 

@@ -21,14 +21,14 @@ from typing import TypeVar
 import torch
 
 from actcomp.errors import WARNED, warn_once
+from actcomp.torch_compat import lazily_not_compiled
 
 _F = TypeVar("_F", bound=Callable)
 
 
 def not_compiled(function: _F) -> _F:
     """``function``, run eagerly even where a compiled caller traces through it."""
-    lazy = getattr(torch, "_disable_dynamo", None)
-    return lazy(function) if lazy is not None else torch.compiler.disable(function)
+    return lazily_not_compiled(function)
 
 
 # The keys of the two fallbacks' warnings. Traced code reads ``key not in WARNED`` (dynamo

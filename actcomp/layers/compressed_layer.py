@@ -29,6 +29,7 @@ from actcomp.graph.not_compiled import LAYER_FALLBACK, not_compiled, warn_if_lea
 from actcomp.layers.function import compressed_apply
 from actcomp.layers.ops import ConvOp, GPT2Conv1DOp, LinearOp, Op, conv_op
 from actcomp.layers.own_forward import OwnForwardMode
+from actcomp.torch_compat import conv_padding_for_mode, skip_frame_but_inline
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -93,31 +94,11 @@ class CompressedLayer(SwappedModule):
         return {"actcomp_own_forward": _has_own_forward(base)}
 
 
-def _skip_forward_frame_under_compile() -> None:
-    # After the graph break at _compressed_forward, torch.compile would otherwise compile
-    # CompressedLayer.forward as a frame of its own, guarded on each layer's weight shape,
-    # and hit its recompile limit on any real model. Skipping that frame keeps it eager while
-    # still letting dynamo inline it (eval mode compiles to one graph). Private API: if it
-    # moves, compile still works, with recompile warnings. The C entry point first: Python's
-    # skip_code is that one call, behind an import of torch._dynamo that cost 1.9 s of
-    # `import actcomp` (every user's, compiling or not).
-    try:
-        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-
-        set_code_exec_strategy(CompressedLayer.forward.__code__,
-                               _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
-        return
-    except (ImportError, AttributeError, TypeError):
-        pass
-    try:
-        from torch._dynamo.eval_frame import skip_code
-
-        skip_code(CompressedLayer.forward.__code__)
-    except (ImportError, AttributeError):
-        pass
-
-
-_skip_forward_frame_under_compile()
+# After a graph break at _compressed_forward, torch.compile would otherwise compile
+# CompressedLayer.forward as a frame of its own, guarded on each layer's weight shape, and hit
+# its recompile limit on any real model. Skipping that frame keeps it eager while still letting
+# dynamo inline it (eval mode, and codecs that trace, compile into one graph).
+skip_frame_but_inline(CompressedLayer.forward.__code__)
 
 
 def _reads_data_under_compile(module: CompressedLayer, x: torch.Tensor) -> bool:
@@ -159,7 +140,7 @@ def _forward(module: CompressedLayer, x: torch.Tensor, on_model_input: bool) -> 
     op: Op
     if isinstance(module, _CONVS):
         op = conv_op(module.kernel_size, module.stride, module.padding, module.dilation, module.groups,
-                     module.padding_mode, module._reversed_padding_repeated_twice)
+                     module.padding_mode, conv_padding_for_mode(module))
     elif isinstance(module, nn.Linear):
         op = LinearOp()
     else:

@@ -85,6 +85,7 @@ from actcomp.graph.saved_tensors import (
     top_saved_tensors_hooks,
     tracking_scopes,
 )
+from actcomp.torch_compat import in_backward_pass
 from actcomp.whole_model.policy import RestPolicy
 from actcomp.whole_model.session import _Session, _unpack
 
@@ -202,7 +203,7 @@ def _enter_submodule(policy: RestPolicy, model_class: type, module: nn.Module, a
         return
     # Eval and no_grad save nothing. In backward (a reentrant checkpoint recomputing a region)
     # the root's forward would not be running either: run as it would.
-    if not (module.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
+    if not (module.training and torch.is_grad_enabled()) or in_backward_pass():
         return
     # Inputs without autograd history are the caller's data (an image, a cached feature): kept
     # anyway, as the root's inputs are. An input with history is an activation of the caller's
