@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,8 @@ import actcomp
 
 ROOT = Path(actcomp.__file__).parent
 # Bottom to top: a module may import its own layer and the layers below it, never one above.
-LAYERS = ["errors", "host_allocator", "kernels", "core", "compressors", "graph", "layers", "whole_model", "losses",
-          "convert", "tools", "legacy_paths", "__init__", "__main__"]
+LAYERS = ["errors", "torch_compat", "host_allocator", "kernels", "core", "compressors", "graph", "layers", "whole_model",
+          "losses", "convert", "tools", "legacy_paths", "__init__", "__main__"]
 
 
 def _module_name(path: Path) -> str:
@@ -118,7 +119,7 @@ def test_no_block_of_six_lines_written_twice():
 # torch API whose every read would have to change with it.
 WRITTEN_ONCE = {
     ".__class__ = ": "actcomp/graph/module_surgery.py",
-    "_top_saved_tensors_default_hooks": "actcomp/graph/saved_tensors.py",
+    "_top_saved_tensors_default_hooks": "actcomp/torch_compat.py",
     "double backward (create_graph=True)": "actcomp/graph/saved_tensors.py",
     "weakref.ref(": "actcomp/graph/saved_tensors.py",
 }
@@ -129,6 +130,67 @@ def test_delicate_operations_are_written_in_one_place(text):
     places = [f"{path.relative_to(ROOT.parent)}:{number}" for path in sorted(ROOT.rglob("*.py"))
               for number, line in _code_lines(path) if text in line]
     assert places and all(place.startswith(WRITTEN_ONCE[text] + ":") for place in places), places
+
+
+# Names actcomp defines anywhere (functions, classes, attributes it sets, arguments, imports): an
+# underscore name outside them is someone else's private, which in this package means torch's.
+def _names_defined_in_actcomp() -> set[str]:
+    names = set()
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+                names.add(node.id if isinstance(node, ast.Name) else node.attr)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.alias):
+                names.add((node.asname or node.name).split(".")[0])
+    return names
+
+
+def _private_torch_uses(source: str, name: str, ours: set[str]) -> list[str]:
+    """Where ``source`` (the file ``name``) reads a private torch name: a ``_``-name in a torch module path, an
+    attribute of underscore name that actcomp never defines (``tensor._base``), an autograd node's
+    class name, or a ``"_key"`` read from a dict torch hands over."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        where = f"{name}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [f"{where} imports {module}" for module in modules
+                      if module.startswith("torch") and any(part.startswith("_") for part in module.split("."))]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if node.attr not in ours:
+                found.append(f"{where} reads .{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if re.fullmatch(r"[A-Z]\w*Backward\d*|AccumulateGrad", node.value):
+                found.append(f"{where} names the autograd node {node.value!r}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            attribute = node.args[1].value
+            if attribute.startswith("_") and not attribute.startswith("__") and attribute not in ours:
+                found.append(f"{where} reads .{attribute}")
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            key = node.slice.value
+            if isinstance(key, str) and key.startswith("_") and not key.startswith("__"):
+                found.append(f"{where} reads the key {key!r}")
+    return found
+
+
+def test_private_torch_internals_are_used_only_in_torch_compat():
+    ours = _names_defined_in_actcomp()
+    uses = [use for path in sorted(ROOT.rglob("*.py")) if path.name != "torch_compat.py"
+            for use in _private_torch_uses(path.read_text(), str(path.relative_to(ROOT.parent)), ours)]
+    assert not uses, "private torch internals outside actcomp/torch_compat.py:\n" + "\n".join(uses)
+
+
+def test_the_private_torch_check_finds_each_kind():
+    source = "import torch._dynamo\nx._base\nname == 'MulBackward0'\ncontext['_node']\nx._ours\ngetattr(torch, '_hidden')\n"
+    found = sorted(_private_torch_uses(source, "sample.py", {"_ours"}))
+    assert found == ["sample.py:1 imports torch._dynamo", "sample.py:2 reads ._base",
+                     "sample.py:3 names the autograd node 'MulBackward0'", "sample.py:4 reads the key '_node'",
+                     "sample.py:6 reads ._hidden"]
 
 
 def test_pickles_made_by_0_1_0_load():

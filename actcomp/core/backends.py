@@ -68,6 +68,7 @@ import torch
 
 from actcomp.errors import ActcompError, warn_once
 from actcomp.kernels import eager_cpu, native_cpu
+from actcomp.torch_compat import maybe_mark_dynamic, recompile_limit_raises
 
 # The names a caller may ask for. "eager" is every codec's reference; "native" and "triton" name
 # kernels a codec registers (register_implementation); "compiled" is the reference compiled.
@@ -298,7 +299,7 @@ def _run_compiled(codec: Any, method: str, *args: Any) -> Any:
     try:
         # Past torch's recompile limit, dynamo would quietly run the frame eagerly from then on;
         # an error instead, so the fallback below says so once.
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        with recompile_limit_raises():
             return compiled(codec, *_with_dynamic_sizes(args))
     except Exception as error:  # noqa: BLE001 - any compile failure falls back to the reference
         if isinstance(error, ActcompError):
@@ -329,6 +330,6 @@ def _with_dynamic_sizes(args: tuple) -> tuple:
         for tensor in value if isinstance(value, tuple) else (value,):
             if isinstance(tensor, torch.Tensor):
                 for dim in range(tensor.dim()):
-                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+                    maybe_mark_dynamic(tensor, dim)
     return args
 

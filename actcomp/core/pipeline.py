@@ -50,6 +50,9 @@ class Pipeline:
         # State changes as the pipeline compresses, so it lives here, not in the stages, and
         # never counts in equality (the spec does).
         self.states = tuple(stage.initial_state() for stage in self.stages)
+        # Filled now, not at the first read: code that torch.compile traces reads it as a plain
+        # attribute (dynamo cannot enter cached_property's lock). Pickles without it compute it.
+        self.spec = format_spec(stage.stage_spec for stage in self.stages)
 
     @functools.cached_property
     def spec(self) -> str:

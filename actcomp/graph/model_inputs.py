@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from actcomp.graph.module_surgery import remove_forward_hooks
-from actcomp.graph.not_compiled import not_compiled
 from actcomp.kernels.layouts import storage_key
+from actcomp.torch_compat import forward_hook_tables
 
 _INPUTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -47,11 +47,12 @@ def tensors_in(value):
             yield from tensors_in(item)
 
 
-# Storage addresses are not traceable: under torch.compile this hook runs eagerly (one graph
-# break at the model's entry), the rest of the forward still compiles.
-@not_compiled
 def _record_model_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    record_model_inputs(tensors_in((args, kwargs)))
+    # Storage addresses are not traceable, and while dynamo traces nothing reads them: a
+    # converted layer there tells the caller's data by its lack of autograd history, and a
+    # whole-model forward, run eagerly, records its own inputs.
+    if not torch.compiler.is_compiling():
+        record_model_inputs(tensors_in((args, kwargs)))
 
 
 def record_model_inputs(tensors) -> None:
@@ -70,7 +71,7 @@ def is_model_input(tensor: torch.Tensor) -> bool:
 
 def watch_model_inputs(model: nn.Module) -> None:
     """Record ``model``'s tensor arguments on every call (idempotent)."""
-    if _record_model_inputs not in model._forward_pre_hooks.values():
+    if _record_model_inputs not in forward_hook_tables(model)[0][0].values():
         model.register_forward_pre_hook(_record_model_inputs, with_kwargs=True)
 
 

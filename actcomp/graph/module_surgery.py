@@ -29,6 +29,8 @@ from typing import Any, TypeVar, cast
 
 from torch import nn
 
+from actcomp.torch_compat import forward_hook_tables
+
 
 class SwappedModule(nn.Module):
     """Base of the mixins :func:`swap_class` places in front of a module's class.
@@ -105,9 +107,7 @@ def remove_forward_hooks(module: nn.Module, ours: Callable[[Callable], bool]) ->
     >>> len(layer._forward_pre_hooks), len(layer._forward_pre_hooks_with_kwargs)
     (0, 0)
     """
-    pre_options = (module._forward_pre_hooks_with_kwargs,)
-    post_options = (module._forward_hooks_with_kwargs, module._forward_hooks_always_called)
-    for hooks, options in ((module._forward_pre_hooks, pre_options), (module._forward_hooks, post_options)):
+    for hooks, options in forward_hook_tables(module):
         for hook_id, hook in list(hooks.items()):
             if ours(hook):
                 del hooks[hook_id]

@@ -21,14 +21,14 @@ from typing import TypeVar
 import torch
 
 from actcomp.errors import WARNED, warn_once
+from actcomp.torch_compat import lazily_not_compiled
 
 _F = TypeVar("_F", bound=Callable)
 
 
 def not_compiled(function: _F) -> _F:
     """``function``, run eagerly even where a compiled caller traces through it."""
-    lazy = getattr(torch, "_disable_dynamo", None)
-    return lazy(function) if lazy is not None else torch.compiler.disable(function)
+    return lazily_not_compiled(function)
 
 
 # The keys of the two fallbacks' warnings. Traced code reads ``key not in WARNED`` (dynamo
@@ -52,5 +52,6 @@ def _warn_leaving_graph(key: str) -> None:
     what = ("the whole-model forward of this converted model runs eagerly, outside the compiled graph (one "
             "graph break at the model's entry)" if key == WHOLE_MODEL_FALLBACK else
             "each converted Linear/Conv layer runs eagerly, outside the compiled graph (a graph break at "
-            "every converted layer)")
+            "every converted layer whose codec cannot run in a graph: Rice-coded positions, running ranges, "
+            "random draws)")
     warn_once(key, f"torch.compile of a model converted by actcomp.to_compressed: {what}; {_HOW}", stacklevel=3)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actcomp.errors import ActcompError
+from actcomp.torch_compat import norm_and_conv_bases
 
 KINDS = ("activation", "normalization", "attention", "pooling", "dropout", "linear", "other")
 
@@ -97,8 +98,9 @@ def _table() -> dict:
 
 _FUNCTIONS = _table()
 
-_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)
-_LINEAR = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
+_NORM_BASE, _CONV_BASE = norm_and_conv_bases()
+_NORMS = (_NORM_BASE, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)
+_LINEAR = (nn.Linear, nn.Bilinear, _CONV_BASE)
 # Modules written in Python from elementwise ops (Hugging Face's LlamaRMSNorm, T5LayerNorm,
 # NewGELUActivation; an Attention block's matmuls and masks) are known by their class name.
 _NAMED_KINDS = (

@@ -45,6 +45,14 @@ from torch.overrides import TorchFunctionMode
 from actcomp.errors import ActcompError
 from actcomp.graph.model_inputs import tensors_in
 from actcomp.graph.op_kinds import GATE, function_kind, is_gate_product, is_product, module_kind
+from actcomp.torch_compat import (
+    is_accumulate_grad,
+    is_cast_or_view_node,
+    top_saved_tensors_hooks,
+    torch_function_disabled,
+    version_of,
+    view_base,
+)
 
 
 @dataclass
@@ -175,7 +183,7 @@ def unseen_by_scopes() -> contextlib.AbstractContextManager:
     >>> with tracking_scopes(), unseen_by_scopes():
     ...     _ = torch.relu(torch.ones(2))
     """
-    return torch._C.DisableTorchFunction()
+    return torch_function_disabled()
 
 
 def enter_running_module(module: nn.Module, args: tuple) -> None:
@@ -210,14 +218,7 @@ def tracking_scopes() -> Iterator[None]:
 def is_parameter(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a parameter or a view of one, including the unsharded parameters
     FSDP2 all-gathers for the forward (``model.parameters()`` returns the shards meanwhile)."""
-    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
-
-
-# Autograd nodes of ops that only cast or re-view a tensor.
-_CAST_OR_VIEW = {
-    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "ViewBackward0", "UnsafeViewBackward0",
-    "PermuteBackward0", "ExpandBackward0", "AliasBackward0", "ReshapeAliasBackward0",
-}
+    return isinstance(tensor, nn.Parameter) or isinstance(view_base(tensor), nn.Parameter)
 
 
 def is_parameter_copy(tensor: torch.Tensor) -> bool:
@@ -230,25 +231,12 @@ def is_parameter_copy(tensor: torch.Tensor) -> bool:
     for _ in range(8):
         if node is None:
             return False
-        if type(node).__name__ == "AccumulateGrad":
+        if is_accumulate_grad(node):
             return isinstance(node.variable, nn.Parameter)
-        if type(node).__name__ not in _CAST_OR_VIEW or len(node.next_functions) != 1:
+        if not is_cast_or_view_node(node) or len(node.next_functions) != 1:
             return False
         node = node.next_functions[0][0]
     return False
-
-
-def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
-    """The innermost saved-tensor hooks in force in this thread, ``(pack, unpack)``, or None.
-
-    >>> top_saved_tensors_hooks() is None
-    True
-    >>> with torch.autograd.graph.save_on_cpu():
-    ...     top_saved_tensors_hooks()[0].__qualname__
-    'save_on_cpu.__init__.<locals>.pack_to_cpu'
-    """
-    # Private API, read in this one place: torch has no public way to ask.
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 def checkpoint_hooks_on_top() -> bool:
@@ -283,14 +271,14 @@ class TensorCache:
     def get(self, tensor: torch.Tensor, key: Any) -> Any:
         """The value put for ``tensor`` and ``key``, or None."""
         hit = self._entries.get((id(tensor), key))
-        if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+        if hit is not None and hit[0]() is tensor and hit[1] == version_of(tensor):
             return hit[2]
         return None
 
     def put(self, tensor: torch.Tensor, key: Any, value: Any) -> None:
         """Keep ``value`` for ``tensor`` (held weakly) and ``key``."""
         entry_key, entries = (id(tensor), key), self._entries
-        entries[entry_key] = (weakref.ref(tensor, lambda _: entries.pop(entry_key, None)), tensor._version, value)
+        entries[entry_key] = (weakref.ref(tensor, lambda _: entries.pop(entry_key, None)), version_of(tensor), value)
 
     def clear(self) -> None:
         self._entries.clear()

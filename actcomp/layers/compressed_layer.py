@@ -29,6 +29,7 @@ from actcomp.graph.not_compiled import LAYER_FALLBACK, not_compiled, warn_if_lea
 from actcomp.layers.function import compressed_apply
 from actcomp.layers.ops import ConvOp, GPT2Conv1DOp, LinearOp, Op, conv_op
 from actcomp.layers.own_forward import OwnForwardMode
+from actcomp.torch_compat import conv_padding_for_mode, skip_frame_but_inline
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -81,8 +82,9 @@ class CompressedLayer(SwappedModule):
         # gives the same shapes and saves nothing of size.
         if x.is_meta or not (self.training and torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
             return super().forward(x)
-        warn_if_leaving_graph(LAYER_FALLBACK)
-        return _compressed_forward(self, x)
+        if torch.compiler.is_compiling() and _traces(self):
+            return _forward(self, x, _reads_data_under_compile(self, x))
+        return _compressed_forward(self, x, _data_under_compile(self, x))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, compress={self.actcomp_pipeline.spec!r}"
@@ -92,39 +94,42 @@ class CompressedLayer(SwappedModule):
         return {"actcomp_own_forward": _has_own_forward(base)}
 
 
-def _skip_forward_frame_under_compile() -> None:
-    # After the graph break at _compressed_forward, torch.compile would otherwise compile
-    # CompressedLayer.forward as a frame of its own, guarded on each layer's weight shape,
-    # and hit its recompile limit on any real model. Skipping that frame keeps it eager while
-    # still letting dynamo inline it (eval mode compiles to one graph). Private API: if it
-    # moves, compile still works, with recompile warnings. The C entry point first: Python's
-    # skip_code is that one call, behind an import of torch._dynamo that cost 1.9 s of
-    # `import actcomp` (every user's, compiling or not).
-    try:
-        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-
-        set_code_exec_strategy(CompressedLayer.forward.__code__,
-                               _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
-        return
-    except (ImportError, AttributeError, TypeError):
-        pass
-    try:
-        from torch._dynamo.eval_frame import skip_code
-
-        skip_code(CompressedLayer.forward.__code__)
-    except (ImportError, AttributeError):
-        pass
+# After a graph break at _compressed_forward, torch.compile would otherwise compile
+# CompressedLayer.forward as a frame of its own, guarded on each layer's weight shape, and hit
+# its recompile limit on any real model. Skipping that frame keeps it eager while still letting
+# dynamo inline it (eval mode, and codecs that trace, compile into one graph).
+skip_frame_but_inline(CompressedLayer.forward.__code__)
 
 
-_skip_forward_frame_under_compile()
+def _reads_data_under_compile(module: CompressedLayer, x: torch.Tensor) -> bool:
+    # Storage addresses cannot be read while dynamo traces, and the model-input hook records
+    # none there: the caller's data is an input with no autograd history (a ViT's image).
+    return module.actcomp_plain_on_model_input and not x.requires_grad
 
 
-@not_compiled
-def _compressed_forward(module: CompressedLayer, x: torch.Tensor) -> torch.Tensor:
-    # Compression has data-dependent sizes (how many values a sparsifier keeps), so under
-    # torch.compile this is one graph break per compressed layer; the rest still compiles.
+def _data_under_compile(module: CompressedLayer, x: torch.Tensor) -> bool | None:
+    """Whether ``x`` is the caller's data, where a compiled caller runs; None elsewhere. Called
+    from the forward's frame, which runs eagerly under a compiled caller (see above): dynamo
+    then compiles this function as a frame of its own, and says once that the layer left the graph."""
+    if not torch.compiler.is_compiling():
+        return None
+    warn_if_leaving_graph(LAYER_FALLBACK)
+    return _reads_data_under_compile(module, x)
+
+
+def _traces(module: CompressedLayer) -> bool:
+    """Whether ``module``'s compressed forward can be traced into a compiled graph: stages that
+    compile (``int8``, ``fp8``, ``mink0.9+int8``; not Rice-coded positions, whose size depends on
+    the data, nor running state or global random draws) and the layer's plain forward (an own
+    forward runs under a torch-function mode)."""
+    return not module.actcomp_own_forward and all(stage.compiles() for stage in module.actcomp_pipeline.stages)
+
+
+def _forward(module: CompressedLayer, x: torch.Tensor, on_model_input: bool) -> torch.Tensor:
+    """The training forward; ``on_model_input``: ``x`` is the caller's data and the layer runs
+    plain on it (``first_layer="auto"``)."""
     pipeline: Pipeline | None = module.actcomp_pipeline
-    if module.actcomp_plain_on_model_input and is_model_input(x):
+    if on_model_input:
         if x.requires_grad or not autocast_casts(x):
             return super(CompressedLayer, module).forward(x)
         # Plain autocast would keep its low-precision copy of the caller's data; keep the data
@@ -135,12 +140,22 @@ def _compressed_forward(module: CompressedLayer, x: torch.Tensor) -> torch.Tenso
     op: Op
     if isinstance(module, _CONVS):
         op = conv_op(module.kernel_size, module.stride, module.padding, module.dilation, module.groups,
-                     module.padding_mode, module._reversed_padding_repeated_twice)
+                     module.padding_mode, conv_padding_for_mode(module))
     elif isinstance(module, nn.Linear):
         op = LinearOp()
     else:
         op = GPT2Conv1DOp()
     return _apply(module, op, x, module.weight, module.bias, pipeline)
+
+
+@not_compiled
+def _compressed_forward(module: CompressedLayer, x: torch.Tensor, on_model_input: bool | None) -> torch.Tensor:
+    """:func:`_forward` run eagerly: always outside torch.compile, and under it where the codec's
+    sizes depend on the data (Rice-coded positions): one graph break per such layer, the rest
+    still compiles. ``on_model_input=None``: the model-input registry says."""
+    if on_model_input is None:
+        on_model_input = module.actcomp_plain_on_model_input and is_model_input(x)
+    return _forward(module, x, on_model_input)
 
 
 def autocast_casts(x: torch.Tensor) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx
 
+from actcomp.core.chain import pack
 from actcomp.core.packed import PackedLayout
 from actcomp.core.pipeline import Packed, Pipeline
 from actcomp.errors import ActcompError, warn_once
@@ -106,6 +107,11 @@ class CompressedInputFunction(torch.autograd.Function):
             # it costs nothing, and casting it again in backward gives autocast's copy exactly.
             ctx.recast = True
             saved.append(uncast)
+        elif needs_weight and pipeline is not None and torch.compiler.is_compiling():
+            # The finite flag reads nothing back: the compiled layer keeps eager's packed form.
+            packed = pack(pipeline.stages, pipeline.spec, unbroadcast(x), channel_dim=op.channel_dim)
+            ctx.layout = packed.layout
+            saved.extend(packed.tensors)
         elif needs_weight and pipeline is not None:
             with unseen_by_scopes():  # the codec's operations are not the model's
                 packed = _compress_once(pipeline, uncast, unbroadcast(x), op.channel_dim)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from actcomp.core import backends
 from actcomp.errors import ActcompError
+from actcomp.torch_compat import assert_on_device
 
 REDUCTIONS = ("mean", "sum", "none")
 # The default chunk: rows whose float32 logits take about this many bytes, and at least
@@ -166,7 +167,7 @@ def _check_targets(target: torch.Tensor, vocabulary: int, ignore_index: int) -> 
     # does, by an assertion on the device, which reads nothing back.
     bad = (target != ignore_index) & ((target < 0) | (target >= vocabulary))
     if not backends.takes_cpu_shortcut(target):
-        torch._assert_async(~bad.any(), f"linear_cross_entropy: a target is out of range for a vocabulary of "
+        assert_on_device(~bad.any(), f"linear_cross_entropy: a target is out of range for a vocabulary of "
                             f"{vocabulary} (valid: 0 to {vocabulary - 1}, or ignore_index={ignore_index})")
         return
     if bool(bad.any()):

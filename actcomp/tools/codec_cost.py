@@ -35,19 +35,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from actcomp.core import watchers
 from actcomp.kernels import native_cpu
+from actcomp.torch_compat import dispatch_mode_base, private_host_reading_ops, tree_leaves
 
 _aten = torch.ops.aten
 # Ops that read values back to the host, or whose output size depends on the data.
 SYNC_OPS = frozenset({
-    _aten._local_scalar_dense.default, _aten.is_nonzero.default, _aten.equal.default,
-    _aten.nonzero.default, _aten.masked_select.default, _aten.repeat_interleave.Tensor,
-    _aten._unique2.default, _aten.unique_consecutive.default,
-})
+    _aten.is_nonzero.default, _aten.equal.default, _aten.nonzero.default, _aten.masked_select.default,
+    _aten.repeat_interleave.Tensor, _aten.unique_consecutive.default,
+}) | private_host_reading_ops()
 
 
 @dataclass(frozen=True)
@@ -98,7 +96,7 @@ class _Marker:
 _RANGE = "actcomp.codec"
 
 
-class _Counter(TorchDispatchMode):
+class _Counter(dispatch_mode_base()):
     """Counts ATen operations, their bytes and time, and host syncs; codec calls told by watchers."""
 
     def __init__(self) -> None:

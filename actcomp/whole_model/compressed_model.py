@@ -85,6 +85,7 @@ from actcomp.graph.saved_tensors import (
     top_saved_tensors_hooks,
     tracking_scopes,
 )
+from actcomp.torch_compat import in_backward_pass
 from actcomp.whole_model.policy import RestPolicy
 from actcomp.whole_model.session import _Session, _unpack
 
@@ -132,6 +133,8 @@ def _whole_model_forward(module: CompressedModel, args: tuple, kwargs: dict):
     forward = super(CompressedModel, module).forward
     if _RUNNING.owner is not None:
         return forward(*args, **kwargs)  # a whole-model inside another: the outer one's hooks decide
+    # Called from a compiled caller, the model-input hook was traced and recorded nothing.
+    record_model_inputs(tensors_in((args, kwargs)))
     try:
         _start(module, module.actcomp_rest, [*module.buffers(), *tensors_in((args, kwargs))],
                type(module).actcomp_base)
@@ -200,7 +203,7 @@ def _enter_submodule(policy: RestPolicy, model_class: type, module: nn.Module, a
         return
     # Eval and no_grad save nothing. In backward (a reentrant checkpoint recomputing a region)
     # the root's forward would not be running either: run as it would.
-    if not (module.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
+    if not (module.training and torch.is_grad_enabled()) or in_backward_pass():
         return
     # Inputs without autograd history are the caller's data (an image, a cached feature): kept
     # anyway, as the root's inputs are. An input with history is an activation of the caller's

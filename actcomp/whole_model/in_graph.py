@@ -47,16 +47,26 @@ import pathlib
 from dataclasses import dataclass
 
 import torch
-import torch._functorch.config
-import torch._inductor.config
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from actcomp.core.chain import pack
 from actcomp.core.packed import Packed
 from actcomp.core.pipeline import Pipeline, as_pipeline, parse
 from actcomp.errors import ActcompError
 from actcomp.kernels.bitpack import pack_bits, unpack_bits
+from actcomp.torch_compat import (
+    aot_saved_tensor_hook_context,
+    backward_compiled_with_forward,
+    backward_graph,
+    custom_graph_pass_base,
+    is_inlined_unpack_input,
+    mark_as_wrapped_call,
+    post_grad_custom_post_pass,
+    reorder_for_peak_memory,
+    saved_node_name,
+    set_post_grad_custom_post_pass,
+    set_reorder_for_peak_memory,
+)
 from actcomp.whole_model.policy import Lossy, RestPolicy
 
 # Below this, a saved tensor costs less than the code that would compress it.
@@ -97,7 +107,7 @@ class _Plan:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
-class _CodecsWhereUsed(CustomGraphPass):
+class _CodecsWhereUsed(custom_graph_pass_base()):
     """Inductor's post-grad pass that moves the inlined hooks next to the tensors they code.
 
     AOTAutograd inlines every pack hook at the *end* of the forward graph and every unpack hook
@@ -109,12 +119,12 @@ class _CodecsWhereUsed(CustomGraphPass):
     reordering off for the graph, which would undo it. Graphs without inlined hooks are left as
     they are."""
 
-    previous: CustomGraphPass | None = None
+    previous: _CodecsWhereUsed | None = None  # or any other CustomGraphPass
 
     def __call__(self, graph: fx.Graph) -> None:
         if self.previous is not None:
             self.previous(graph)
-        backward = any("_hook_" in node.name for node in graph.find_nodes(op="placeholder"))
+        backward = any(is_inlined_unpack_input(node) for node in graph.find_nodes(op="placeholder"))
         if backward:
             _sink_decoding(graph)
         if _REORDER.user is not None:
@@ -122,7 +132,7 @@ class _CodecsWhereUsed(CustomGraphPass):
             # the decoding back to the top of a backward graph (measured on ViT-S: a backward
             # peak of 251 MiB with it, 106 MiB without); the forward keeps it (103 MiB with it,
             # 294 MiB without: it moves each pack next to the tensor it codes).
-            torch._inductor.config.reorder_for_peak_memory = _REORDER.user and not backward
+            set_reorder_for_peak_memory(_REORDER.user and not backward)
 
     def uuid(self):
         # Compiled graphs cached with an older version of this pass must not be reused.
@@ -132,7 +142,7 @@ class _CodecsWhereUsed(CustomGraphPass):
 
 def _sink_decoding(graph: fx.Graph) -> None:
     """Each unpack hook's nodes (computed from the ``_hook_`` inputs alone) right before their first user."""
-    decoded = {node for node in graph.find_nodes(op="placeholder") if "_hook_" in node.name}
+    decoded = {node for node in graph.find_nodes(op="placeholder") if is_inlined_unpack_input(node)}
     # Views nobody reads would count as a decode's first user and pin it at the top.
     graph.eliminate_dead_code()
     decode = []
@@ -182,11 +192,9 @@ def _in_graph_context(hooks):
     # The backward graph compiles with the forward (not at the first backward, after this block
     # has closed), so that the per-graph setting of the pass applies to it.
     outer = _REORDER.user
-    _REORDER.user = torch._inductor.config.reorder_for_peak_memory if outer is None else outer
+    _REORDER.user = reorder_for_peak_memory() if outer is None else outer
     try:
-        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
-                torch._inductor.config.patch(reorder_for_peak_memory=_REORDER.user), \
-                torch.autograd.graph.saved_tensors_hooks(*hooks):
+        with backward_compiled_with_forward(_REORDER.user), torch.autograd.graph.saved_tensors_hooks(*hooks):
             yield
     finally:
         _REORDER.user = outer
@@ -196,11 +204,11 @@ def _install_decode_where_used() -> None:
     """Put :class:`_CodecsWhereUsed` in Inductor's post-grad passes for good, in front of any
     pass already there: the backward graph compiles at the first backward, after the ``with``
     block has closed, and the pass leaves every graph without inlined hooks as it is."""
-    current = torch._inductor.config.post_grad_custom_post_pass
+    current = post_grad_custom_post_pass()
     if not isinstance(current, _CodecsWhereUsed):
         decode_late = _CodecsWhereUsed()
         decode_late.previous = current
-        torch._inductor.config.post_grad_custom_post_pass = decode_late
+        set_post_grad_custom_post_pass(decode_late)
 
 
 def _plan(spec, rest) -> _Plan:
@@ -239,23 +247,14 @@ def _one_call_module(function, plan: _Plan) -> fx.GraphModule:
     would make it, with a cache hash so that compiled graphs holding it can be cached."""
     graph = fx.Graph()
     node = graph.call_function(function, (graph.placeholder("saved"), plan.cache_hash))
-    node.meta["is_wrapped"] = True
-    node.meta["user_cache_hash"] = plan.cache_hash
+    mark_as_wrapped_call(node, plan.cache_hash)
     graph.output(node)
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-def _saving_context():
-    try:
-        from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
-    except ImportError:  # a torch without it inlines no hooks either
-        return None
-    return _get_saved_tensor_hook_context()
-
-
 def _pack(saved: torch.Tensor, plan_hash: str):
     plan = _PLANS[plan_hash]
-    context = _saving_context()
+    context = aot_saved_tensor_hook_context()
     # Outside a compiled graph's tracing (eager code: a loss computed outside the compiled model,
     # a graph break) nothing says which op saves the tensor: kept as it is, and quietly, since a
     # loss outside the model is the usual way to train a compiled one.
@@ -342,8 +341,8 @@ def _sides(name: str, threshold: float) -> tuple[float, float]:
 
 def _backward_users(context: dict) -> list[fx.Node]:
     """The nodes of the backward graph that read the saved node (its placeholder there)."""
-    name = context["_node"].name
-    for node in context["_bw_graph"].find_nodes(op="placeholder"):
+    name = saved_node_name(context)
+    for node in backward_graph(context).find_nodes(op="placeholder"):
         if node.name == name:
             return list(node.users)
     return []

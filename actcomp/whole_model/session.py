@@ -41,6 +41,7 @@ from actcomp.graph.saved_tensors import (
     unseen_by_scopes,
 )
 from actcomp.kernels.layouts import dense_strides_like, local_part, storage_key
+from actcomp.torch_compat import activation_of_node, gelu_node_approximate, version_of
 from actcomp.whole_model.derivative_codes import DerivativeCode
 from actcomp.whole_model.exact_codecs import (
     ClampMask,
@@ -66,13 +67,13 @@ class _AsIs:
         # the garbage collector cannot see, leaking the whole graph of a forward that never runs
         # backward. The detached alias shares the storage and the version counter, and autograd
         # re-attaches the grad_fn when it unpacks.
-        self.tensor, self.version = tensor.detach(), tensor._version
+        self.tensor, self.version = tensor.detach(), version_of(tensor)
 
     def unpack(self) -> torch.Tensor:
-        if self.tensor._version != self.version:
+        if version_of(self.tensor) != self.version:
             raise ActcompError(
                 f"a tensor of shape {tuple(self.tensor.shape)} saved for backward was modified by an in-place "
-                f"operation after it was saved (version {self.version}, now {self.tensor._version}); plain PyTorch "
+                f"operation after it was saved (version {self.version}, now {version_of(self.tensor)}); plain PyTorch "
                 "raises here too: make the in-place op out of place"
             )
         return self.tensor
@@ -104,10 +105,6 @@ class _Recomputed(NamedTuple):
     def unpack(self) -> torch.Tensor:
         gate = self.source.unpack()
         return F.silu(gate) if self.op == "silu" else F.gelu(gate, approximate=self.approximate)
-
-
-# The activations _Recomputed rebuilds: their autograd node's name, by op.
-_RECOMPUTABLE = {"SiluBackward0": "silu", "GeluBackward0": "gelu"}
 
 
 class _Session:
@@ -183,14 +180,14 @@ class _Session:
         """``tensor`` as :class:`_Recomputed` when it is SiLU/GELU of an input this forward
         compressed, of its shape and dtype; else None."""
         node = tensor.grad_fn
-        op = _RECOMPUTABLE.get(type(node).__name__) if node is not None else None
+        op = activation_of_node(node) if node is not None else None
         if op is None or len(node.next_functions) != 1:
             return None
         found = self.activation_inputs.get(node.next_functions[0])
         if found is None or found[1] != op:
             return None
         source, _, approximate = found
-        if op == "gelu" and getattr(node, "_saved_approximate", "none") != approximate:
+        if op == "gelu" and gelu_node_approximate(node) != approximate:
             return None
         layout = source.packed.layout
         if layout.shape != tensor.shape or layout.dtype != tensor.dtype:

@@ -1,0 +1,307 @@
+"""Every private torch internal actcomp uses, each behind one small function named for what it does.
+
+torch promises nothing about these: each is written here once, with the torch versions it was
+checked on (the lowest and the highest supported, 2.13.0 and 2.14.1: ``pyproject.toml``) and
+what breaks if torch changes it, so that a new torch release is checked in this one file.
+``tests/test_architecture.py`` fails on a private torch name anywhere else in the package. Torch
+submodules are imported inside the functions: ``torch._dynamo`` and ``torch._inductor`` cost
+seconds to import, and most users never compile.
+
+>>> import torch
+>>> top_saved_tensors_hooks() is None
+True
+>>> x = torch.ones(2, requires_grad=True)
+>>> autograd_node_name((x * 2).grad_fn)
+'MulBackward0'
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+_F = TypeVar("_F", bound=Callable)
+
+# --- Autograd ------------------------------------------------------------------------------------
+
+
+def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+    """The innermost saved-tensor hooks in force in this thread, ``(pack, unpack)``, or None.
+
+    >>> with torch.autograd.graph.save_on_cpu():
+    ...     top_saved_tensors_hooks()[0].__qualname__
+    'save_on_cpu.__init__.<locals>.pack_to_cpu'
+
+    Checked on 2.13.0 and 2.14.1 (``torch._C._autograd._top_saved_tensors_default_hooks``);
+    torch has no public way to ask. If it moves, whole-model mode cannot see checkpoint's or a
+    user's hooks under its own, and would replace them."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def in_backward_pass() -> bool:
+    """Whether autograd's engine is running a backward in this thread (a reentrant checkpoint
+    recomputing its forward). Checked on 2.13.0 and 2.14.1 (``torch._C._current_graph_task_id``,
+    -1 outside one). If it moves, a recomputed forward would start a whole-model session."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def torch_function_disabled() -> contextlib.AbstractContextManager:
+    """A block whose torch calls skip every ``__torch_function__`` handler (modes included).
+    Checked on 2.13.0 and 2.14.1 (``torch._C.DisableTorchFunction``). If it moves, the codecs'
+    operations go through whole-model mode's scope-tracking mode: slower, not wrong."""
+    return torch._C.DisableTorchFunction()
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """``tensor``'s in-place version counter. Checked on 2.13.0 and 2.14.1 (``Tensor._version``,
+    the counter autograd's own "modified by an inplace operation" check reads). If it moves,
+    in-place changes to a saved tensor go unseen."""
+    return tensor._version
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``tensor`` is a view of, or None. Checked on 2.13.0 and 2.14.1
+    (``Tensor._base``). If it moves, a view of a parameter counts as an activation."""
+    return tensor._base
+
+
+def autograd_node_name(node: Any) -> str:
+    """The class name of an autograd graph node: ``"MulBackward0"``, ``"AccumulateGrad"``.
+    Checked on 2.13.0 and 2.14.1: the names are generated from ``derivatives.yaml`` and are not
+    API; each one actcomp reads is named in this module."""
+    return type(node).__name__
+
+
+def is_accumulate_grad(node: Any) -> bool:
+    """Whether ``node`` is a leaf's gradient accumulator (its ``variable`` is the leaf).
+    Checked on 2.13.0 and 2.14.1. If renamed, autocast's weight copies count as activations."""
+    return autograd_node_name(node) == "AccumulateGrad"
+
+
+# Nodes of ops that only cast or re-view a tensor (checked on 2.13.0 and 2.14.1). A renamed one
+# makes autocast's copy of a weight count as an activation (compressed: correct, lossier).
+_CAST_OR_VIEW_NODES = frozenset({
+    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "ViewBackward0", "UnsafeViewBackward0",
+    "PermuteBackward0", "ExpandBackward0", "AliasBackward0", "ReshapeAliasBackward0",
+})
+
+
+def is_cast_or_view_node(node: Any) -> bool:
+    """Whether ``node`` is the backward of a cast or a view (one input, values unchanged)."""
+    return autograd_node_name(node) in _CAST_OR_VIEW_NODES
+
+
+# The activations whole-model mode rebuilds from their compressed input, by node name (checked
+# on 2.13.0 and 2.14.1). A renamed one is kept in its own codec instead: more bytes, correct.
+_ACTIVATION_NODES = {"SiluBackward0": "silu", "GeluBackward0": "gelu"}
+
+
+def activation_of_node(node: Any) -> str | None:
+    """``"silu"`` or ``"gelu"`` when ``node`` is that activation's backward, else None."""
+    return _ACTIVATION_NODES.get(autograd_node_name(node))
+
+
+def gelu_node_approximate(node: Any) -> str:
+    """The ``approximate`` setting a GELU backward node saved. Checked on 2.13.0 and 2.14.1
+    (``_saved_approximate``); "none" where absent, which only stops a tanh GELU's rebuild."""
+    return getattr(node, "_saved_approximate", "none")
+
+
+# --- nn.Module ----------------------------------------------------------------------------------
+
+
+def forward_hook_tables(module: nn.Module) -> tuple[tuple[dict, tuple[dict, ...]], ...]:
+    """``module``'s forward pre-hooks and forward hooks, each with the dicts that hold per-hook
+    options under the same handle id: ``((pre, (with_kwargs,)), (post, (with_kwargs,
+    always_called)))``. Checked on 2.13.0 and 2.14.1 (``Module._forward_pre_hooks`` and its
+    siblings). If they move, removing actcomp's hooks on unconversion fails loudly."""
+    return ((module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
+            (module._forward_hooks, (module._forward_hooks_with_kwargs, module._forward_hooks_always_called)))
+
+
+def conv_padding_for_mode(module: nn.Module) -> tuple[int, ...]:
+    """The ``F.pad`` amounts a convolution with ``padding_mode != "zeros"`` applies. Checked on
+    2.13.0 and 2.14.1 (``_ConvNd._reversed_padding_repeated_twice``). If it moves, converting a
+    convolution fails at its first training forward."""
+    return module._reversed_padding_repeated_twice
+
+
+def norm_and_conv_bases() -> tuple[type, type]:
+    """The private base classes of BatchNorm/InstanceNorm and of Conv/ConvTranspose.
+    Checked on 2.13.0 and 2.14.1 (``_NormBase``, ``_ConvNd``). If they move, import fails here."""
+    return nn.modules.batchnorm._NormBase, nn.modules.conv._ConvNd
+
+
+# --- torch.compile ------------------------------------------------------------------------------
+
+
+def lazily_not_compiled(function: _F) -> _F:
+    """``function``, run eagerly even where a compiled caller traces through it, without importing
+    Dynamo now (1.9 s of ``import actcomp`` on 2 cores). Checked on 2.13.0 and 2.14.1
+    (``torch._disable_dynamo``); without it, the public ``torch.compiler.disable``, which imports
+    Dynamo at once."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(function) if lazy is not None else torch.compiler.disable(function)
+
+
+def skip_frame_but_inline(code: Any) -> None:
+    """Tell dynamo never to compile ``code`` as a frame of its own, while still inlining it into
+    a compiled caller. Checked on 2.13.0 and 2.14.1 (``torch._C._dynamo.eval_frame.
+    set_code_exec_strategy``, then ``torch._dynamo.eval_frame.skip_code``). If both move, compile
+    still works, with recompile warnings at every converted layer's frame."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+        set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+        return
+    except (ImportError, AttributeError, TypeError):
+        pass
+    try:
+        from torch._dynamo.eval_frame import skip_code
+
+        skip_code(code)
+    except (ImportError, AttributeError):
+        pass
+
+
+def recompile_limit_raises() -> contextlib.AbstractContextManager:
+    """A block in which reaching dynamo's recompile limit raises instead of quietly running the
+    frame eagerly. Checked on 2.13.0 and 2.14.1 (``torch._dynamo.config.fail_on_recompile_limit_hit``).
+    If it moves, ``config.patch`` raises and the codec runs eagerly, said once."""
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+
+
+def assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """Fail with ``message`` where the 0-d bool ``condition`` is false, checked on its device
+    without a read back to the host (a CUDA kernel's device-side assert). Checked on 2.14.1
+    (``torch._assert_async`` with a message). If it moves, a bad target goes unchecked.
+
+    >>> assert_on_device(torch.tensor(True), "never raised")
+    """
+    torch._assert_async(condition, message)
+
+
+def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Hint dynamo that ``tensor``'s size ``dim`` varies. Checked on 2.13.0 and 2.14.1
+    (``torch._dynamo.maybe_mark_dynamic``). If it moves, one graph per size."""
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def aot_saved_tensor_hook_context() -> dict | None:
+    """While AOTAutograd retraces a saved-tensor hook: ``{"_node": the forward node saved,
+    "_bw_graph": the backward graph, ...}``; None elsewhere. Checked on 2.13.0 and 2.14.1
+    (``torch._functorch._aot_autograd.graph_compile._get_saved_tensor_hook_context``). If it
+    moves, compress_in_graph keeps every tensor as it is (correct, no memory saved)."""
+    try:
+        from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+    except ImportError:
+        return None
+    return _get_saved_tensor_hook_context()
+
+
+def saved_node_name(context: dict) -> str:
+    """The name of the forward node whose output the hook retraced now saves (its placeholder's
+    name in the backward graph)."""
+    return context["_node"].name
+
+
+def backward_graph(context: dict) -> torch.fx.Graph:
+    """The backward graph that will read what the hook retraced now saves."""
+    return context["_bw_graph"]
+
+
+def is_inlined_unpack_input(node: torch.fx.Node) -> bool:
+    """Whether a backward graph's placeholder is a saved tensor's packed form, which AOTAutograd
+    names ``<saved>_hook_<i>`` when it inlines the hooks. Checked on 2.13.0 and 2.14.1; if the
+    naming changes, decoding is not moved to its first use (a higher backward peak)."""
+    return node.op == "placeholder" and "_hook_" in node.name
+
+
+def mark_as_wrapped_call(node: torch.fx.Node, cache_hash: str) -> None:
+    """Mark ``node`` as ``torch.fx.wrap`` would, with a hash under which compiled graphs holding
+    it may be cached. Checked on 2.13.0 and 2.14.1 (meta ``is_wrapped``, ``user_cache_hash``);
+    if ignored, graphs holding the hooks are not cached across processes."""
+    node.meta["is_wrapped"] = True
+    node.meta["user_cache_hash"] = cache_hash
+
+
+def custom_graph_pass_base() -> type:
+    """Inductor's base class for a post-grad pass with a cache ``uuid``. Checked on 2.13.0 and
+    2.14.1 (``torch._inductor.custom_graph_pass.CustomGraphPass``)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def reorder_for_peak_memory() -> bool:
+    """Inductor's ``reorder_for_peak_memory`` setting (checked on 2.13.0 and 2.14.1)."""
+    import torch._inductor.config
+
+    return torch._inductor.config.reorder_for_peak_memory
+
+
+def set_reorder_for_peak_memory(value: bool) -> None:
+    """Set Inductor's ``reorder_for_peak_memory``; set from inside a post-grad pass, it applies to
+    the graph being compiled (checked on 2.13.0 and 2.14.1: it is read when the graph is
+    scheduled, after the pass). If that changes, the backward peak is higher, nothing is wrong."""
+    import torch._inductor.config
+
+    torch._inductor.config.reorder_for_peak_memory = value
+
+
+def post_grad_custom_post_pass() -> Any:
+    """Inductor's ``post_grad_custom_post_pass`` (checked on 2.13.0 and 2.14.1)."""
+    import torch._inductor.config
+
+    return torch._inductor.config.post_grad_custom_post_pass
+
+
+def set_post_grad_custom_post_pass(graph_pass: Any) -> None:
+    """Set Inductor's ``post_grad_custom_post_pass`` (checked on 2.13.0 and 2.14.1)."""
+    import torch._inductor.config
+
+    torch._inductor.config.post_grad_custom_post_pass = graph_pass
+
+
+@contextlib.contextmanager
+def backward_compiled_with_forward(reorder_for_peak_memory: bool) -> Iterator[None]:
+    """A block in which AOTAutograd compiles the backward graph with the forward, not at the
+    first backward, under Inductor's ``reorder_for_peak_memory`` as given. Checked on 2.13.0 and
+    2.14.1 (``torch._functorch.config.force_non_lazy_backward_lowering``). If it moves,
+    ``config.patch`` raises on entering compress_in_graph."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
+            torch._inductor.config.patch(reorder_for_peak_memory=reorder_for_peak_memory):
+        yield
+
+
+# --- Dispatch -----------------------------------------------------------------------------------
+
+
+def dispatch_mode_base() -> type:
+    """The base class of a mode that sees every aten call. Checked on 2.13.0 and 2.14.1
+    (``torch.utils._python_dispatch.TorchDispatchMode``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of nested lists, tuples and dicts. Checked on 2.13.0 and 2.14.1
+    (``torch.utils._pytree.tree_leaves``; torch has no public pytree module yet)."""
+    from torch.utils._pytree import tree_leaves as leaves
+
+    return leaves(tree)
+
+
+def private_host_reading_ops() -> frozenset:
+    """The private aten ops that read a tensor's values back to the host (``.item()``'s) or
+    whose output size depends on them (``unique``'s). Checked on 2.13.0 and 2.14.1."""
+    aten = torch.ops.aten
+    return frozenset({aten._local_scalar_dense.default, aten._unique2.default})
