@@ -144,3 +144,29 @@ def test_the_cache_hash_changes_with_any_codec_source(monkeypatch):
         in_graph._source_hash.cache_clear()
     assert {"quantize.py", "positions.py", "chain.py", "in_graph.py"} <= set(read)
     assert after != before
+
+
+def test_a_nan_in_a_linear_input_makes_the_compiled_weight_gradient_nan(compiled):
+    # The compiled graphs keep eager mode's finite flag (a reduction, nothing read back): a tensor
+    # holding NaN decodes to NaN, so loss scalers see it, and a finite step after it is finite.
+    model, step, x = compiled
+    broken = x.clone()
+    broken[3, 10] = float("nan")
+
+    for inputs, nan in ((broken, True), (x, False)):
+        grads = gradients(model, step, inputs, ("int8", "8bit"))
+        assert bool(grads[0].isnan().any()) == nan  # the first Linear's weight reads the input
+
+
+def test_the_layout_table_holds_one_entry_per_distinct_layout(compiled):
+    # A recompile of the same step names the same layouts: the table does not grow per compile.
+    model, _, x = compiled
+    # No cache: a graph served from disk retraces no hooks, and the table would stay empty.
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        gradients(model, torch.compile(model), x, ("int8", "8bit"))
+        before = dict(in_graph._LAYOUTS)
+        torch._dynamo.reset()
+        gradients(model, torch.compile(model), x, ("int8", "8bit"))
+
+    assert before and in_graph._LAYOUTS.keys() == before.keys()

@@ -230,8 +230,10 @@ def _plan(spec, rest) -> _Plan:
 
 # The plans hooks were made for, by cache hash: the graph's node names its plan by that string.
 _PLANS: dict[str, _Plan] = {}
-# The layouts of the tensors packed while compiling, each named by a string the pack hook hands
-# the unpack hook; read only while the two are traced, so growing by one per saved tensor compiled.
+# The layouts of the tensors packed while compiling, named by their own text (the string the pack
+# hook hands the unpack hook): one entry per distinct layout, however often graphs recompile. A
+# layout's sizes may be a compile's symbols, so the latest one of a text is kept: the unpack hook
+# is traced in the same compile as its pack.
 _LAYOUTS: dict[str, object] = {}
 
 
@@ -275,11 +277,11 @@ def _pack(saved: torch.Tensor, plan_hash: str):
     pipeline = plan.linear if others and all(user.target in _MATMULS for user in others) else plan.rest
     if pipeline is None or (comparisons and comparison is None):
         return ("keep", saved)
-    # No set-aside of NaN and inf (a sum read back to Python, which a graph cannot hold).
-    packed = pack(pipeline.stages, pipeline.spec, saved, flag_non_finite=False)
+    # With eager mode's finite flag (a reduction, nothing read back): NaN or inf decodes to NaN.
+    packed = pack(pipeline.stages, pipeline.spec, saved)
     # The layout goes to the unpack hook as a string constant: a dataclass in the hook's output
     # would be traced as a call that builds it, which the inlining cannot carry to backward.
-    key = f"layout {len(_LAYOUTS)}"
+    key = f"layout {packed.layout!r}"
     _LAYOUTS[key] = packed.layout
     if comparison is None:
         return ("packed", key, *packed.tensors)
