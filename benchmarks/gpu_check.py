@@ -8,8 +8,10 @@ Steps, each a fresh process (with a time limit) whose exit code and output tail 
 ``gpu_check.md``:
 
 1. the test files with CUDA cases (compressors and noise on ``cuda``) and ``tests/test_cuda_sync.py``,
-   which runs every pipeline codec under ``torch.cuda.set_sync_debug_mode("error")``, eager and
-   compiled (the chain's known host read, its non-finite sum, is a strict expected failure);
+   which runs every pipeline codec and the chain around them under
+   ``torch.cuda.set_sync_debug_mode("error")``, eager and compiled, and whole converted training
+   steps (resnet18, ViT-tiny, a tiny Llama; ``rest="8bit"`` and ``"exact"``) counting no more
+   synchronizations than the plain model's step;
 2. the zoo exactness harness on ``cuda`` (``ACTCOMP_TEST_DEVICE=cuda``, deterministic kernels):
    bit-identical logits and gradients for lossless conversions and ``rest="exact"``, fp32 and
    bf16 autocast, and the lossy presets' gradient floors;

@@ -1,5 +1,6 @@
 """On a CUDA device, no codec reads a value back to the host: every registered pipeline codec's
-encode and decode run under ``torch.cuda.set_sync_debug_mode("error")``, eager and compiled.
+encode and decode run under ``torch.cuda.set_sync_debug_mode("error")``, eager and compiled, and
+a whole converted training step synchronizes no more often than the plain model's.
 Skipped without CUDA (``benchmarks/gpu_check.py`` runs it where one is lent).
 
 Nor does the chain around them: its non-finite check is a flag kept on the device
@@ -9,6 +10,7 @@ Nor does the chain around them: its non-finite check is a flag kept on the devic
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -84,3 +86,38 @@ def test_the_chain_around_them_never_synchronizes():
     pipeline.decompress(pipeline.compress(x))
     with synchronizing_is_an_error():
         pipeline.decompress(pipeline.compress(x))
+
+
+def synchronizations(step) -> int:
+    """How many synchronizing CUDA calls ``step()`` makes (sync debug mode's warnings)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(warning.message) for warning in caught)
+
+
+@needs_cuda
+@pytest.mark.parametrize("rest", ["8bit", "exact"])
+@pytest.mark.parametrize("model_id", ["resnet18", "vit_tiny_patch16_224", "llama"])
+def test_a_whole_training_step_synchronizes_no_more_than_plain(model_id, rest):
+    # Not one codec: a converted model's whole step (forward, the chunked LM loss, backward),
+    # every saved tensor through whole-model mode, with CUDA's own kernels as the device path.
+    # Counted against the plain model's step, which may synchronize on its own (a library's
+    # mask checks), so that only what actcomp adds is judged.
+    from test_host_reads import MODELS, training_step
+
+    entry = MODELS[model_id]
+    torch.manual_seed(0)
+    plain = entry.build().cuda()
+    model = actcomp.to_compressed(entry.build(), "mink0.9+int8", rest=rest, return_freed_memory=False).cuda()
+    batch = {key: value.cuda() for key, value in entry.batch().items()}
+    counts = []
+    for net in (plain, model):
+        training_step(net, batch)  # lazy CUDA set-up, first-call caches
+        counts.append(synchronizations(lambda net=net: training_step(net, batch)))
+    assert counts[1] == counts[0], f"plain's step synchronizes {counts[0]} times, the converted one's {counts[1]}"
