@@ -3,7 +3,7 @@ encode and decode run under ``torch.cuda.set_sync_debug_mode("error")``, eager a
 Skipped without CUDA (``benchmarks/gpu_check.py`` runs it where one is lent).
 
 Nor does the chain around them: its non-finite check is a flag kept on the device
-(``core/chain.py``), and whole training steps count no reads on CPU (tests/test_host_reads.py).
+(``core/chain.py``), and whole training steps count no reads on CPU (tests/integration/test_host_reads.py).
 """
 
 from __future__ import annotations
