@@ -3,7 +3,7 @@
 torch promises nothing about these: each is written here once, with the torch versions it was
 checked on (the lowest and the highest supported, 2.13.0 and 2.14.1: ``pyproject.toml``) and
 what breaks if torch changes it, so that a new torch release is checked in this one file.
-``tests/test_architecture.py`` fails on a private torch name anywhere else in the package. Torch
+``tests/package/test_architecture.py`` fails on a private torch name anywhere else in the package. Torch
 submodules are imported inside the functions: ``torch._dynamo`` and ``torch._inductor`` cost
 seconds to import, and most users never compile.
 

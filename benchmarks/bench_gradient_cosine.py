@@ -7,7 +7,7 @@ configs, and ``CLASS_TOKEN_VIT``, a ViT-tiny whose class token's LayerNorm row h
 a BatchNorm model on its ``roomy_batch``, which gives every BatchNorm channel at least
 64 values), one training step in fp32 with a lossless layer spec (``mink0``) and each ``rest``
 policy: the cosine between the flattened parameter gradient and plain PyTorch's, and the lowest
-cosine of a single parameter's gradient (with that parameter's name). ``tests/test_zoo.py``
+cosine of a single parameter's gradient (with that parameter's name). ``tests/integration/test_zoo.py``
 holds the floors (``"8bit"`` >= 0.99, ``"4bit"`` >= 0.97); this writes the numbers behind them
 and the alternatives they were chosen against.
 

@@ -7,7 +7,7 @@ speed and memory benchmarks, every results file named after the device.
 Steps, each a fresh process (with a time limit) whose exit code and output tail go into
 ``gpu_check.md``:
 
-1. the test files with CUDA cases (compressors and noise on ``cuda``) and ``tests/test_cuda_sync.py``,
+1. the test files with CUDA cases (compressors and noise on ``cuda``) and ``tests/core/test_cuda_sync.py``,
    which runs every pipeline codec and the chain around them under
    ``torch.cuda.set_sync_debug_mode("error")``, eager and compiled, and whole converted training
    steps (resnet18, ViT-tiny, a tiny Llama; ``rest="8bit"`` and ``"exact"``) counting no more
@@ -46,9 +46,9 @@ def steps(out_dir: Path) -> list[tuple[str, list[str], dict, int]]:
     python, out = sys.executable, str(out_dir)
     pytest = [python, "-m", "pytest", "-q", "-m", "", "-rfxXs", "-p", "no:cacheprovider"]
     return [
-        ("tests on cuda", [*pytest, "tests/test_cuda_sync.py", "tests/test_compressors.py", "tests/test_noise.py",
-                           "-k", "cuda or sync"], {}, 90),
-        ("zoo exactness on cuda", [*pytest, "-n", "8", "tests/test_zoo.py"], {"ACTCOMP_TEST_DEVICE": "cuda"}, 120),
+        ("tests on cuda", [*pytest, "tests/core/test_cuda_sync.py", "tests/compressors/test_compressors.py",
+                           "tests/kernels/test_noise.py", "-k", "cuda or sync"], {}, 90),
+        ("zoo exactness on cuda", [*pytest, "-n", "8", "tests/integration/test_zoo.py"], {"ACTCOMP_TEST_DEVICE": "cuda"}, 120),
         ("compressor round trips", [python, "benchmarks/bench_compressors.py", "--device", "cuda", "--out-dir", out],
          {}, 45),
         ("training steps", [python, "benchmarks/bench_training_speed.py", "--device", "cuda", "--models", "resnet50",

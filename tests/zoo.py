@@ -6,7 +6,7 @@ second on one CPU thread. ``train_step`` runs one training forward/backward and 
 logits and every parameter gradient.
 
 The harness runs on ``ACTCOMP_TEST_DEVICE`` (default ``cpu``): ``ACTCOMP_TEST_DEVICE=cuda python
--m pytest -m "" tests/test_zoo.py`` runs it on a GPU, with deterministic kernels (tests/conftest.py),
+-m pytest -m "" tests/integration/test_zoo.py`` runs it on a GPU, with deterministic kernels (tests/conftest.py),
 as ``benchmarks/gpu_check.py`` does.
 """
 

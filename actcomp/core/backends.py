@@ -44,7 +44,7 @@ op's outputs are a fixed list of tensors, while a codec's encode returns Python 
 position form, a shape) beside a tuple whose length depends on the settings (int4's channel
 exponents), and ``rice=1``'s positions have a size that depends on the data: every codec would
 need a second, tensor-only signature. The output count and shapes do follow from the input's
-shape and the settings for every built-in codec but ``rice=1`` (``tests/test_dispatch.py``
+shape and the settings for every built-in codec but ``rice=1`` (``tests/core/test_dispatch.py``
 checks :func:`encoded_shapes` against the reference), so an op per codec stays possible where
 a graph needs one.
 

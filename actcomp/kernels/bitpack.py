@@ -92,7 +92,7 @@ def pad_to_multiple(flat: torch.Tensor, multiple: int) -> torch.Tensor:
         # remainder, or a cat that skips an empty piece, would guard on it and compile one
         # graph for sizes that divide and another for those that do not. Not F.pad: in an int8
         # decode whose length is static and whose group count is symbolic, Inductor (torch
-        # 2.14.1) read the padded tail out of bounds (tests/test_backends.py caught it).
+        # 2.14.1) read the padded tail out of bounds (tests/core/test_backends.py caught it).
         position = torch.arange(count + extra, device=flat.device)
         return torch.where(position < count, flat[position.clamp(max=count - 1)], 0).to(flat.dtype)
     if extra == 0:

@@ -2,7 +2,7 @@
  *
  * Built at first use by actcomp/kernels/native_cpu.py (the system C compiler, -O3, OpenMP) and
  * called through ctypes on contiguous CPU tensors. Every kernel gives the bytes its eager
- * reference gives, bit for bit (tests/test_native_cpu.py): the same float32 operations in the
+ * reference gives, bit for bit (tests/kernels/test_native_cpu.py): the same float32 operations in the
  * same order, each rounded (built with -ffp-contract=off, so no multiply-add is fused), and
  * the same counter-based noise as actcomp/kernels/noise.py.
  *

@@ -5,7 +5,7 @@ temporaries: an int8 round trip cost 7x a ``clone()``, the min-k candidate searc
 (``nonzero`` a chunk at a time) 14x its chunk's clone. The same loops written once in C
 (``native_cpu.c``) read the input once and write only their outputs, on every thread
 ``torch.get_num_threads()`` allows. Each kernel gives its eager reference's bytes bit for bit
-(``tests/test_native_cpu.py`` compares them), so the choice of path changes the time, never
+(``tests/kernels/test_native_cpu.py`` compares them), so the choice of path changes the time, never
 a code.
 
 The library is built the first time a kernel is asked for, by the system C compiler (``$CC``,

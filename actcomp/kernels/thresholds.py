@@ -137,7 +137,7 @@ def _bin_counts(bins: torch.Tensor, size: int) -> torch.Tensor:
     if not eager_cpu.applies(bins) or torch.compiler.is_compiling():
         # bincount's length depends on the largest bin (data) unless it is at most minlength:
         # compiled, that is a data-dependent shape; on a GPU, a read of that bin back to the
-        # host (the first GPU run caught it: tests/test_cuda_sync.py). Integer sums are exact
+        # host (the first GPU run caught it: tests/core/test_cuda_sync.py). Integer sums are exact
         # in any order, so the atomics behind index_add_ change nothing.
         counts = torch.zeros(size, dtype=torch.int64, device=bins.device)
         return counts.index_add_(0, bins.long(), torch.ones_like(bins, dtype=torch.int64))

@@ -8,7 +8,7 @@ contiguous input (through a flattened view) but ``matmul`` plus a broadcast bias
 folding a non-contiguous input into one ``mm`` only when the weight needs a gradient and into
 ``bmm`` otherwise; the bias gradient is summed over whichever tensor the bias was added to; and
 ``mm``'s backward transposes its products when an operand is column-major. The weight gradient
-is the only one that reads the input. ``tests/test_layouts.py`` checks this on CPU for every
+is the only one that reads the input. ``tests/layers/test_layouts.py`` checks this on CPU for every
 layout it makes; where the input had gaps (a slice) it comes back dense in the same axis order
 (see :mod:`actcomp.layers.function`), so a Linear's BLAS call sees a smaller leading dimension than
 plain's, which changed no bit on the CPU BLAS tested.

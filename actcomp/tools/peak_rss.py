@@ -127,7 +127,7 @@ def training_steps(model: str, spec: str | None, *, batch: int, img_size: int, s
     single full-size step already starts from a trained step's state (gradients allocated):
     ``steps=1, warmup_batch=2`` measures the steady-state peak at half the cost of ``steps=2``
     (resnet18, batch 16 at 96 px: 891 MiB either way, 874 MiB for one step alone;
-    ``tests/test_max_batch.py`` checks the first two agree). Read from
+    ``tests/tools/test_max_batch.py`` checks the first two agree). Read from
     ``VmHWM`` in ``/proc/self/status`` (Linux), else ``ru_maxrss`` (in KiB on Linux).
     """
     if spec is None and rest is not None:

@@ -1,6 +1,6 @@
 """The package's shape, checked from the source: every import points down the layers, no module
 imports itself back through others (lazy imports inside functions count too), no block of six
-lines is written twice, and pickles made by 0.1.0 still load.
+lines is written twice, pickles made by 0.1.0 still load, and the tests mirror the packages.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def test_the_private_torch_check_finds_each_kind():
 
 
 def test_pickles_made_by_0_1_0_load():
-    with open(Path(__file__).parent / "data" / "converted_models_0.1.0.pkl", "rb") as file:
+    with open(Path(__file__).resolve().parents[1] / "data" / "converted_models_0.1.0.pkl", "rb") as file:
         models = pickle.load(file)
     x = torch.randn(2, 3, 8, 8)
     for name, model in models.items():
@@ -206,3 +206,35 @@ def test_pickles_made_by_0_1_0_load():
     assert str(models["whole_model"].actcomp_rest) == "8bit"
     plain = actcomp.from_compressed(models["whole_model"])
     assert type(plain) is torch.nn.Sequential
+
+
+# The tests mirror the layers: tests/<subpackage>/ tests actcomp/<subpackage>/, tests/package/ the
+# top-level modules (convert, host_allocator, __init__) and the package as shipped (packaging,
+# version, README, docs, this file), tests/integration/ whole models across the layers (the zoo,
+# training, DDP/FSDP2/tensor parallel, the examples). The shared helpers stay at tests/ root.
+TESTS = Path(__file__).resolve().parents[1]
+SUBPACKAGES = sorted(path.parent.name for path in ROOT.glob("*/__init__.py"))
+ROOMS = [*SUBPACKAGES, "package", "integration"]
+HELPERS = {"conftest.py", "models.py", "zoo.py", "data", "__pycache__"}
+
+
+def test_every_subpackage_has_its_test_folder():
+    missing = [name for name in SUBPACKAGES if not any((TESTS / name).glob("test_*.py"))]
+    assert not missing, f"actcomp subpackages without tests/<name>/test_*.py: {missing}"
+
+
+def test_every_test_file_sits_in_the_folder_of_what_it_tests():
+    loose = sorted(path.name for path in TESTS.iterdir() if path.name not in HELPERS and path.name not in ROOMS
+                   and not path.name.startswith("."))
+    assert not loose, (f"tests/ root holds {loose}: put a test file in tests/<room>/, one of {ROOMS} "
+                       f"(docs/development.md says which); helpers at the root are {sorted(HELPERS)}")
+    misplaced = sorted(str(path.relative_to(TESTS)) for path in TESTS.rglob("test_*.py")
+                       if path.parent.parent != TESTS or path.parent.name not in ROOMS)
+    assert not misplaced, f"test files outside tests/<room>/ (rooms: {ROOMS}): {misplaced}"
+
+
+def test_test_file_names_are_unique():
+    # pytest imports each test file by its name alone (no __init__.py, the default import mode),
+    # and tests/conftest.py's tier tables name files without their folder.
+    names = [path.name for path in TESTS.rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted({name for name in names if names.count(name) > 1})

@@ -1,7 +1,7 @@
 """More than 2**31 elements round-trip: no position, count or offset overflows 32 bits.
 
 Slow (minutes on 2 cores) and large (the tensor is 4 GiB in bf16, its round trip another
-4 GiB), so it runs only when asked: ``ACTCOMP_SLOW=1 python -m pytest tests/test_huge.py``.
+4 GiB), so it runs only when asked: ``ACTCOMP_SLOW=1 python -m pytest tests/kernels/test_huge.py``.
 The README's results section records its last run.
 """
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 # "actcomp   315.4 KiB   91.9%   2.76x", with a peak-CUDA column between on CUDA machines.
 ROW = re.compile(r"^(plain|actcomp) +([\d.]+) (B|KiB|MiB|GiB) +(?:[\d.]+ \w+ +)?([\d.]+)% +([\d.]+)x$", re.MULTILINE)

@@ -4,7 +4,7 @@ a whole converted training step synchronizes no more often than the plain model'
 Skipped without CUDA (``benchmarks/gpu_check.py`` runs it where one is lent).
 
 Nor does the chain around them: its non-finite check is a flag kept on the device
-(``core/chain.py``), and whole training steps count no reads on CPU (tests/test_host_reads.py).
+(``core/chain.py``), and whole training steps count no reads on CPU (tests/integration/test_host_reads.py).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_a_whole_training_step_synchronizes_no_more_than_plain(model_id, rest):
     # every saved tensor through whole-model mode, with CUDA's own kernels as the device path.
     # Counted against the plain model's step, which may synchronize on its own (a library's
     # mask checks), so that only what actcomp adds is judged.
-    from test_host_reads import MODELS, training_step
+    from integration.test_host_reads import MODELS, training_step
 
     entry = MODELS[model_id]
     torch.manual_seed(0)

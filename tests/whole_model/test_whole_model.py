@@ -767,7 +767,7 @@ def test_functional_gelu_layer_norm_and_attention_are_compressed():
     assert codecs["activation"] == {"int8"}  # F.gelu's input
     assert "int8:group=32" in codecs["normalization"]  # F.layer_norm's input, a group a row (its mean and rstd stay)
     # F.scaled_dot_product_attention's value and output in int8, its query and key in bf16 (the
-    # fused backward multiplies their errors by the logits: tests/test_lm_outliers.py).
+    # fused backward multiplies their errors by the logits: tests/whole_model/test_lm_outliers.py).
     assert {"int8", "bf16"} <= codecs["attention"]
     # A storage two kinds save counts as plain for the first saver only (SDPA's output is the
     # GELU's input here), so compare the three kinds together.

@@ -84,8 +84,8 @@ def test_a_failed_compile_warns_once_and_runs_the_eager_reference(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(packed.tensors, expected))
 
 
-# Full tier. A quantizer and a sparsifier through the dispatch (tests/test_quantizers.py and
-# tests/test_positions.py compile every codec): each method compiles at most twice per tensor
+# Full tier. A quantizer and a sparsifier through the dispatch (tests/compressors/test_quantizers.py and
+# tests/kernels/test_positions.py compile every codec): each method compiles at most twice per tensor
 # rank (dynamo guards a tensor's rank; the packed layout's shape, plain integers, turns dynamic
 # the first time it changes), plus once for a size torch specialises (a group count of 1 is
 # never symbolic), and never again for a new size.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # What the sdist holds at its top level: the package, the files it ships beside it, and what
 # setuptools adds (PKG-INFO, setup.cfg, the egg-info). No tests, benchmarks or build outputs.
 SDIST_TOP_LEVEL = {"actcomp", "actcomp.egg-info", "README.md", "CHANGELOG.md", "LICENSE", "MANIFEST.in",
