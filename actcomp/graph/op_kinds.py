@@ -156,6 +156,17 @@ def unregister_function(function) -> None:
     _FUNCTIONS.pop(function, None)
 
 
+def known_functions() -> dict:
+    """The table :func:`function_kind` reads, itself (kept up to date by registration): the
+    scope-tracking mode looks a function up in it directly, a Python call less per torch call.
+    Read it; change it through :func:`register_function` only.
+
+    >>> known_functions()[F.relu]
+    FunctionKind(kind='activation', op='relu')
+    """
+    return _FUNCTIONS
+
+
 def function_kind(function) -> FunctionKind | None:
     """The kind of a torch function (or Tensor method), None for one no kind claims."""
     try:

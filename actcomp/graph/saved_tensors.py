@@ -35,7 +35,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from actcomp.errors import ActcompError
 from actcomp.graph.model_inputs import tensors_in
-from actcomp.graph.op_kinds import GATE, function_kind, is_gate_product, is_product, module_kind
+from actcomp.graph.op_kinds import GATE, PRODUCTS, is_gate_product, known_functions, module_kind
 from actcomp.torch_compat import (
     is_accumulate_grad,
     is_cast_or_view_node,
@@ -55,21 +55,36 @@ from actcomp.torch_compat import (
 )
 
 
-@dataclass
 class Scope:
     """A running module or recognised torch function.
 
     ``reference`` is the element count of its largest tensor argument: a saved tensor far
     smaller than that is a statistic (a norm's mean, attention's log-sum-exp), not the
-    activation itself.
+    activation itself. It is counted when first asked for (a pack hook asks, a few scopes in
+    a hundred): the arguments are alive and unchanged in size while their scope runs, and
+    counting at every module's entry cost a torch call per argument.
+
+    >>> Scope("activation", op="gelu", args=(torch.ones(2, 3), 0.5)).reference
+    6
     """
 
-    kind: str | None
-    module: nn.Module | None = None
-    op: str | None = None
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
-    reference: int = 0
+    __slots__ = ("kind", "module", "op", "args", "kwargs", "_reference")
+
+    def __init__(self, kind: str | None, module: nn.Module | None = None, op: str | None = None, args: tuple = (),
+                 kwargs: dict | None = None, reference: int | None = None) -> None:
+        self.kind, self.module, self.op, self.args = kind, module, op, args
+        self.kwargs = {} if kwargs is None else kwargs
+        self._reference = reference
+
+    @property
+    def reference(self) -> int:
+        if self._reference is None:
+            self._reference = _largest_numel(self.args)
+        return self._reference
+
+    def __repr__(self) -> str:
+        module = None if self.module is None else type(self.module).__name__
+        return f"Scope(kind={self.kind!r}, module={module}, op={self.op!r})"
 
 
 class _ThreadState(threading.local):
@@ -83,6 +98,9 @@ class _ThreadState(threading.local):
 
 
 _STATE = _ThreadState()
+# The recognised functions' kinds, read by the mode at every call (the table itself, so
+# functions registered later are seen).
+_KIND_OF = known_functions().get
 
 
 def current_scopes() -> list[Scope]:
@@ -138,7 +156,7 @@ def _largest_numel(values) -> int:
 # and a module unpickled from another process keeps that process's ids).
 def _enter_module(module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
     if _STATE.tracking:
-        _STATE.scopes.append(Scope(module_kind(module), module=module, reference=_largest_numel(args)))
+        _STATE.scopes.append(Scope(module_kind(module), module=module, args=args))
 
 
 def _leave_module(module: nn.Module, args: tuple, *kwargs_and_output: Any) -> None:
@@ -152,24 +170,29 @@ def _leave_module(module: nn.Module, args: tuple, *kwargs_and_output: Any) -> No
 
 
 class _FunctionScopes(TorchFunctionMode):
-    """Opens a scope around every torch function :func:`function_kind` recognises."""
+    """Opens a scope around every torch function :func:`~actcomp.graph.op_kinds.function_kind` recognises.
+
+    This runs for every torch call of the model, most of which no kind claims: those pay one
+    grad-mode read and two look-ups, and build nothing.
+    """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         _STATE.last_call_recorded = torch.is_grad_enabled()
-        known = function_kind(func)
-        # The cheap test first: this runs for every torch call of the model.
-        if known is None and is_product(func) and _STATE.tracking and innermost_kind() is None \
-                and is_gate_product(func, args):
+        try:
+            known = _KIND_OF(func)
+            product = known is None and func in PRODUCTS
+        except TypeError:  # an unhashable callable
+            known, product = None, False
+        if product and _STATE.tracking and innermost_kind() is None and is_gate_product(func, args):
             # A gated MLP's product outside any kind's scope (inside attention it stays attention's).
             known = GATE
         if known is None or not _STATE.tracking:
-            return func(*args, **kwargs)
+            return func(*args, **kwargs) if kwargs else func(*args)
         scopes = _STATE.scopes
         depth = len(scopes)
-        scopes.append(Scope(known.kind, op=known.op, args=args, kwargs=kwargs, reference=_largest_numel(args)))
+        scopes.append(Scope(known.kind, op=known.op, args=args, kwargs=kwargs))
         try:
-            return func(*args, **kwargs)
+            return func(*args, **kwargs) if kwargs else func(*args)
         finally:
             del scopes[depth:]
 
@@ -184,6 +207,24 @@ def unseen_by_scopes() -> contextlib.AbstractContextManager:
     ...     _ = torch.relu(torch.ones(2))
     """
     return torch_function_disabled()
+
+
+def call_unseen(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)``, whose torch calls the scope-tracking mode (when on) does not see: to
+    the mode it is one call, made with grad mode as it is now. For a compressed layer's forward,
+    a dozen torch calls (reading its input's metadata, the op, its saves, marked by
+    :func:`saving_compressed_layer`) that each would cost a Python call into the mode. For plain
+    tensors only, as :func:`unseen_by_scopes`, and for code that pushes no torch-function mode.
+
+    >>> with tracking_scopes():
+    ...     call_unseen(torch.relu, torch.ones(2))
+    tensor([1., 1.])
+    """
+    if not _STATE.tracking:
+        return function(*args)
+    _STATE.last_call_recorded = torch.is_grad_enabled()
+    with unseen_by_scopes():
+        return function(*args)
 
 
 def enter_running_module(module: nn.Module, args: tuple) -> None:

@@ -26,6 +26,8 @@ from actcomp.errors import ActcompError, warn_once
 from actcomp.graph.model_inputs import is_model_input
 from actcomp.graph.module_surgery import SwappedModule, rebuild_swapped, swap_class, unswap_class
 from actcomp.graph.not_compiled import LAYER_FALLBACK, not_compiled, warn_if_leaving_graph
+from actcomp.graph.saved_tensors import call_unseen
+from actcomp.kernels.layouts import is_subclass_tensor
 from actcomp.layers.function import compressed_apply
 from actcomp.layers.ops import ConvOp, GPT2Conv1DOp, LinearOp, Op, conv_op
 from actcomp.layers.own_forward import OwnForwardMode
@@ -153,6 +155,17 @@ def _compressed_forward(module: CompressedLayer, x: torch.Tensor, on_model_input
     """:func:`_forward` run eagerly: always outside torch.compile, and under it where the codec's
     sizes depend on the data (Rice-coded positions): one graph break per such layer, the rest
     still compiles. ``on_model_input=None``: the model-input registry says."""
+    bias = module.bias
+    if module.actcomp_own_forward or is_subclass_tensor(x) or is_subclass_tensor(module.weight) \
+            or (bias is not None and is_subclass_tensor(bias)):
+        # Its own forward pushes a torch-function mode; a subclass has a __torch_function__:
+        # both need the torch calls dispatched as they are.
+        return _eager_forward(module, x, on_model_input)
+    # Whole-model mode's scope tracking would see every torch call in here, the layer's business.
+    return call_unseen(_eager_forward, module, x, on_model_input)
+
+
+def _eager_forward(module: CompressedLayer, x: torch.Tensor, on_model_input: bool | None) -> torch.Tensor:
     if on_model_input is None:
         on_model_input = module.actcomp_plain_on_model_input and is_model_input(x)
     return _forward(module, x, on_model_input)

@@ -40,7 +40,7 @@ from actcomp.graph.saved_tensors import (
     saving_for_a_custom_function,
     unseen_by_scopes,
 )
-from actcomp.kernels.layouts import dense_strides_like, local_part, storage_key
+from actcomp.kernels.layouts import dense_strides_like, storage_key
 from actcomp.torch_compat import activation_of_node, gelu_node_approximate, version_of
 from actcomp.whole_model.derivative_codes import DerivativeCode
 from actcomp.whole_model.exact_codecs import (
@@ -129,10 +129,11 @@ class _Session:
         self.activation_inputs.clear()
 
     def pack(self, tensor: torch.Tensor):
-        # Compressing must not record autograd history (nor save tensors of its own), and its
-        # operations are not the model's: the scope-tracking mode does not see them.
-        with unseen_by_scopes(), torch.no_grad():
-            kind, kept = self.choose(tensor)
+        # The hook's operations are not the model's: the scope-tracking mode does not see them.
+        with unseen_by_scopes():
+            # Most saves of a converted model are a compressed layer's own packed form, kept as
+            # they are: they skip choosing (and its grad-mode switch) altogether.
+            kind, kept = ("linear", None) if in_compressed_layer() else self.choose(tensor)
             holder = _AsIs(tensor) if kept is None else kept
             if listened():
                 if kept is None:
@@ -146,11 +147,9 @@ class _Session:
         return holder
 
     def choose(self, tensor: torch.Tensor) -> tuple[str, _Compressed | None]:
-        if in_compressed_layer():
-            return "linear", None
         if type(tensor) is not torch.Tensor:
             return "other", None  # tensor subclasses (DTensor activations, ...) keep their own semantics
-        if is_parameter(tensor) or storage_key(local_part(tensor)) in self.excluded or is_parameter_copy(tensor):
+        if is_parameter(tensor) or storage_key(tensor) in self.excluded or is_parameter_copy(tensor):
             return "kept", None
         # A custom autograd Function's saves are its own business (a fused loss's gradients
         # computed in the forward, a fused kernel's input): "other", kept exactly unless the
@@ -203,7 +202,9 @@ class _Session:
         # of one tensor under one op with other arguments never share a code.
         kept = self.cache.get(tensor, choice)
         if kept is None:
-            kept = choice.encode(tensor)
+            # Compressing must not record autograd history (nor save tensors of its own).
+            with torch.no_grad():
+                kept = choice.encode(tensor)
             if kept is not None:
                 self.cache.put(tensor, choice, kept)
         return kept
@@ -466,7 +467,10 @@ def _frees_memory(tensor: torch.Tensor) -> bool:
     """Whether compressing ``tensor`` can free memory: not for an expanded (broadcast) view, whose
     compressed form at full size can outweigh its small storage. A small slice of a large
     storage (a head reading ``x[:, 0]``) does qualify: kept as is, it would pin the storage."""
-    return tensor.numel() > 0 and all(stride != 0 or size == 1 for size, stride in zip(tensor.shape, tensor.stride()))
+    strides = tensor.stride()
+    # No zero stride (the usual case) answers without looking at the sizes.
+    return tensor.numel() > 0 and (0 not in strides or all(stride != 0 or size == 1
+                                                           for size, stride in zip(tensor.shape, strides)))
 
 
 _REGROUPED: dict[tuple[Pipeline, int], Pipeline] = {}
