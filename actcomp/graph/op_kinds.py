@@ -30,6 +30,7 @@ other           any other op (kept as is unless asked)
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -177,18 +178,21 @@ def function_kind(function) -> FunctionKind | None:
 
 def module_kind(module: nn.Module) -> str | None:
     """The kind of every op run inside ``module`` that no inner function or module claims."""
-    if isinstance(module, _LINEAR) or _is_named(module, "Conv1D"):
+    return _class_kind(type(module))
+
+
+# Asked at every module call while scopes are tracked; the answer is the class's. Bounded, so
+# classes made on the fly (a converted or sharded model's) are not all kept alive.
+@functools.lru_cache(maxsize=1024)
+def _class_kind(cls: type[nn.Module]) -> str | None:
+    if issubclass(cls, _LINEAR) or any(base.__name__ == "Conv1D" for base in cls.__mro__):
         return "linear"
-    if isinstance(module, _NORMS):
+    if issubclass(cls, _NORMS):
         return "normalization"
-    if isinstance(module, nn.MultiheadAttention):
+    if issubclass(cls, nn.MultiheadAttention):
         return "attention"
-    name = getattr(type(module), "actcomp_base", type(module)).__name__
+    name = getattr(cls, "actcomp_base", cls).__name__
     for kind, parts in _NAMED_KINDS:
         if any(part in name for part in parts):
             return kind
     return None
-
-
-def _is_named(module: nn.Module, name: str) -> bool:
-    return any(cls.__name__ == name for cls in type(module).__mro__)
