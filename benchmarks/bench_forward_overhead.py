@@ -1,7 +1,7 @@
 """The Python whole-model mode runs per model op and per saved tensor: counted, then timed.
 
-    PYTHONPATH=. python benchmarks/bench_forward_overhead.py                       # ~2 minutes
-    PYTHONPATH=. python benchmarks/bench_forward_overhead.py --roots . /work/main  # A/B: ~4 minutes
+    PYTHONPATH=. python benchmarks/bench_forward_overhead.py                            # ~2 minutes
+    PYTHONPATH=. python benchmarks/bench_forward_overhead.py --roots /path/to/base .    # A/B
 
 Whole-model mode (``to_compressed(model, "mink0.9+int8", rest="8bit")``) watches every torch call
 of the forward with a ``TorchFunctionMode`` (which op saves each tensor) and runs a pack hook per
@@ -14,26 +14,30 @@ Counts, exact, per training step (forward, then ``sum().backward()``):
 - ``mode calls``: calls the scope-tracking mode sees in the converted forward, the model's and
   any of actcomp's own that reach it; ``scopes``: those that open a scope (a recognised op);
 - ``saved (plain)``: tensors plain autograd saves; ``packed`` / ``unpacked``: calls of
-  whole-model mode's pack and unpack hooks.
+  whole-model mode's pack and unpack hooks (a compressed layer's saves included).
 
-Times, medians over interleaved rounds (``common.time_rounds``) of the forward alone (its graph
-dropped) on ``--threads`` threads: ``plain``, ``linear`` (``rest=None``: the compressed layers,
-no mode, no hooks) and ``whole`` (``rest="8bit"``), and inside ``whole`` the pack hooks' wall
-time (``time.perf_counter`` around each call, codecs included) and the codecs' encode time:
+Times, medians over rounds of the forward alone (its graph dropped with the output) on
+``--threads`` threads: ``plain``, ``linear`` (``rest=None``: the compressed layers, no mode, no
+hooks) and ``whole`` (``rest="8bit"``), each once a round in rotating order, and inside
+``whole`` the pack hooks' wall time (``time.perf_counter`` around each call, codecs included)
+and the codecs' encode time:
 
-- ``us/op, whole - plain``: (whole - plain) / mode calls: everything whole-model mode adds,
-  codecs included, spread over the calls the mode saw;
-- ``us/op, tracking``: (whole - linear - pack hooks) / mode calls: the scope-tracking mode and
-  the module hooks, what the forward pays outside the compressed layers and the pack hooks;
-- ``us/saved, hook``: pack-hook wall time per packed tensor; ``us/saved, deciding``: the same
+- ``whole - plain, us/model call``: everything whole-model mode adds to the forward, codecs
+  and compressed layers included, over the plain model's torch calls;
+- ``tracking ms``: whole - linear - pack hooks: the scope-tracking mode and the module hooks,
+  what the forward pays outside the compressed layers and the pack hooks; per model call and
+  per call the mode saw;
+- ``hook, us/saved``: pack-hook wall time per packed tensor; ``deciding, us/saved``: the same
   less the codecs' encode, the hook's own Python (choosing the codec, caches, holders).
 
 And per call into the mode: a tensor attribute, an op no kind claims and a recognised op, each
 timed plain and inside ``tracking_scopes()`` (best of 5 batches).
 
-``--roots A B`` runs the measurement in fresh processes with ``PYTHONPATH=A`` then ``B``,
-alternating ``--repeats`` times; the tables give each root's median over its processes. The
-results file is ``benchmarks/results/forward_overhead_<torch>_cpu_t<threads>.md``.
+Each root of ``--roots`` (a checkout; default this one) runs in a process of its own with
+``PYTHONPATH=ROOT``, and the parent asks each for one round at a time, back to back, so a load
+that comes and goes slows the roots of a round alike; the comparison with the first root is the
+median of per-round differences (and of the ratio of whole-model forwards). The results file is
+``benchmarks/results/forward_overhead_torch<version>_cpu_t<threads>.md``.
 """
 
 from __future__ import annotations
@@ -54,8 +58,8 @@ from common import (
     benchmark_parser,
     header_lines,
     load_average,
+    quantiles,
     results_stem,
-    time_rounds,
     write_markdown,
 )
 from torch.overrides import TorchFunctionMode
@@ -171,47 +175,35 @@ def _plain_counts(model: torch.nn.Module, inputs: torch.Tensor) -> dict[str, int
     return {"model calls": counting.calls, "saved (plain)": saved}
 
 
-def measure_model(name: str, probes: _Probes, batch: int, rounds: int, warmup: int) -> dict:
-    import actcomp
+class _Subject:
+    """One model three ways (plain, Linear/Conv mode, whole-model mode), warmed up and counted."""
 
-    plain, inputs, first_layer = build(name, batch)
-    linear = actcomp.to_compressed(copy.deepcopy(plain), SPEC, first_layer=first_layer)
-    whole = actcomp.to_compressed(copy.deepcopy(plain), SPEC, first_layer=first_layer, rest=REST)
-    for model in (plain, linear, whole):
-        model.train()
-        model(inputs).float().sum().backward()  # warm-up: lazy initialisation, first-call caches
+    def __init__(self, name: str, probes: _Probes, batch: int) -> None:
+        import actcomp
 
-    row = {"model": name, **_plain_counts(plain, inputs)}
-    row.update(probes.count(lambda: whole(inputs).float().sum().backward()))
+        plain, self.inputs, first_layer = build(name, batch)
+        linear = actcomp.to_compressed(copy.deepcopy(plain), SPEC, first_layer=first_layer)
+        whole = actcomp.to_compressed(copy.deepcopy(plain), SPEC, first_layer=first_layer, rest=REST)
+        self.name, self.probes, self.models = name, probes, {"plain": plain, "linear": linear, "whole": whole}
+        for model in self.models.values():
+            model.train()
+            model(self.inputs).float().sum().backward()  # lazy initialisation, first-call caches
+        self.counts = {"model": name, **_plain_counts(plain, self.inputs)}
+        self.counts.update(probes.count(lambda: whole(self.inputs).float().sum().backward()))
 
-    pack_s: list[float] = []
-    encode_s: list[float] = []
-    packs: list[int] = []
-
-    def forward(model):
-        return lambda: model(inputs)  # the result, and with it the graph, is dropped at once
-
-    def whole_forward():
-        probes.reset()
-        whole(inputs)
-        pack_s.append(probes.pack_s)
-        encode_s.append(probes.encode_s)
-        packs.append(probes.packs)
-
-    times = time_rounds({"plain": forward(plain), "linear": forward(linear), "whole": whole_forward},
-                        rounds, warmup, torch.device("cpu"))
-    pack_s, encode_s, packs = pack_s[warmup:], encode_s[warmup:], packs[warmup:]
-    calls = row["mode calls"]
-    row["plain ms"] = statistics.median(times["plain"]) * 1e3
-    row["linear ms"] = statistics.median(times["linear"]) * 1e3
-    row["whole ms"] = statistics.median(times["whole"]) * 1e3
-    row["us/op, whole - plain"] = statistics.median(
-        (w - p) / calls * 1e6 for w, p in zip(times["whole"], times["plain"]))
-    row["us/op, tracking"] = statistics.median(
-        (w - lin - hooks) / calls * 1e6 for w, lin, hooks in zip(times["whole"], times["linear"], pack_s))
-    row["us/saved, hook"] = statistics.median(s / n * 1e6 for s, n in zip(pack_s, packs))
-    row["us/saved, deciding"] = statistics.median((s - e) / n * 1e6 for s, e, n in zip(pack_s, encode_s, packs))
-    return row
+    def round(self, index: int) -> dict[str, float]:
+        """Each forward timed once (the graph dropped with the output), the starting one rotating;
+        the whole-model forward's pack-hook and encode seconds with it."""
+        names = list(self.models)
+        times: dict[str, float] = {}
+        for name in names[index % 3:] + names[:index % 3]:
+            self.probes.reset()
+            start = time.perf_counter()
+            self.models[name](self.inputs)
+            times[name] = time.perf_counter() - start
+            if name == "whole":
+                times.update(pack=self.probes.pack_s, encode=self.probes.encode_s, packs=self.probes.packs)
+        return times
 
 
 def per_call() -> dict[str, dict[str, float]]:
@@ -240,14 +232,18 @@ def per_call() -> dict[str, dict[str, float]]:
     return results
 
 
-def child(args) -> None:
-    """Measure in this process (actcomp as ``PYTHONPATH`` gives it); print one JSON line."""
+def serve(args) -> None:
+    """The child: build and count, print one JSON line; then time one round per ``round`` line
+    read from stdin, printing each as a JSON line, until stdin closes."""
     import actcomp
 
     torch.set_num_threads(args.threads)
     probes = _Probes()
-    rows = [measure_model(name, probes, args.batch, args.rounds, args.warmup) for name in args.models]
-    print(json.dumps({"actcomp": actcomp.__file__, "rows": rows, "per call": per_call(), "load": load_average()}))
+    subjects = [_Subject(name, probes, args.batch) for name in args.models]
+    print(json.dumps({"actcomp": actcomp.__file__, "counts": [subject.counts for subject in subjects],
+                      "per call": per_call()}), flush=True)
+    for index, _ in enumerate(sys.stdin):
+        print(json.dumps([subject.round(index) for subject in subjects]), flush=True)
 
 
 def _commit(root: Path) -> str:
@@ -258,20 +254,45 @@ def _commit(root: Path) -> str:
     return (git("rev-parse", "--short", "HEAD") or "unknown") + (" + uncommitted changes in actcomp/" if dirty else "")
 
 
-def _run_child(root: Path, args) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(root), "ACTCOMP_SOURCE_VERSION": _commit(root)}
-    command = [sys.executable, __file__, "--child", "--threads", str(args.threads), "--batch", str(args.batch),
-               "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--models", *args.models]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
-    if not measured["actcomp"].startswith(str(root)):
-        raise SystemExit(f"the child imported {measured['actcomp']}, not actcomp from {root}")
-    return measured
+class _Child:
+    """A serving child process importing actcomp from ``root``."""
+
+    def __init__(self, root: Path, args) -> None:
+        env = {**os.environ, "PYTHONPATH": str(root), "ACTCOMP_SOURCE_VERSION": _commit(root)}
+        command = [sys.executable, __file__, "--serve", "--threads", str(args.threads), "--batch", str(args.batch),
+                   "--models", *args.models]
+        self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.setup = json.loads(self.process.stdout.readline())
+        if not self.setup["actcomp"].startswith(str(root)):
+            raise SystemExit(f"the child imported {self.setup['actcomp']}, not actcomp from {root}")
+
+    def round(self) -> list[dict[str, float]]:
+        self.process.stdin.write("round\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
 
 
 COUNT_COLUMNS = ("model calls", "mode calls", "scopes", "saved (plain)", "packed", "unpacked")
-TIME_COLUMNS = ("plain ms", "linear ms", "whole ms", "us/op, whole - plain", "us/op, tracking", "us/saved, hook",
-                "us/saved, deciding")
+TIME_COLUMNS = ("plain ms", "linear ms", "whole ms", "whole - plain, us/model call", "tracking ms",
+                "tracking, us/model call", "tracking, us/mode call", "hook, us/saved", "deciding, us/saved")
+
+
+def derived(times: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
+    """One round's figures (see the module docstring) from its times and the model's counts."""
+    tracking = times["whole"] - times["linear"] - times["pack"]
+    return {
+        "plain ms": times["plain"] * 1e3, "linear ms": times["linear"] * 1e3, "whole ms": times["whole"] * 1e3,
+        "whole - plain, us/model call": (times["whole"] - times["plain"]) / counts["model calls"] * 1e6,
+        "tracking ms": tracking * 1e3,
+        "tracking, us/model call": tracking / counts["model calls"] * 1e6,
+        "tracking, us/mode call": tracking / counts["mode calls"] * 1e6,
+        "hook, us/saved": times["pack"] / times["packs"] * 1e6,
+        "deciding, us/saved": (times["pack"] - times["encode"]) / times["packs"] * 1e6,
+    }
 
 
 def _table(columns: tuple[str, ...], rows: list[list]) -> list[str]:
@@ -282,56 +303,79 @@ def _table(columns: tuple[str, ...], rows: list[list]) -> list[str]:
     return lines
 
 
+def _spread(values: list[float]) -> str:
+    low, median, high = quantiles(values)
+    return f"{median:+.2f} [{low:+.2f}, {high:+.2f}]"
+
+
 def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--roots", nargs="+", type=Path, default=[Path(__file__).resolve().parent.parent],
-                        help="checkouts to measure, each in its own processes (PYTHONPATH=ROOT)")
-    parser.add_argument("--repeats", type=int, default=2, help="processes per root, alternating between roots")
+                        help="checkouts to measure, each in a process of its own (PYTHONPATH=ROOT); the first "
+                             "is the baseline of the comparison")
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
-    if args.child:
-        child(args)
+    if args.serve:
+        serve(args)
         return
 
     load_before, started = load_average(), time.perf_counter()
     roots = [root.resolve() for root in args.roots]
-    runs: dict[Path, list[dict]] = {root: [] for root in roots}
-    for repeat in range(args.repeats):
-        for root in roots:
-            runs[root].append(_run_child(root, args))
-            print(f"repeat {repeat + 1}/{args.repeats}: {root} done (load {runs[root][-1]['load']})", flush=True)
+    children = {root: _Child(root, args) for root in roots}
+    # rounds[root][model index] = that model's derived figures, one per round.
+    rounds: dict[Path, list[list[dict[str, float]]]] = {root: [[] for _ in args.models] for root in roots}
+    for index in range(args.warmup + args.rounds):
+        # One round of every root back to to back, the first one rotating: a load that comes
+        # and goes slows the members of a round alike.
+        for root in roots[index % len(roots):] + roots[:index % len(roots)]:
+            measured = children[root].round()
+            if index >= args.warmup:
+                for model, (times, counts) in enumerate(zip(measured, children[root].setup["counts"])):
+                    rounds[root][model].append(derived(times, counts))
+        print(f"round {index + 1}/{args.warmup + args.rounds} (load {load_average()})", flush=True)
+    for child in children.values():
+        child.close()
 
     body: list[str] = []
     for root in roots:
-        measured = runs[root]
-        body += [f"## {root} (git {_commit(root)}), {len(measured)} processes", "", "Counts per training step:", ""]
+        setup = children[root].setup
+        body += [f"## {root} (git {_commit(root)})", "", "Counts per training step:", ""]
         body += _table(("model",) + COUNT_COLUMNS,
-                       [[row["model"], *(row[c] for c in COUNT_COLUMNS)] for row in measured[0]["rows"]])
-        body += ["", "Times (median over processes of each process's median over rounds):", ""]
-        table_rows = []
-        for index, row in enumerate(measured[0]["rows"]):
-            table_rows.append([row["model"], *(statistics.median(run["rows"][index][c] for run in measured)
-                                               for c in TIME_COLUMNS)])
-        body += _table(("model",) + TIME_COLUMNS, table_rows)
-        body += ["", "Per call into the mode (us, best of 5 batches; median over processes):", ""]
-        labels = list(measured[0]["per call"])
+                       [[row["model"], *(row[c] for c in COUNT_COLUMNS)] for row in setup["counts"]])
+        body += ["", f"Times, medians over {args.rounds} rounds:", ""]
+        body += _table(("model",) + TIME_COLUMNS,
+                       [[name, *(statistics.median(r[c] for r in rounds[root][model]) for c in TIME_COLUMNS)]
+                        for model, name in enumerate(args.models)])
+        body += ["", "Per call into the mode (us, best of 5 batches of 20,000):", ""]
         body += _table(("call", "plain", "inside tracking_scopes()", "added"), [
-            [label, *(statistics.median(run["per call"][label][key] for run in measured) for key in ("plain", "tracked")),
-             statistics.median(run["per call"][label]["tracked"] - run["per call"][label]["plain"] for run in measured)]
-            for label in labels])
+            [label, value["plain"], value["tracked"], value["tracked"] - value["plain"]]
+            for label, value in setup["per call"].items()])
         body.append("")
+    base = roots[0]
+    for root in roots[1:]:
+        body += [f"## {root} against {base}, round by round", "",
+                 "Median [quartiles] over rounds of the difference (this root's minus the baseline's in the same "
+                 "round), and of the ratio of whole-model forwards:", ""]
+        columns = ("model", "whole / baseline whole", "tracking ms", "hook, us/saved", "deciding, us/saved")
+        rows = []
+        for model, name in enumerate(args.models):
+            pairs = list(zip(rounds[root][model], rounds[base][model]))
+            low, median, high = quantiles([a["whole ms"] / b["whole ms"] for a, b in pairs])
+            rows.append([name, f"{median:.3f} [{low:.3f}, {high:.3f}]",
+                         *(_spread([a[c] - b[c] for a, b in pairs])
+                           for c in ("tracking ms", "hook, us/saved", "deciding, us/saved"))])
+        body += _table(columns, rows) + [""]
     for line in body:
         print(line)
 
     device = torch.device("cpu")
-    settings = {"spec": SPEC, "rest": REST, "batch": args.batch, "rounds": args.rounds, "warmup": args.warmup,
-                "processes per root": args.repeats}
+    settings = {"spec": SPEC, "rest": REST, "batch": args.batch, "rounds": args.rounds, "warmup": args.warmup}
     header = header_lines(device, args.threads, 0, time.perf_counter() - started, settings, load_before)
     header.append("actcomp of each root: " + ", ".join(f"{root} = git {_commit(root)}" for root in roots))
     args.out_dir.mkdir(parents=True, exist_ok=True)
