@@ -16,18 +16,19 @@ Counts, exact, per training step (forward, then ``sum().backward()``):
 - ``saved (plain)``: tensors plain autograd saves; ``packed`` / ``unpacked``: calls of
   whole-model mode's pack and unpack hooks (a compressed layer's saves included).
 
-Times, medians over rounds of the forward alone (its graph dropped with the output) on
-``--threads`` threads: ``plain``, ``linear`` (``rest=None``: the compressed layers, no mode, no
-hooks) and ``whole`` (``rest="8bit"``), each once a round in rotating order, and inside
-``whole`` the pack hooks' wall time (``time.perf_counter`` around each call, codecs included)
-and the codecs' encode time:
+Times (this thread's CPU time, ``time.thread_time``: a loaded machine inflates it far less than
+wall time; with one torch thread, the default, it covers the ops too), medians over rounds of
+the forward alone (its graph dropped with the output): ``plain``, ``linear`` (``rest=None``: the
+compressed layers, no mode, no hooks) and ``whole`` (``rest="8bit"``), each once a round in
+rotating order, and inside ``whole`` the pack hooks' time (taken around each call, codecs
+included) and the codecs' encode time:
 
 - ``whole - plain, us/model call``: everything whole-model mode adds to the forward, codecs
   and compressed layers included, over the plain model's torch calls;
 - ``tracking ms``: whole - linear - pack hooks: the scope-tracking mode and the module hooks,
   what the forward pays outside the compressed layers and the pack hooks; per model call and
   per call the mode saw;
-- ``hook, us/saved``: pack-hook wall time per packed tensor; ``deciding, us/saved``: the same
+- ``hook, us/saved``: pack-hook time per packed tensor; ``deciding, us/saved``: the same
   less the codecs' encode, the hook's own Python (choosing the codec, caches, holders).
 
 And per call into the mode: a tensor attribute, an op no kind claims and a recognised op, each
@@ -65,6 +66,10 @@ from common import (
 from torch.overrides import TorchFunctionMode
 
 SPEC, REST = "mink0.9+int8", "8bit"
+# Every time here is this thread's CPU time: on a shared machine, wall time also counts the
+# time the thread waited for a core, which swamps differences of a few microseconds a call.
+# With one torch thread (the default), the ops run on this thread too.
+cpu_clock = time.thread_time
 MODELS = ("vit_small", "resnet18", "gpt2")
 
 
@@ -118,11 +123,11 @@ class _Probes:
             return mode_call(self, func, types, args, kwargs)
 
         def timed_pack(self, tensor):
-            start = time.perf_counter()
+            start = cpu_clock()
             try:
                 return pack(self, tensor)
             finally:
-                probes.pack_s += time.perf_counter() - start
+                probes.pack_s += cpu_clock() - start
                 probes.packs += 1
 
         def counted_unpack(holder):
@@ -130,11 +135,11 @@ class _Probes:
             return unpack(holder)
 
         def timed_encode(self, tensor):
-            start = time.perf_counter()
+            start = cpu_clock()
             try:
                 return encode(self, tensor)
             finally:
-                probes.encode_s += time.perf_counter() - start
+                probes.encode_s += cpu_clock() - start
 
         # Only the counting pass pays for the counting wrapper around every mode call.
         self.plain_mode_call, self.counted_mode_call = mode_call, counted_mode_call
@@ -198,9 +203,9 @@ class _Subject:
         times: dict[str, float] = {}
         for name in names[index % 3:] + names[:index % 3]:
             self.probes.reset()
-            start = time.perf_counter()
+            start = cpu_clock()
             self.models[name](self.inputs)
-            times[name] = time.perf_counter() - start
+            times[name] = cpu_clock() - start
             if name == "whole":
                 times.update(pack=self.probes.pack_s, encode=self.probes.encode_s, packs=self.probes.packs)
         return times
@@ -217,10 +222,10 @@ def per_call() -> dict[str, dict[str, float]]:
     def best(call, repeat: int = 20000) -> float:
         fastest = float("inf")
         for _ in range(5):
-            start = time.perf_counter()
+            start = cpu_clock()
             for _ in range(repeat):
                 call()
-            fastest = min(fastest, (time.perf_counter() - start) / repeat)
+            fastest = min(fastest, (cpu_clock() - start) / repeat)
         return fastest * 1e6
 
     results = {}
