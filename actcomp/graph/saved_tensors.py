@@ -213,8 +213,10 @@ def call_unseen(function: Callable[..., Any], *args: Any) -> Any:
     """``function(*args)``, whose torch calls the scope-tracking mode (when on) does not see: to
     the mode it is one call, made with grad mode as it is now. For a compressed layer's forward,
     a dozen torch calls (reading its input's metadata, the op, its saves, marked by
-    :func:`saving_compressed_layer`) that each would cost a Python call into the mode. For plain
-    tensors only, as :func:`unseen_by_scopes`, and for code that pushes no torch-function mode.
+    :func:`saving_compressed_layer`) that each would cost a Python call into the mode. Every
+    torch-function handler is off inside, as in :func:`unseen_by_scopes`: for plain tensors only,
+    code that pushes no torch-function mode of its own, and tensors made from others or on a
+    named device (a user's ``with torch.device(...)`` does not reach inside either).
 
     >>> with tracking_scopes():
     ...     call_unseen(torch.relu, torch.ones(2))
