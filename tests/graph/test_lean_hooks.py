@@ -56,7 +56,7 @@ def test_the_scope_mode_sees_the_models_calls_and_none_of_the_codecs(name, spec,
     seen = _names_seen(model, *inputs())
 
     # The mode watched the model (its norms and activations: a compressed Linear/Conv layer's
-    # own calls are unseen too, tests/test_lean_forward.py).
+    # own calls are unseen too, tests/graph/test_lean_forward.py).
     assert any(n in {"relu", "layer_norm"} for n in seen)
     assert sorted(CODEC_ONLY.intersection(seen)) == []
 
