@@ -25,9 +25,11 @@ included) and the codecs' encode time:
 
 - ``whole - plain, us/model call``: everything whole-model mode adds to the forward, codecs
   and compressed layers included, over the plain model's torch calls;
-- ``tracking ms``: whole - linear - pack hooks: the scope-tracking mode and the module hooks,
-  what the forward pays outside the compressed layers and the pack hooks; per model call and
-  per call the mode saw;
+- ``tracking ms``: whole - linear - pack hooks: all whole-model mode adds outside its pack
+  hooks (the scope-tracking mode, the module hooks, starting and ending the session, freeing
+  its holders with the graph); per model call and per call the mode saw. A difference of
+  large times: the noisiest figure here, where the counts and the per-call table are exact or
+  nearly so;
 - ``hook, us/saved``: pack-hook time per packed tensor; ``deciding, us/saved``: the same
   less the codecs' encode, the hook's own Python (choosing the codec, caches, holders).
 
