@@ -103,10 +103,17 @@ def main() -> None:
                           f"{after[-1]['step_s'] / before[-1]['step_s']:.3f}", flush=True)
                 pairs = [a["step_s"] / b["step_s"] for a, b in zip(after, before)]
                 low, median, high = quantiles(pairs)
+                # Each commit's step over its own process's plain step, after's over before's pair by
+                # pair: steadier than after / before on a loaded machine, as plain and converted
+                # steps alternate inside a process while the two processes of a pair see different load.
+                normalized = quantiles([(a["step_s"] / a["plain_s"]) / (b["step_s"] / b["plain_s"])
+                                        for a, b in zip(after, before)])
                 rows.append({
                     "model": model, "rest": rest, "after_over_before": median, "q25": low, "q75": high,
                     "before_vs_plain": statistics.median(b["step_s"] / b["plain_s"] for b in before),
                     "after_vs_plain": statistics.median(a["step_s"] / a["plain_s"] for a in after),
+                    "normalized_after_over_before": normalized[1], "normalized_q25": normalized[0],
+                    "normalized_q75": normalized[2],
                 })
     header = header_lines(torch.device("cpu"), args.threads, 0, time.time() - start,
                           {"before": before_commit, "after": after_commit, "spec": args.spec, "batch": args.batch,
@@ -116,10 +123,12 @@ def main() -> None:
                            "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY", "unset"),
                            "probes' cpu capability": "/".join(sorted(CAPABILITIES)),
                            "load at probe starts": f"{min(LOADS):.2f}-{max(LOADS):.2f}"}, load_before)
-    body = ["| model | rest | after / before (median, quartiles) | before: step / plain | after: step / plain |",
-            "|---|---|---|---|---|"]
+    body = ["| model | rest | after / before (median, quartiles) | before: step / plain | after: step / plain | "
+            "(after / plain) / (before / plain), pair by pair |",
+            "|---|---|---|---|---|---|"]
     body += [f"| {r['model']} | {r['rest']} | **{r['after_over_before']:.3f}** ({r['q25']:.3f}-{r['q75']:.3f}) | "
-             f"{r['before_vs_plain']:.2f}x | {r['after_vs_plain']:.2f}x |" for r in rows]
+             f"{r['before_vs_plain']:.2f}x | {r['after_vs_plain']:.2f}x | {r['normalized_after_over_before']:.3f} "
+             f"({r['normalized_q25']:.3f}-{r['normalized_q75']:.3f}) |" for r in rows]
     print("\n".join(body))
     write_results(args.name, torch.device("cpu"), args.threads, header, f"Step time: {after_commit} against {before_commit}",
                   body, rows, list(rows[0]), REPO_ROOT / "benchmarks" / "results")
