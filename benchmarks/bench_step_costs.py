@@ -15,9 +15,13 @@ then one step per backend under a ``TorchDispatchMode`` that counts:
 - **launches per pack / per unpack**: the ATen ops run inside a top-level codec call, views and
   bare allocations (``empty*``, which launch nothing) left out, native CPU kernels counted as
   one each; on a GPU each is a kernel launch. ``eager`` (``use_backend("eager")``: the
-  reference codecs, the device path, no CPU shortcut) is the figure the Triton kernels are to
-  bring to 2 or fewer per encode and per decode; ``native`` (the default on a CPU) is given
-  beside it. Also per spec (codec), and the most frequent ops;
+  reference codecs, the device path, no CPU shortcut) runs a stage a chunk at a time
+  (:mod:`actcomp.kernels.chunks`), chunks of ``CPU_CHUNK`` elements on a CPU but of at least
+  ``CUDA_CHUNK`` on a GPU, so its launches grow with the tensor here; ``eager-device-chunks``
+  is the reference with CUDA's chunk length (``CPU_CHUNK`` set to ``CUDA_CHUNK``, which for
+  tensors under 8 x ``CUDA_CHUNK`` elements chunks as CUDA does): the launches a GPU runs, the
+  figure the Triton kernels are to bring to 2 or fewer per encode and per decode. ``native``
+  (the default on a CPU) is given beside them. Also per spec (codec), and the most frequent ops;
 - **hook ops**: ATen ops the whole-model hooks run outside the codecs (choosing, caching);
 - **host reads**: ops that read a value back to the host or whose size depends on the data
   (the list of ``tests/test_host_reads.py``), in the converted step minus the plain step's,
@@ -44,10 +48,12 @@ from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, wr
 from gpt2_shaped import GPT2, GPT2Config, GPT2Model, gpt2_tokens
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import contextlib
+
 import actcomp
 from actcomp.core import watchers
 from actcomp.core.backends import use_backend
-from actcomp.kernels import native_cpu
+from actcomp.kernels import chunks, native_cpu
 from actcomp.whole_model import compressed_model, session
 
 # As tests/test_host_reads.py: ops that read a value back to the host, or whose size depends on the data.
@@ -56,7 +62,22 @@ HOST_READS = {"_local_scalar_dense", "nonzero", "nonzero_static", "bincount", "u
               "is_nonzero"}
 # Allocations without a kernel: not launches.
 NO_LAUNCH = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
-BACKENDS = ("eager", "native")
+BACKENDS = ("eager", "eager-device-chunks", "native")
+
+
+@contextlib.contextmanager
+def backend_of(name: str):
+    """``use_backend`` of the name; ``eager-device-chunks``: the reference with CUDA's chunk length."""
+    if name != "eager-device-chunks":
+        with use_backend(name):
+            yield
+        return
+    saved, chunks.CPU_CHUNK = chunks.CPU_CHUNK, chunks.CUDA_CHUNK
+    try:
+        with use_backend("eager"):
+            yield
+    finally:
+        chunks.CPU_CHUNK = saved
 
 
 def op_name(func: Any) -> str:
@@ -220,14 +241,14 @@ def counted(step) -> Counter:
 
 def timed(step, steps: int) -> tuple[float, int]:
     """Median seconds inside the codecs per step, and codec packs per step."""
-    seconds, packs = [], 0
+    seconds, packs = [float("nan")], 0
     for _ in range(steps):
         timer = Timer()
         with watchers.watching(timer):
             step()
         seconds.append(timer.seconds)
         packs = timer.packs
-    return statistics.median(seconds), packs
+    return statistics.median(seconds[1:] or seconds), packs
 
 
 def plain_host_reads(step) -> int:
@@ -252,6 +273,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--timed-steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--name", default="step_costs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -265,8 +287,8 @@ def main() -> None:
         plain_step, step = step_of(plain, x, y), step_of(converted, x, y)
         plain_step()
         plain_reads = plain_host_reads(plain_step)
-        for backend in BACKENDS:
-            with use_backend(backend):
+        for backend in args.backends:
+            with backend_of(backend):
                 step()  # warm-up (native build, lazy set-up)
                 counter = counted(step)
                 seconds, packs = timed(step, args.timed_steps)
