@@ -13,11 +13,18 @@ rounds; the figures reported are medians over processes of
 - each commit's converted step over the plain step of the same process.
 
 The conversion is ``to_compressed(model, spec, rest=rest)`` for each ``--rest`` (``none``:
-Linear/Conv mode), fp32, at ``--threads`` torch threads.
+Linear/Conv mode), fp32, at ``--threads`` torch threads. ``gpt2`` in ``--models`` is the
+GPT-2-shaped model of ``gpt2_shaped.py`` (``--gpt2-batch`` sequences of ``--seq-len`` tokens).
+
+The probes inherit the environment: ``ACTCOMP_NATIVE_MARCH=x86-64-v3`` builds the native
+kernels for AVX2 (commits that have it), ``ATEN_CPU_CAPABILITY=avx2`` runs torch's own kernels
+as on an AVX2 CPU; both are recorded in the header, with the capability the probes reported and
+the range of the 1-minute load average seen as each probe started.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import tempfile
@@ -26,6 +33,7 @@ from pathlib import Path
 
 import torch
 from common import REPO_ROOT, benchmark_parser, header_lines, load_average, quantiles, write_results
+from gpt2_shaped import GPT2
 
 from actcomp.tools.probe import run_probe
 
@@ -44,13 +52,22 @@ def export(revision: str, into: Path) -> str:
 
 
 def probe(source: Path, model: str, spec: str, rest: str, args) -> dict:
-    program = [str(PROBE), "--model", model, "--spec", spec, "--rest", rest, "--batch", str(args.batch),
-               "--img-size", str(args.img_size), "--steps", str(args.steps), "--threads", str(args.threads)]
+    batch = args.gpt2_batch if model == GPT2 else args.batch
+    program = [str(PROBE), "--model", model, "--spec", spec, "--rest", rest, "--batch", str(batch),
+               "--img-size", str(args.img_size), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+               "--threads", str(args.threads)]
+    LOADS.append(float(load_average()))
     measured = run_probe(program, what=f"step probe of {model} rest={rest} for {source}", package_root=str(source),
                          timeout=1800)
     if not measured["actcomp_file"].startswith(str(source)):
         raise RuntimeError(f"the probe imported {measured['actcomp_file']}, not the code under {source}")
+    CAPABILITIES.add(measured.get("cpu_capability", "not reported"))
     return measured
+
+
+# The 1-minute load average as each probe starts, and the CPU capabilities the probes reported.
+LOADS: list[float] = []
+CAPABILITIES: set[str] = set()
 
 
 def main() -> None:
@@ -65,6 +82,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="batch size")
     parser.add_argument("--img-size", type=int, default=224, help="image size")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each probe")
+    parser.add_argument("--seq-len", type=int, default=64, help=f"tokens per sequence for {GPT2!r}")
+    parser.add_argument("--gpt2-batch", type=int, default=4, help=f"batch size for {GPT2!r}")
     parser.add_argument("--name", default="commits", help="results file name (before the torch/device suffix)")
     args = parser.parse_args()
     start, load_before = time.time(), load_average()
@@ -84,18 +103,32 @@ def main() -> None:
                           f"{after[-1]['step_s'] / before[-1]['step_s']:.3f}", flush=True)
                 pairs = [a["step_s"] / b["step_s"] for a, b in zip(after, before)]
                 low, median, high = quantiles(pairs)
+                # Each commit's step over its own process's plain step, after's over before's pair by
+                # pair: steadier than after / before on a loaded machine, as plain and converted
+                # steps alternate inside a process while the two processes of a pair see different load.
+                normalized = quantiles([(a["step_s"] / a["plain_s"]) / (b["step_s"] / b["plain_s"])
+                                        for a, b in zip(after, before)])
                 rows.append({
                     "model": model, "rest": rest, "after_over_before": median, "q25": low, "q75": high,
                     "before_vs_plain": statistics.median(b["step_s"] / b["plain_s"] for b in before),
                     "after_vs_plain": statistics.median(a["step_s"] / a["plain_s"] for a in after),
+                    "normalized_after_over_before": normalized[1], "normalized_q25": normalized[0],
+                    "normalized_q75": normalized[2],
                 })
     header = header_lines(torch.device("cpu"), args.threads, 0, time.time() - start,
                           {"before": before_commit, "after": after_commit, "spec": args.spec, "batch": args.batch,
-                           "img_size": args.img_size, "rounds": args.rounds, "steps": args.steps}, load_before)
-    body = ["| model | rest | after / before (median, quartiles) | before: step / plain | after: step / plain |",
-            "|---|---|---|---|---|"]
+                           "img_size": args.img_size, "gpt2": f"{args.gpt2_batch}x{args.seq_len} tokens",
+                           "rounds": args.rounds, "steps": args.steps,
+                           "ACTCOMP_NATIVE_MARCH": os.environ.get("ACTCOMP_NATIVE_MARCH", "unset (native)"),
+                           "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY", "unset"),
+                           "probes' cpu capability": "/".join(sorted(CAPABILITIES)),
+                           "load at probe starts": f"{min(LOADS):.2f}-{max(LOADS):.2f}"}, load_before)
+    body = ["| model | rest | after / before (median, quartiles) | before: step / plain | after: step / plain | "
+            "(after / plain) / (before / plain), pair by pair |",
+            "|---|---|---|---|---|---|"]
     body += [f"| {r['model']} | {r['rest']} | **{r['after_over_before']:.3f}** ({r['q25']:.3f}-{r['q75']:.3f}) | "
-             f"{r['before_vs_plain']:.2f}x | {r['after_vs_plain']:.2f}x |" for r in rows]
+             f"{r['before_vs_plain']:.2f}x | {r['after_vs_plain']:.2f}x | {r['normalized_after_over_before']:.3f} "
+             f"({r['normalized_q25']:.3f}-{r['normalized_q75']:.3f}) |" for r in rows]
     print("\n".join(body))
     write_results(args.name, torch.device("cpu"), args.threads, header, f"Step time: {after_commit} against {before_commit}",
                   body, rows, list(rows[0]), REPO_ROOT / "benchmarks" / "results")
