@@ -36,6 +36,7 @@ wall time inside top-level codec calls, per codec pack, its unpack included) and
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import statistics
 import time
@@ -48,15 +49,13 @@ from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, wr
 from gpt2_shaped import GPT2, GPT2Config, GPT2Model, gpt2_tokens
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import contextlib
-
 import actcomp
 from actcomp.core import watchers
 from actcomp.core.backends import use_backend
 from actcomp.kernels import chunks, native_cpu
 from actcomp.whole_model import compressed_model, session
 
-# As tests/test_host_reads.py: ops that read a value back to the host, or whose size depends on the data.
+# As tests/integration/test_host_reads.py: ops that read a value back to the host, or whose size depends on the data.
 HOST_READS = {"_local_scalar_dense", "nonzero", "nonzero_static", "bincount", "unique", "_unique", "_unique2",
               "unique_consecutive", "unique_dim", "masked_select", "repeat_interleave", "histc", "equal",
               "is_nonzero"}
@@ -311,7 +310,8 @@ def main() -> None:
             specs = sorted({spec for spec, _ in counter.per_spec})
             details.append(f"- {name}, {backend}: " + "; ".join(
                 f"`{spec}` x{len(counter.per_spec[(spec, 'pack')])}: "
-                f"{mean(counter.per_spec[(spec, 'pack')]):.1f} per pack, {mean(counter.per_spec[(spec, 'unpack')]):.1f} per unpack"
+                f"{mean(counter.per_spec[(spec, 'pack')]):.1f} per pack, "
+                f"{mean(counter.per_spec[(spec, 'unpack')]):.1f} per unpack"
                 for spec in specs) + ". Most run in a pack: " + ", ".join(
                 f"{op} {count / max(counter.packs, 1):.2f}" for op, count in counter.names["pack"].most_common(8))
                 + "; in an unpack: " + ", ".join(
