@@ -16,7 +16,6 @@ Channel stages need the channel axis: 1 for 4-D (N, C, H, W) conv activations, -
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from common import (
     check_specs,
     header_lines,
     load_average,
+    parse_shape,
     quantiles,
     synchronize,
     write_results,
@@ -62,16 +62,6 @@ def stage_for(spec: str):
 
 COLUMNS = ["shape", "spec", "ratio_vs_clone", "ratio_p25", "ratio_p75", "ratio_best", "roundtrip_ms",
            "clone_ms", "clone_fastest_ms", "stored_fraction", "rel_error"]
-
-
-def parse_shape(text: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape {text!r} is not like 32x197x384") from None
-    if not shape or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"shape {text!r} needs positive sizes")
-    return shape
 
 
 def channel_dim_for(shape: tuple[int, ...]) -> int:

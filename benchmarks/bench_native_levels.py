@@ -38,6 +38,7 @@ from common import (
     cpu_name,
     header_lines,
     load_average,
+    parse_shape,
     ratio_summary,
     time_rounds,
     write_csv,
@@ -71,16 +72,6 @@ def codec_for(name: str):
     if name.endswith("-mask"):
         return codec_class(name)()
     return actcomp.parse(name).stages[0]
-
-
-def parse_shape(text: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape {text!r} is not like 32x197x384") from None
-    if not shape or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"shape {text!r} needs positive sizes")
-    return shape
 
 
 def measure(arguments: argparse.Namespace) -> dict:

@@ -35,6 +35,21 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
+def parse_shape(text: str) -> tuple[int, ...]:
+    """A ``--shapes`` argument, ``32x197x384``, as a tuple of positive sizes.
+
+    >>> parse_shape("32x197x384")
+    (32, 197, 384)
+    """
+    try:
+        shape = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not like 32x197x384") from None
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r} needs positive sizes")
+    return shape
+
+
 def benchmark_parser(doc: str) -> argparse.ArgumentParser:
     """A parser described by the first paragraph of ``doc`` (the script's docstring) whose
     ``--help`` shows every default."""
