@@ -10,6 +10,7 @@ import functools
 import os
 import socket
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -302,3 +303,21 @@ def fsdp_memory_worker(rank: int, world_size: int, port: int, cases, out_dir: st
             report = actcomp.memory_report(model, inputs.chunk(world_size)[rank])
             results.append((report, {type(p).__name__ for p in model.parameters()}))
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def names_seen_by_scopes(model: nn.Module, *inputs) -> list[str]:
+    """The names of the torch functions whole-model mode's scope-tracking mode sees in a
+    training step of ``model`` (a forward, a sum, its backward)."""
+    from actcomp.graph import saved_tensors
+
+    seen = []
+    original = saved_tensors._FunctionScopes.__torch_function__
+
+    def watching(self, func, types, args=(), kwargs=None):
+        seen.append(getattr(func, "__name__", str(func)))
+        return original(self, func, types, args, kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(saved_tensors._FunctionScopes, "__torch_function__", watching)
+        model(*inputs).float().sum().backward()
+    return seen

@@ -11,26 +11,11 @@ import timm
 import torch
 
 import actcomp
-from actcomp.graph import saved_tensors
 from actcomp.graph.saved_tensors import Scope, call_unseen, current_scopes, saving_for_a_custom_function, tracking_scopes
-from tests.models import TinyGPT2, small_cnn
+from tests.models import TinyGPT2, names_seen_by_scopes, small_cnn
 
 # What a compressed layer's forward calls and none of these models calls outside such a layer.
 LAYER_ONLY = {"linear", "conv2d", "addmm", "empty_strided", "untyped_storage", "stride"}
-
-
-def _names_seen(model, *inputs) -> list[str]:
-    seen = []
-    original = saved_tensors._FunctionScopes.__torch_function__
-
-    def watching(self, func, types, args=(), kwargs=None):
-        seen.append(getattr(func, "__name__", str(func)))
-        return original(self, func, types, args, kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(saved_tensors._FunctionScopes, "__torch_function__", watching)
-        model(*inputs).float().sum().backward()
-    return seen
 
 
 @pytest.mark.parametrize("build, inputs", [
@@ -43,7 +28,7 @@ def test_a_compressed_layers_own_calls_do_not_reach_the_mode(build, inputs):
     torch.manual_seed(0)
     model = actcomp.to_compressed(build(), "mink0.9+int8", rest="8bit")
 
-    seen = _names_seen(model, *inputs())
+    seen = names_seen_by_scopes(model, *inputs())
 
     assert seen  # the mode watched the model
     assert sorted(LAYER_ONLY.intersection(seen)) == []

@@ -13,29 +13,14 @@ import timm
 import torch
 
 import actcomp
-from actcomp.graph import saved_tensors
 from actcomp.layers import compressed_layer, function
 from actcomp.whole_model import session
-from tests.models import TinyGPT2, small_cnn
+from tests.models import TinyGPT2, names_seen_by_scopes, small_cnn
 
 # Operations the codecs use and none of these models calls in its forward.
 CODEC_ONLY = {"__rshift__", "__lshift__", "__and__", "__or__", "__ixor__", "__ior__", "__iand__", "cumsum",
               "scatter_", "scatter_add_", "index_select", "nonzero", "topk", "bitwise_and", "bitwise_or",
               "bitwise_left_shift", "bitwise_right_shift", "flip", "view_as_real", "aminmax", "amin", "amax"}
-
-
-def _names_seen(model, *inputs):
-    seen = []
-    original = saved_tensors._FunctionScopes.__torch_function__
-
-    def watching(self, func, types, args=(), kwargs=None):
-        seen.append(getattr(func, "__name__", str(func)))
-        return original(self, func, types, args, kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(saved_tensors._FunctionScopes, "__torch_function__", watching)
-        model(*inputs).float().sum().backward()
-    return seen
 
 
 MODELS = {
@@ -53,7 +38,7 @@ def test_the_scope_mode_sees_the_models_calls_and_none_of_the_codecs(name, spec,
     torch.manual_seed(0)
     model = actcomp.to_compressed(build(), spec, rest=rest)
 
-    seen = _names_seen(model, *inputs())
+    seen = names_seen_by_scopes(model, *inputs())
 
     # The mode watched the model (its norms and activations: a compressed Linear/Conv layer's
     # own calls are unseen too, tests/graph/test_lean_forward.py).
@@ -69,5 +54,5 @@ def test_the_witness_sees_codec_calls_made_under_the_mode():
         patch.setattr(session, "unseen_by_scopes", nullcontext)
         patch.setattr(function, "unseen_by_scopes", nullcontext)
         patch.setattr(compressed_layer, "call_unseen", lambda function, *args: function(*args))
-        seen = _names_seen(model, *inputs())
+        seen = names_seen_by_scopes(model, *inputs())
     assert CODEC_ONLY.intersection(seen)
