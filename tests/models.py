@@ -5,6 +5,7 @@ The tests build one of these (or a timm model), convert a deep copy, and compare
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import actcomp
 
@@ -321,3 +323,23 @@ def names_seen_by_scopes(model: nn.Module, *inputs) -> list[str]:
         patch.setattr(saved_tensors._FunctionScopes, "__torch_function__", watching)
         model(*inputs).float().sum().backward()
     return seen
+
+
+# Every aten op whose output depends on values read back to the host (or whose size does).
+HOST_READS = {"_local_scalar_dense", "nonzero", "nonzero_static", "bincount", "unique", "_unique", "_unique2",
+              "unique_consecutive", "unique_dim", "masked_select", "repeat_interleave", "histc", "equal",
+              "is_nonzero"}
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops of :data:`HOST_READS` that run inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if name in HOST_READS:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))

@@ -18,31 +18,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from models import HostReads
 from zoo import ZOO
 
 import actcomp
 from actcomp.core.backends import use_backend
 
-# Every aten op whose output depends on values read back to the host (or whose size does).
-HOST_READS = {"_local_scalar_dense", "nonzero", "nonzero_static", "bincount", "unique", "_unique", "_unique2",
-              "unique_consecutive", "unique_dim", "masked_select", "repeat_interleave", "histc", "equal",
-              "is_nonzero"}
 MODELS = {entry.id: entry for entry in ZOO if entry.id in ("resnet18", "vit_tiny_patch16_224", "llama")}
-
-
-class HostReads(TorchDispatchMode):
-    """Counts the ops of :data:`HOST_READS` that run inside it, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
-        if name in HOST_READS:
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def training_step(model: torch.nn.Module, batch: dict) -> None:
