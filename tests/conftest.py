@@ -13,6 +13,11 @@ import sys
 # the cores, a spinning thread waits for one that is not running, and a two-thread training step
 # of a small model took 50x longer (2.5 s against 0.05 s). Read once, when torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Without a GPU, the Triton kernels run on CPU tensors under Triton's interpreter, which must be
+# on before triton is first imported (use_backend("triton") then picks them; unasked, CPU tensors
+# keep the native kernels). Reading /proc is enough to know: torch is not imported yet.
+if not os.path.exists("/proc/driver/nvidia") and os.environ.get("ACTCOMP_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

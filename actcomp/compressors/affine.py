@@ -31,6 +31,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from actcomp.core import backends
 from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
@@ -204,6 +205,44 @@ register_implementation(
     encode=_cpu_encode, encodes=lambda codec, x, hints: native_cpu.quantizes(x.device, x.dtype, x.numel(), codec.bits),
     decode=_cpu_decode,
     decodes=lambda codec, payload, saved, meta: native_cpu.quantizes(payload.device, meta[1], meta[0].numel(), codec.bits))
+
+
+def _triton_encode(codec: GroupQuant, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`GroupQuant.encode` in two launches of :mod:`~actcomp.kernels.triton_affine`
+    (the channels' powers of two, where scaled, are a few small reductions before)."""
+    from actcomp.kernels import triton_affine
+
+    flat = x.reshape(-1).contiguous()
+    exponents, inverse = _channel_exponents(flat, codec._channels(x, hints))
+    codes, offset, scale = triton_affine.quantize(flat, codec.bits, codec.group, inverse)
+    return Encoded(codes, (offset, scale, *exponents), (x.shape, x.dtype))
+
+
+def _triton_decode(codec: GroupQuant, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta,
+                   finite: torch.Tensor | None = None) -> torch.Tensor:
+    """:meth:`GroupQuant.decode` in one launch, NaN everywhere where ``finite`` is false."""
+    from actcomp.kernels import triton_affine
+
+    shape, dtype = meta
+    offset, scale, *exponents = saved
+    return triton_affine.dequantize(payload, offset, scale, codec.bits, codec.group, shape.numel(), dtype,
+                                    exponents[0] if exponents else None, finite).view(shape)
+
+
+def _triton_takes(codec: GroupQuant, device: torch.device, dtype: torch.dtype, count: int) -> bool:
+    if not backends.triton_runs_on(device):
+        return False
+    from actcomp.kernels import triton_affine
+
+    return triton_affine.takes(dtype, count, codec.bits, codec.group)
+
+
+# CUDA float32, bfloat16 and float16 (CPU under Triton's interpreter), whole bytes per group.
+register_implementation(
+    GroupQuant, "triton", encode=_triton_encode,
+    encodes=lambda codec, x, hints: _triton_takes(codec, x.device, x.dtype, x.numel()),
+    decode=_triton_decode, applies_finite_flag=True,
+    decodes=lambda codec, payload, saved, meta: _triton_takes(codec, payload.device, meta[1], meta[0].numel()))
 
 
 # The registered widths: a name and a width each, all behaviour in GroupQuant. They are classes,

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -67,7 +68,7 @@ from typing import Any
 import torch
 
 from actcomp.errors import ActcompError, warn_once
-from actcomp.kernels import eager_cpu, native_cpu
+from actcomp.kernels import eager_cpu, native_cpu, triton_runtime
 from actcomp.torch_compat import maybe_mark_dynamic, recompile_limit_raises
 
 # The names a caller may ask for. "eager" is every codec's reference; "native" and "triton" name
@@ -100,6 +101,9 @@ class Implementation:
     name: str
     function: Callable[..., Any]
     takes: Callable[..., bool]
+    # A decode that takes ``finite=`` (the chain's 0-d finite flag) and writes NaN everywhere
+    # where it is false, in its own pass over the output.
+    applies_finite_flag: bool = False
 
 
 # (codec class, "encode" or "decode", kernel name) -> its implementation.
@@ -110,12 +114,13 @@ _RESOLVED: dict[tuple[type, str], tuple[Implementation, ...]] = {}
 
 def register_implementation(klass: type, name: str, *, encode: Callable[..., Any] | None = None,
                             encodes: Callable[..., bool] | None = None, decode: Callable[..., Any] | None = None,
-                            decodes: Callable[..., bool] | None = None) -> None:
+                            decodes: Callable[..., bool] | None = None, applies_finite_flag: bool = False) -> None:
     """Register ``klass``'s ``name`` kernels (``"native"``: CPU; ``"triton"``: CUDA), each with
     its capability predicate: ``encode(codec, x, hints)`` where ``encodes(codec, x, hints)``,
     ``decode(codec, payload, saved, meta)`` where ``decodes(...)``. Subclasses inherit them (a
     subclass may register its own); a predicate that asks ``type(codec).encode`` keeps a kernel
-    off a subclass that encodes otherwise.
+    off a subclass that encodes otherwise. ``applies_finite_flag``: the decode takes ``finite=``
+    and makes the output NaN itself where the flag is false (no pass of its own over the output).
 
     >>> from actcomp.compressors.casts import Fp16
     >>> register_implementation(Fp16, "triton", encode=lambda codec, x, hints: codec.encode(x, hints),
@@ -131,7 +136,8 @@ def register_implementation(klass: type, name: str, *, encode: Callable[..., Any
             raise ActcompError(f"the {name} {method} of {klass.__name__} needs a capability predicate "
                                f"({method}s=...): which tensors it takes")
         if function is not None:
-            _REGISTRY[(klass, method, name)] = Implementation(name, function, takes)
+            _REGISTRY[(klass, method, name)] = Implementation(name, function, takes,
+                                                              applies_finite_flag and method == "decode")
     _RESOLVED.clear()
 
 
@@ -221,9 +227,40 @@ def encode(codec: Any, x: torch.Tensor, hints: Any, *state: Any, backend: str | 
 
 
 def decode(codec: Any, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any, *,
-           backend: str | None = None) -> torch.Tensor:
-    """``codec.decode(payload, saved, meta)`` by the implementation :func:`choose` picks."""
-    return _run(codec, "decode", (payload, saved, meta), backend)
+           backend: str | None = None, finite: torch.Tensor | None = None) -> torch.Tensor:
+    """``codec.decode(payload, saved, meta)`` by the implementation :func:`choose` picks; where
+    ``finite`` (a 0-d bool, the chain's finite flag) is given and false, NaN everywhere: in the
+    kernel's own pass where it applies the flag, else in one more."""
+    if finite is None:
+        return _run(codec, "decode", (payload, saved, meta), backend)
+    if not torch.compiler.is_compiling():
+        name, function = _chosen_implementation(codec, "decode", (payload, saved, meta), _asked(backend))
+        kernel = next((kernel for kernel in _resolved(type(codec), "decode") if kernel.name == name), None)
+        if kernel is not None and kernel.applies_finite_flag:
+            return function(payload, saved, meta, finite=finite)
+        return nan_unless_finite(function(payload, saved, meta), finite)
+    return nan_unless_finite(_run(codec, "decode", (payload, saved, meta), backend), finite)
+
+
+def nan_unless_finite(payload: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """``payload``, or NaN in its shape where ``finite`` (a 0-d bool) is false.
+
+    >>> nan_unless_finite(torch.ones(2), torch.tensor(False))
+    tensor([nan, nan])
+    """
+    if takes_cpu_shortcut(payload):
+        # On a CPU outside compile the flag is a read of host memory: skip the pass when finite.
+        return payload if bool(finite) else torch.full_like(payload, math.nan)
+    return torch.where(finite, payload, math.nan)
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether a codec's Triton kernel may run on ``device``: CUDA with triton installed, or a
+    CPU under Triton's interpreter when ``use_backend("triton")`` asks for it (unasked, a CPU
+    tensor goes to the native kernels even where the interpreter is on)."""
+    if device.type == "cuda":
+        return triton_runtime.runs_on(device)
+    return _asked() == "triton" and triton_runtime.runs_on(device)
 
 
 def choose(codec: Any, method: str, *args: Any, backend: str | None = None) -> str:

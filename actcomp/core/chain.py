@@ -26,7 +26,6 @@ True
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -119,12 +118,12 @@ def _unpack(stages: Sequence[Stage], spec: str, packed: Packed) -> torch.Tensor:
         raise ActcompError(f"packed data was made by pipeline {layout.spec!r}, not {spec!r}")
     *tensors, payload = packed.tensors[1:] if layout.flagged else packed.tensors
     end = len(tensors)
-    for stage, (count, meta) in reversed(list(zip(stages, layout.stages))):
+    for position, (stage, (count, meta)) in reversed(list(enumerate(zip(stages, layout.stages)))):
         saved = tuple(tensors[end - count:end])
         end -= count
-        payload = backends.decode(stage, payload, saved, meta)
-    if layout.flagged:
-        payload = _nan_unless_finite(payload, packed.tensors[0])
+        # The first stage decodes last: it applies the finite flag, in its own pass where its kernel can.
+        finite = packed.tensors[0] if layout.flagged and position == 0 else None
+        payload = backends.decode(stage, payload, saved, meta, finite=finite)
     return _laid_out(payload, layout)
 
 
@@ -159,11 +158,3 @@ def finite_flag(x: torch.Tensor) -> torch.Tensor:
     # that finite tensor would decode to NaN. NaN propagates through both.
     low, high = torch.aminmax(x)
     return low.isfinite() & high.isfinite()
-
-
-def _nan_unless_finite(payload: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-    """``payload``, or NaN in its shape where ``finite`` (a 0-d bool) is false."""
-    if backends.takes_cpu_shortcut(payload):
-        # On a CPU outside compile the flag is a read of host memory: skip the pass when finite.
-        return payload if bool(finite) else torch.full_like(payload, math.nan)
-    return torch.where(finite, payload, math.nan)

@@ -1,0 +1,71 @@
+"""Where the Triton kernels run, and their launches counted.
+
+The Triton kernels (:mod:`~actcomp.kernels.triton_affine`, :mod:`~actcomp.kernels.triton_masks`)
+are the CUDA implementations of the codecs. They run on CUDA tensors, and on CPU tensors under
+Triton's interpreter: ``TRITON_INTERPRET=1`` set before ``triton`` is first imported, which runs
+each program instance in turn with numpy. That is how they are tested on a machine without a
+GPU (``tests/conftest.py`` sets it there): slowly, so at small sizes, but the same kernel source
+and the same codes.
+
+``import actcomp`` never imports triton: the first CUDA tensor a codec sees does (or a CPU one
+under the interpreter with ``use_backend("triton")``).
+
+Every launch goes through :func:`launch`, which counts it: the deterministic cost figures
+(launches per saved tensor) come from :data:`LAUNCHES`, on any machine.
+
+>>> import torch
+>>> runs_on(torch.device("meta"))
+False
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections import Counter
+from typing import Any
+
+import torch
+
+INTERPRETER = "TRITON_INTERPRET"
+# Kernel launches by kernel name, since the process started (or the caller cleared it).
+LAUNCHES: Counter[str] = Counter()
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``): on CPU tensors."""
+    return os.environ.get(INTERPRETER, "0") not in ("", "0")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether triton imports here (it comes with torch's CUDA wheels for Linux)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on tensors of ``device``: a CUDA device with triton
+    installed, or the CPU under Triton's interpreter."""
+    if device.type == "cuda":
+        return available()
+    return device.type == "cpu" and interpreting() and available()
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+    """``kernel[grid](*args, **meta)`` on the current stream of the tensors' device, counted.
+
+    ``enable_fp_fusion=False`` always: the references round a product and then a sum, and a
+    fused multiply-add would round once and change a code."""
+    LAUNCHES[kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__] += 1
+    kernel[grid](*args, enable_fp_fusion=False, **meta)
+
+
+def device_guard(tensor: torch.Tensor) -> Any:
+    """A context making ``tensor``'s CUDA device the current one (Triton launches on it)."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
