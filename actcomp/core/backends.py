@@ -217,8 +217,10 @@ def _asked(backend: str | None = None) -> str | None:
 
 def takes_cpu_shortcut(tensor: torch.Tensor) -> bool:
     """Whether code around the codecs may read ``tensor``'s values back (a CPU tensor outside
-    ``torch.compile``, :mod:`~actcomp.kernels.eager_cpu`), which the reference never does."""
-    return active_backend() != "eager" and eager_cpu.applies(tensor) and not torch.compiler.is_compiling()
+    ``torch.compile``, :mod:`~actcomp.kernels.eager_cpu`), which the reference and the Triton
+    kernels never do."""
+    # The Triton kernels on a CPU (the interpreter) stand for a GPU: no shortcut either.
+    return active_backend() not in ("eager", "triton") and eager_cpu.applies(tensor) and not torch.compiler.is_compiling()
 
 
 def encode(codec: Any, x: torch.Tensor, hints: Any, *state: Any, backend: str | None = None) -> Any:

@@ -282,7 +282,14 @@ def _derivative_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
 def _sdpa_mask_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
     """SDPA's math path (CPU) multiplies by a 0-or-1/(1-p) tensor it drew and saves it: with
     dropout on, a saved tensor off autograd's path (the mask needs no gradient) may be it."""
-    if float(argument(call, 4, "dropout_p", 0.0)) > 0 and tensor.grad_fn is None and not tensor.requires_grad:
+    # Only on a CPU, and only in the attention weights' shape: CUDA's fused kernels save no mask
+    # (they redraw it from a Philox seed) but do save tensors off autograd's path, the
+    # logsumexp and an additive bias, which this codec would turn to NaN (the GPU check's zoo run
+    # of stop 41). A mask CUDA's math path saves is then kept as it is: correct, uncompressed.
+    query, key = argument(call, 0, "query", None), argument(call, 1, "key", None)
+    weights_shape = (*query.shape[:-1], key.shape[-2]) if query is not None and key is not None else None
+    if (float(argument(call, 4, "dropout_p", 0.0)) > 0 and tensor.grad_fn is None and not tensor.requires_grad
+            and tensor.device.type == "cpu" and tuple(tensor.shape) == weights_shape):
         # Checked on the device as it is coded: a tensor not all 0 or one scale decodes to NaN.
         return {"other_values": "nan"}
     return None
