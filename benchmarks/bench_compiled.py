@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--img-size", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu (peak RSS) or cuda (peak allocated, step synchronized)")
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     configs = ["plain"] + [name for name in args.configs if name != "plain"]
     start, load_before = time.time(), load_average()
@@ -50,7 +52,8 @@ def main() -> None:
         order = configs[index % len(configs):] + configs[:index % len(configs)]
         for name in order:
             program = [str(PROBE), "--model", args.model, "--config", name, "--batch", str(args.batch),
-                       "--img-size", str(args.img_size), "--steps", str(args.steps), "--threads", str(args.threads)]
+                       "--img-size", str(args.img_size), "--steps", str(args.steps), "--threads", str(args.threads),
+                       "--device", args.device]
             runs[name].append(run_probe(program, what=f"compiled step probe ({name})", package_root=str(REPO_ROOT),
                                         env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=1800))
             print(f"round {index + 1} {name}: {runs[name][-1]['step_s']:.3f} s, "
@@ -63,7 +66,7 @@ def main() -> None:
                      "plain_peak_over_peak": statistics.median(runs["plain"][0]["peak_bytes"] / run["peak_bytes"]
                                                                for run in runs[name]),
                      "first_call_s": runs[name][0]["compile_s"], "warm_first_call_s": runs[name][-1]["compile_s"]})
-    header = header_lines(torch.device("cpu"), args.threads, 0, time.time() - start,
+    header = header_lines(torch.device(args.device), args.threads, 0, time.time() - start,
                           {"model": args.model, "batch": args.batch, "img_size": args.img_size, "rounds": args.rounds,
                            "steps": args.steps}, load_before)
     body = ["| configuration | step / compiled plain | step peak above start | plain peak / peak | first call, cold "
@@ -71,9 +74,9 @@ def main() -> None:
     body += [f"| `{r['config']}` | **{r['step_over_plain']:.2f}x** | {r['peak_mib']:.0f} MiB | "
              f"{r['plain_peak_over_peak']:.2f}x | {r['first_call_s']:.0f} s | {r['warm_first_call_s']:.0f} s |" for r in rows]
     print("\n".join(body))
-    write_results("compiled", torch.device("cpu"), args.threads, header,
+    write_results("compiled", torch.device(args.device), args.threads, header,
                   f"Compiled training step of {args.model}: compression inside the graph", body, rows, list(rows[0]),
-                  REPO_ROOT / "benchmarks" / "results")
+                  args.out_dir)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,10 @@ then one step per backend under a ``TorchDispatchMode`` that counts:
   is the reference with CUDA's chunk length (``CPU_CHUNK`` set to ``CUDA_CHUNK``, which for
   tensors under 8 x ``CUDA_CHUNK`` elements chunks as CUDA does): the launches a GPU runs, the
   figure the Triton kernels are to bring to 2 or fewer per encode and per decode. ``native``
-  (the default on a CPU) is given beside them. Also per spec (codec), and the most frequent ops;
+  (the default on a CPU) is given beside them, and ``triton`` (``use_backend("triton")``: the
+  Triton kernels where a codec has one, each launch counted; on a machine without a GPU they
+  run under Triton's interpreter, ``TRITON_INTERPRET=1``, slowly: give small sizes). Also per
+  spec (codec), and the most frequent ops;
 - **hook ops**: ATen ops the whole-model hooks run outside the codecs (choosing, caching);
 - **host reads**: ops that read a value back to the host or whose size depends on the data
   (the list of ``tests/test_host_reads.py``), in the converted step minus the plain step's,
@@ -52,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import actcomp
 from actcomp.core import watchers
 from actcomp.core.backends import use_backend
-from actcomp.kernels import chunks, native_cpu
+from actcomp.kernels import chunks, native_cpu, triton_runtime
 from actcomp.whole_model import compressed_model, session
 
 # As tests/integration/test_host_reads.py: ops that read a value back to the host, or whose size depends on the data.
@@ -61,7 +64,7 @@ HOST_READS = {"_local_scalar_dense", "nonzero", "nonzero_static", "bincount", "u
               "is_nonzero"}
 # Allocations without a kernel: not launches.
 NO_LAUNCH = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
-BACKENDS = ("eager", "eager-device-chunks", "native")
+BACKENDS = ("eager", "eager-device-chunks", "native", "triton")
 
 
 @contextlib.contextmanager
@@ -89,7 +92,7 @@ class Counter(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.depth, self.direction, self.in_hook, self.current = 0, None, 0, 0
+        self.depth, self.direction, self.in_hook, self.current, self.inside_triton = 0, None, 0, 0, 0
         self.packs = self.unpacks = 0
         self.ops = collections.Counter()  # "pack" / "unpack" / "hook" -> launches
         self.views = collections.Counter()
@@ -126,6 +129,16 @@ class Counter(TorchDispatchMode):
             self.host_reads[f"native.{name}"] += 1
         return _nothing()
 
+    @contextlib.contextmanager
+    def triton_launch(self, name: str):
+        """A Triton kernel is one launch; the ATen ops the interpreter runs inside it are none."""
+        self.launch(f"triton.{name}")
+        self.inside_triton += 1
+        try:
+            yield
+        finally:
+            self.inside_triton -= 1
+
     def launch(self, name: str) -> None:
         where = self.direction if self.depth else ("hook" if self.in_hook else None)
         if where is None:
@@ -136,6 +149,8 @@ class Counter(TorchDispatchMode):
             self.names[where][name] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.inside_triton:
+            return func(*args, **(kwargs or {}))
         name = op_name(func)
         if name in HOST_READS:
             self.host_reads[name] += 1
@@ -231,7 +246,8 @@ def counted(step) -> Counter:
     counter = Counter()
     hooks = HookTracker(counter)
     try:
-        with watchers.watching(counter), native_cpu.observed(counter), counter:
+        with watchers.watching(counter), native_cpu.observed(counter), \
+                triton_runtime.observed(counter.triton_launch), counter:
             step()
     finally:
         hooks.restore()

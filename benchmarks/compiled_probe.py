@@ -36,7 +36,9 @@ def main() -> None:
     parser.add_argument("--img-size", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--device", default="cpu", help="cpu (peak RSS) or cuda (peak allocated)")
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.config == "fp8-pass":
@@ -45,11 +47,11 @@ def main() -> None:
             "allowed_dtypes": "torch.float32", "size_in_mb": 1, "use_scaling": True,
             "quant_type": "torch.float8_e5m2"}}
     kwargs = {"img_size": args.img_size} if "vit" in args.model else {}
-    model = timm.create_model(args.model, pretrained=False, num_classes=10, **kwargs).train()
+    model = timm.create_model(args.model, pretrained=False, num_classes=10, **kwargs).train().to(device)
     compiled = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(args.batch, 3, args.img_size, args.img_size)
-    y = torch.randint(0, 10, (args.batch,))
+    x = torch.randn(args.batch, 3, args.img_size, args.img_size, device=device)
+    y = torch.randint(0, 10, (args.batch,), device=device)
     hooks = {"actcomp-8bit": ("int8", "8bit"), "actcomp-4bit": ("int4", "4bit"),
              "actcomp-exact": (None, "exact")}.get(args.config)
 
@@ -63,6 +65,8 @@ def main() -> None:
                 loss = torch.nn.functional.cross_entropy(compiled(x), y)
         loss.backward()
         optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     compile_s = step()
@@ -70,10 +74,16 @@ def main() -> None:
     times = [step() for _ in range(args.steps)]
     # The peak above what the step starts from: parameters, optimizer state, no gradients.
     optimizer.zero_grad(set_to_none=True)
-    before = resident()
-    reset_high_water_mark()
-    step()
-    peak = high_water_mark() - before
+    if device.type == "cuda":
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        before = resident()
+        reset_high_water_mark()
+        step()
+        peak = high_water_mark() - before
     print(json.dumps({"step_s": statistics.median(times), "peak_bytes": peak, "compile_s": compile_s,
                       "actcomp_file": actcomp.__file__}))
 

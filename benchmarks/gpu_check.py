@@ -12,6 +12,8 @@ Steps, each a fresh process (with a time limit) whose exit code and output tail 
    ``torch.cuda.set_sync_debug_mode("error")``, eager and compiled, and whole converted training
    steps (resnet18, ViT-tiny, a tiny Llama; ``rest="8bit"`` and ``"exact"``) counting no more
    synchronizations than the plain model's step;
+   ``tests/core/test_dispatch.py`` on CUDA tensors: every implementation (the Triton kernels
+   for real) against the reference, bit for bit;
 2. the zoo exactness harness on ``cuda`` (``ACTCOMP_TEST_DEVICE=cuda``, deterministic kernels):
    bit-identical logits and gradients for lossless conversions and ``rest="exact"``, fp32 and
    bf16 autocast, and the lossy presets' gradient floors;
@@ -19,8 +21,10 @@ Steps, each a fresh process (with a time limit) whose exit code and output tail 
 4. ``bench_training_speed.py --device cuda``: training steps against the plain model;
 5. ``bench_gpu_peak.py``: each method's step peak (``max_memory_allocated``) and the process's reserved
    peak (``max_memory_reserved``), fresh processes;
-6. ``examples/lora_trainer.py --tiny``: PEFT LoRA through the Trainer, with its CUDA peak column;
-7. ``bench_lm_loss.py --device cuda``: the Llama-shaped model in bf16 at 2,048 and 4,096 tokens.
+6. ``bench_compiled.py --device cuda``: ViT-S's compiled step with ``compress_in_graph`` beside the
+   compiled plain step and Inductor's fp8 activation pass (time and peak allocated);
+7. ``examples/lora_trainer.py --tiny``: PEFT LoRA through the Trainer, with its CUDA peak column;
+8. ``bench_lm_loss.py --device cuda``: the Llama-shaped model in bf16 at 2,048 and 4,096 tokens.
 
 A step that fails or runs out of time does not stop the others. Without CUDA the script says so
 and exits 2. ``ACTCOMP_SOURCE_VERSION`` names the commit where the tree has no git.
@@ -48,6 +52,7 @@ def steps(out_dir: Path) -> list[tuple[str, list[str], dict, int]]:
     return [
         ("tests on cuda", [*pytest, "tests/core/test_cuda_sync.py", "tests/compressors/test_compressors.py",
                            "tests/kernels/test_noise.py", "-k", "cuda or sync"], {}, 90),
+        ("triton kernels on cuda", [*pytest, "-n", "4", "tests/core/test_dispatch.py", "-k", "cuda or triton"], {}, 90),
         ("zoo exactness on cuda", [*pytest, "-n", "8", "tests/integration/test_zoo.py"], {"ACTCOMP_TEST_DEVICE": "cuda"}, 120),
         ("compressor round trips", [python, "benchmarks/bench_compressors.py", "--device", "cuda", "--out-dir", out],
          {}, 45),
@@ -55,6 +60,9 @@ def steps(out_dir: Path) -> list[tuple[str, list[str], dict, int]]:
                             "vit_small_patch16_224", "llama_bf16", "--batch", "64", "--specs", "smink0.9+int8",
                             "mink0.9+int8@8bit", "int8", "--rounds", "5", "--no-costs", "--out-dir", out], {}, 75),
         ("step peaks", [python, "benchmarks/bench_gpu_peak.py", "--out-dir", out], {}, 75),
+        ("compiled step", [python, "benchmarks/bench_compiled.py", "--device", "cuda", "--batch", "64",
+                           "--img-size", "224", "--rounds", "1", "--configs", "plain", "fp8-pass", "actcomp-8bit",
+                           "--out-dir", out], {}, 180),
         ("lora example", [python, "examples/lora_trainer.py", "--tiny"], {}, 90),
         ("language model", [python, "benchmarks/bench_lm_loss.py", "--device", "cuda", "--dtypes", "bf16",
                             "--tokens", "2048", "4096", "--rounds", "5", "--out", out], {}, 120),

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import os
 from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,6 +32,10 @@ import torch
 INTERPRETER = "TRITON_INTERPRET"
 # Kernel launches by kernel name, since the process started (or the caller cleared it).
 LAUNCHES: Counter[str] = Counter()
+# Called with each launch's kernel name, each giving a context the launch runs in
+# (benchmarks/bench_step_costs.py counts launches per saved tensor, and leaves out the ATen ops
+# Triton's interpreter runs inside one).
+_observers: list[Callable[[str], contextlib.AbstractContextManager]] = []
 
 
 def interpreting() -> bool:
@@ -62,8 +67,22 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
 
     ``enable_fp_fusion=False`` always: the references round a product and then a sum, and a
     fused multiply-add would round once and change a code."""
-    LAUNCHES[kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__] += 1
-    kernel[grid](*args, enable_fp_fusion=False, **meta)
+    name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+    LAUNCHES[name] += 1
+    with contextlib.ExitStack() as observing:
+        for observer in _observers:
+            observing.enter_context(observer(name))
+        kernel[grid](*args, enable_fp_fusion=False, **meta)
+
+
+@contextlib.contextmanager
+def observed(observer: Callable[[str], contextlib.AbstractContextManager]) -> Iterator[None]:
+    """Run each launch inside the block within ``observer(kernel name)``, a context manager."""
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
 
 
 def device_guard(tensor: torch.Tensor) -> Any:

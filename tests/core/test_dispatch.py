@@ -74,13 +74,19 @@ def round_trip(codec: Compressor, x: torch.Tensor, backend: str) -> tuple[tuple[
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     # A fresh copy: a decoded tensor may be an expanded view (shape-only), whose strides view refuses.
-    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor).reshape(-1).view(torch.uint8)
+    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.cpu()).reshape(-1).view(torch.uint8)
 
 
+# On a GPU the same comparison runs on CUDA tensors too (the Triton kernels for real there).
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name, implementation", CASES)
-def test_every_implementation_gives_the_reference_codes_and_values(name, implementation):
+def test_every_implementation_gives_the_reference_codes_and_values(name, implementation, device):
     codec = codec_named(name)
     for case, x in inputs(codec).items():
+        x = x.to(device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the asked-for kernel's one fallback warning
             tensors, decoded = round_trip(codec, x, implementation)
