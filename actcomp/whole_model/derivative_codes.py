@@ -25,17 +25,19 @@ True
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_codec
 from actcomp.kernels.bitpack import unpack_codes
 from actcomp.kernels.chunks import spans
 from actcomp.kernels.device_constants import device_table
-from actcomp.whole_model.exact_codecs import pack_chunked
+from actcomp.whole_model.exact_codecs import TRITON_FLOATS, pack_chunked, triton_takes
 
 # f' on [-10, 10] decides the intervals; beyond it GELU's and SiLU's derivatives are within
 # 5e-4 of their limits (0 and 1), inside every interval's tolerance.
@@ -164,3 +166,33 @@ def _interval(part: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
     for index in range(1, edges.numel()):
         codes += part > edges[index]
     return codes
+
+
+def _triton_encode(codec: DerivativeCode, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`DerivativeCode.encode` in one launch of :mod:`~actcomp.kernels.triton_masks`: a
+    binary search among the edges, padded with +inf (above every value) to ``2**bits - 1``."""
+    from actcomp.kernels import triton_masks
+
+    boundaries, _, _ = _codebook(codec.function, codec.approximate, codec.bits)
+    padding = (math.inf,) * (2**codec.bits - 1 - len(boundaries))
+    edges = device_table(tuple(boundaries) + padding, x.dtype, x.device)
+    flat = x.reshape(-1).contiguous()
+    return Encoded(triton_masks.encode_codes(flat, "interval", codec.bits, edges), (), (flat.numel(), x.dtype))
+
+
+def _triton_decode(codec: DerivativeCode, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any,
+                   finite: torch.Tensor | None = None) -> torch.Tensor:
+    """:meth:`DerivativeCode.decode` in one launch, NaN everywhere where ``finite`` is false."""
+    from actcomp.kernels import triton_masks
+
+    count, dtype = meta
+    _, representatives, _ = _codebook(codec.function, codec.approximate, codec.bits)
+    values = device_table(tuple(representatives), dtype, payload.device)
+    return triton_masks.decode_table(payload.contiguous(), values, codec.bits, count, finite)
+
+
+register_implementation(
+    DerivativeCode, "triton", encode=_triton_encode,
+    encodes=lambda codec, x, hints: triton_takes(x.device, x.dtype, x.numel(), TRITON_FLOATS),
+    decode=_triton_decode, applies_finite_flag=True,
+    decodes=lambda codec, payload, saved, meta: triton_takes(payload.device, meta[1], meta[0], TRITON_FLOATS))
