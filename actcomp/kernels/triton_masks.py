@@ -29,6 +29,8 @@ True
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import triton
 import triton.language as tl
@@ -266,7 +268,7 @@ def _encode(flat: torch.Tensor, predicate: str, bits: int, table: torch.Tensor |
         flat = flat.view(torch.uint8)
     # The bounds as float32 rounds them (to nearest, as torch compares a float32 tensor with a
     # Python number); past float32's range they are infinite.
-    low, high = (torch.tensor((low, high), dtype=torch.float32)).tolist()
+    low, high = ctypes.c_float(low).value, ctypes.c_float(high).value
     with device_guard(flat):
         launch(_encode_kernel, (triton.cdiv(count, 8 * ENCODE_RUNS),), flat, flat if table is None else table, packed,
                packed if partials is None else partials, count, packed.numel(), triton.cdiv(count, 8 * ENCODE_RUNS),

@@ -10,7 +10,9 @@ own backward kernel then reads the representative, so the gradient uses a deriva
 fp32 (3 bits instead of 32).
 
 The intervals are computed once per (function, bits) on a float64 grid from the backward
-kernels themselves, so they match what the backward computes.
+kernels themselves, so they match what the backward computes. On CUDA (and under Triton's
+interpreter, asked for) encode and decode are one launch each of
+:mod:`~actcomp.kernels.triton_masks`, the same codes bit for bit.
 
 >>> import torch
 >>> x = torch.randn(1000)
@@ -140,6 +142,10 @@ class DerivativeCode(Compressor):
     def label(self) -> str:
         return f"fewbit{self.bits}"
 
+    def representatives(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The point each interval decodes to, in ``dtype``."""
+        return device_table(tuple(_codebook(self.function, self.approximate, self.bits)[1]), dtype, device)
+
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
         boundaries, _, _ = _codebook(self.function, self.approximate, self.bits)
         # The edges as the input's dtype rounds them, as a comparison with a Python number would.
@@ -150,8 +156,7 @@ class DerivativeCode(Compressor):
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
         count, dtype = meta
-        _, representatives, _ = _codebook(self.function, self.approximate, self.bits)
-        values = device_table(tuple(representatives), dtype, payload.device)
+        values = self.representatives(dtype, payload.device)
         out = torch.empty(count, dtype=dtype, device=payload.device)
         for start, stop in spans(count, CHUNK):
             codes = unpack_codes(payload[start * self.bits // 8:], self.bits, stop - start)
@@ -186,9 +191,8 @@ def _triton_decode(codec: DerivativeCode, payload: torch.Tensor, saved: tuple[to
     from actcomp.kernels import triton_masks
 
     count, dtype = meta
-    _, representatives, _ = _codebook(codec.function, codec.approximate, codec.bits)
-    values = device_table(tuple(representatives), dtype, payload.device)
-    return triton_masks.decode_table(payload.contiguous(), values, codec.bits, count, finite)
+    return triton_masks.decode_table(payload.contiguous(), codec.representatives(dtype, payload.device), codec.bits,
+                                     count, finite)
 
 
 register_implementation(

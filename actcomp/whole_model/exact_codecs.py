@@ -15,7 +15,9 @@ tensor:
   4 for 3x3) and the input needs no bytes at all (:class:`PoolOffsets`, :class:`ShapeOnly`).
 
 Encode and decode are functions of tensors and settings: no value is read back to Python, and
-the sizes follow from the input's. :class:`BitMask` is the base of the one-bit masks; a user's
+the sizes follow from the input's. On CUDA (and under Triton's interpreter, asked for) each
+encode and decode is one launch of :mod:`~actcomp.kernels.triton_masks`, the same codes and
+stand-ins bit for bit; a float dropout mask's scale takes one more. :class:`BitMask` is the base of the one-bit masks; a user's
 exact codec for an op of their own is a subclass with a ``predicate`` (docs/codecs.md).
 
 >>> import torch
@@ -253,10 +255,14 @@ class ClampMask(Compressor):
         codes = pack_chunked(flat, self.states - 1, self._codes, aligned_length(x.device, flat.numel(), 8))
         return Encoded(codes, (), (flat.numel(), x.dtype))
 
+    def standin_table(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """What codes 0, 1 and 2 decode to: ``-inf`` (blocked), the middle (passed), NaN."""
+        middle = (self.low + self.high) / 2  # rounded to dtype, as clamp_middle rounds it
+        return device_table((-math.inf, middle, math.nan), dtype, device)
+
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
         count, dtype = meta
-        middle = (self.low + self.high) / 2  # rounded to dtype below, as clamp_middle rounds it
-        values = device_table((-math.inf, middle, math.nan), dtype, payload.device)
+        values = self.standin_table(dtype, payload.device)
         if self.states == 2:
             return select(unpack_bits(payload, count), values)
         return select(unpack_codes(payload, 2, count), values)
@@ -278,8 +284,8 @@ def _triton_clamp_decode(codec: ClampMask, payload: torch.Tensor, saved: tuple[t
     from actcomp.kernels import triton_masks
 
     count, dtype = meta
-    values = device_table((-math.inf, (codec.low + codec.high) / 2, math.nan), dtype, payload.device)
-    return triton_masks.decode_table(payload.contiguous(), values, codec.states - 1, count)
+    return triton_masks.decode_table(payload.contiguous(), codec.standin_table(dtype, payload.device), codec.states - 1,
+                                     count)
 
 
 register_implementation(
