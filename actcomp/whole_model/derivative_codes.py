@@ -10,7 +10,9 @@ own backward kernel then reads the representative, so the gradient uses a deriva
 fp32 (3 bits instead of 32).
 
 The intervals are computed once per (function, bits) on a float64 grid from the backward
-kernels themselves, so they match what the backward computes.
+kernels themselves, so they match what the backward computes. On CUDA (and under Triton's
+interpreter, asked for) encode and decode are one launch each of
+:mod:`~actcomp.kernels.triton_masks`, the same codes bit for bit.
 
 >>> import torch
 >>> x = torch.randn(1000)
@@ -25,17 +27,19 @@ True
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_codec
 from actcomp.kernels.bitpack import unpack_codes
 from actcomp.kernels.chunks import spans
 from actcomp.kernels.device_constants import device_table
-from actcomp.whole_model.exact_codecs import pack_chunked
+from actcomp.whole_model.exact_codecs import TRITON_FLOATS, pack_chunked, triton_takes
 
 # f' on [-10, 10] decides the intervals; beyond it GELU's and SiLU's derivatives are within
 # 5e-4 of their limits (0 and 1), inside every interval's tolerance.
@@ -138,6 +142,10 @@ class DerivativeCode(Compressor):
     def label(self) -> str:
         return f"fewbit{self.bits}"
 
+    def representatives(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The point each interval decodes to, in ``dtype``."""
+        return device_table(tuple(_codebook(self.function, self.approximate, self.bits)[1]), dtype, device)
+
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
         boundaries, _, _ = _codebook(self.function, self.approximate, self.bits)
         # The edges as the input's dtype rounds them, as a comparison with a Python number would.
@@ -148,8 +156,7 @@ class DerivativeCode(Compressor):
 
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
         count, dtype = meta
-        _, representatives, _ = _codebook(self.function, self.approximate, self.bits)
-        values = device_table(tuple(representatives), dtype, payload.device)
+        values = self.representatives(dtype, payload.device)
         out = torch.empty(count, dtype=dtype, device=payload.device)
         for start, stop in spans(count, CHUNK):
             codes = unpack_codes(payload[start * self.bits // 8:], self.bits, stop - start)
@@ -164,3 +171,32 @@ def _interval(part: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
     for index in range(1, edges.numel()):
         codes += part > edges[index]
     return codes
+
+
+def _triton_encode(codec: DerivativeCode, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`DerivativeCode.encode` in one launch of :mod:`~actcomp.kernels.triton_masks`: a
+    binary search among the edges, padded with +inf (above every value) to ``2**bits - 1``."""
+    from actcomp.kernels import triton_masks
+
+    boundaries, _, _ = _codebook(codec.function, codec.approximate, codec.bits)
+    padding = (math.inf,) * (2**codec.bits - 1 - len(boundaries))
+    edges = device_table(tuple(boundaries) + padding, x.dtype, x.device)
+    flat = x.reshape(-1).contiguous()
+    return Encoded(triton_masks.encode_codes(flat, "interval", codec.bits, edges), (), (flat.numel(), x.dtype))
+
+
+def _triton_decode(codec: DerivativeCode, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any,
+                   finite: torch.Tensor | None = None) -> torch.Tensor:
+    """:meth:`DerivativeCode.decode` in one launch, NaN everywhere where ``finite`` is false."""
+    from actcomp.kernels import triton_masks
+
+    count, dtype = meta
+    return triton_masks.decode_table(payload.contiguous(), codec.representatives(dtype, payload.device), codec.bits,
+                                     count, finite)
+
+
+register_implementation(
+    DerivativeCode, "triton", encode=_triton_encode,
+    encodes=lambda codec, x, hints: triton_takes(x.device, x.dtype, x.numel(), TRITON_FLOATS),
+    decode=_triton_decode, applies_finite_flag=True,
+    decodes=lambda codec, payload, saved, meta: triton_takes(payload.device, meta[1], meta[0], TRITON_FLOATS))

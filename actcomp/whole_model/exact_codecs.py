@@ -15,7 +15,9 @@ tensor:
   4 for 3x3) and the input needs no bytes at all (:class:`PoolOffsets`, :class:`ShapeOnly`).
 
 Encode and decode are functions of tensors and settings: no value is read back to Python, and
-the sizes follow from the input's. :class:`BitMask` is the base of the one-bit masks; a user's
+the sizes follow from the input's. On CUDA (and under Triton's interpreter, asked for) each
+encode and decode is one launch of :mod:`~actcomp.kernels.triton_masks`, the same codes and
+stand-ins bit for bit; a float dropout mask's scale takes one more. :class:`BitMask` is the base of the one-bit masks; a user's
 exact codec for an op of their own is a subclass with a ``predicate`` (docs/codecs.md).
 
 >>> import torch
@@ -34,6 +36,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from actcomp.core import backends
 from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_codec
@@ -79,7 +82,8 @@ class BitMask(Compressor):
     flags_non_finite = False
     inside: ClassVar[float] = 1.0
     outside: ClassVar[float] = 0.0
-    # The native kernel's name for the predicate (native_cpu.MASK_MODES), None if it has none.
+    # The kernels' name for the predicate (native_cpu.MASK_MODES, triton_masks.PREDICATES), None
+    # if they have none.
     native_predicate: ClassVar[str | None] = None
 
     def predicate(self, part: torch.Tensor) -> torch.Tensor:
@@ -124,6 +128,48 @@ register_implementation(
     decode=_cpu_mask_decode,
     decodes=lambda codec, payload, saved, meta: codec.native_predicate is not None
     and type(codec).decode is BitMask.decode and meta[0] > 0 and native_cpu.unpacks_mask(payload.device, meta[1]))
+
+
+# The dtypes the Triton kernels (kernels/triton_masks.py) read and write.
+TRITON_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def triton_takes(device: torch.device, dtype: torch.dtype, count: int, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether :mod:`~actcomp.kernels.triton_masks` codes ``count`` values of ``dtype`` (one of
+    ``dtypes``) on ``device``: CUDA, or a CPU under Triton's interpreter when asked for."""
+    if dtype not in dtypes or not backends.triton_runs_on(device):
+        return False
+    from actcomp.kernels import triton_masks
+
+    return triton_masks.takes(count)
+
+
+def _triton_mask_encode(codec: BitMask, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`BitMask.encode` in one launch of :mod:`~actcomp.kernels.triton_masks`."""
+    from actcomp.kernels import triton_masks
+
+    flat = x.reshape(-1).contiguous()
+    return Encoded(triton_masks.encode_codes(flat, codec.native_predicate), (), (flat.numel(), x.dtype))
+
+
+def _triton_mask_decode(codec: BitMask, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+    """:meth:`BitMask.decode` in one launch: each bit's stand-in from a two-entry table."""
+    from actcomp.kernels import triton_masks
+
+    count, dtype = meta
+    return triton_masks.decode_table(payload.contiguous(), device_table(codec.standins(dtype), dtype, payload.device),
+                                     1, count)
+
+
+# The encode for the predicates the kernels know; the decode wherever it is BitMask's own (it
+# reads no predicate, only the stand-ins).
+register_implementation(
+    BitMask, "triton", encode=_triton_mask_encode,
+    encodes=lambda codec, x, hints: codec.native_predicate is not None and type(codec).encode is BitMask.encode
+    and triton_takes(x.device, x.dtype, x.numel(), TRITON_FLOATS),
+    decode=_triton_mask_decode,
+    decodes=lambda codec, payload, saved, meta: type(codec).decode is BitMask.decode
+    and triton_takes(payload.device, meta[1], meta[0], TRITON_FLOATS))
 
 
 @register_codec
@@ -209,13 +255,44 @@ class ClampMask(Compressor):
         codes = pack_chunked(flat, self.states - 1, self._codes, aligned_length(x.device, flat.numel(), 8))
         return Encoded(codes, (), (flat.numel(), x.dtype))
 
+    def standin_table(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """What codes 0, 1 and 2 decode to: ``-inf`` (blocked), the middle (passed), NaN."""
+        middle = (self.low + self.high) / 2  # rounded to dtype, as clamp_middle rounds it
+        return device_table((-math.inf, middle, math.nan), dtype, device)
+
     def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
         count, dtype = meta
-        middle = (self.low + self.high) / 2  # rounded to dtype below, as clamp_middle rounds it
-        values = device_table((-math.inf, middle, math.nan), dtype, payload.device)
+        values = self.standin_table(dtype, payload.device)
         if self.states == 2:
             return select(unpack_bits(payload, count), values)
         return select(unpack_codes(payload, 2, count), values)
+
+
+def _triton_clamp_encode(codec: ClampMask, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`ClampMask.encode` in one launch of :mod:`~actcomp.kernels.triton_masks`."""
+    from actcomp.kernels import triton_masks
+
+    flat = x.reshape(-1).contiguous()
+    predicate = "inside" if codec.states == 2 else "inside_or_nan"
+    codes = triton_masks.encode_codes(flat, predicate, codec.states - 1, low=codec.low, high=codec.high)
+    return Encoded(codes, (), (flat.numel(), x.dtype))
+
+
+def _triton_clamp_decode(codec: ClampMask, payload: torch.Tensor, saved: tuple[torch.Tensor, ...],
+                         meta: Any) -> torch.Tensor:
+    """:meth:`ClampMask.decode` in one launch: each code's stand-in from the same table."""
+    from actcomp.kernels import triton_masks
+
+    count, dtype = meta
+    return triton_masks.decode_table(payload.contiguous(), codec.standin_table(dtype, payload.device), codec.states - 1,
+                                     count)
+
+
+register_implementation(
+    ClampMask, "triton", encode=_triton_clamp_encode,
+    encodes=lambda codec, x, hints: triton_takes(x.device, x.dtype, x.numel(), TRITON_FLOATS),
+    decode=_triton_clamp_decode,
+    decodes=lambda codec, payload, saved, meta: triton_takes(payload.device, meta[1], meta[0], TRITON_FLOATS))
 
 
 @register_codec
@@ -264,6 +341,38 @@ class DropoutMask(BitMask):
         (scale,) = saved
         # A NaN scale (not a mask) makes the zeros NaN too.
         return select(mask, torch.cat([scale * 0, scale]))
+
+
+def _triton_dropout_encode(codec: DropoutMask, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`DropoutMask.encode`: one launch for a bool mask; for floats, one more reduces the
+    programs' partials to the scale (its check with ``other_values="nan"`` included)."""
+    from actcomp.kernels import triton_masks
+
+    flat = x.reshape(-1).contiguous()
+    meta = (flat.numel(), x.dtype)
+    if x.dtype == torch.bool:
+        return Encoded(triton_masks.encode_codes(flat, "nonzero"), (), meta)
+    bits, scale = triton_masks.dropout_encode(flat, codec.other_values == "nan")
+    return Encoded(bits, (scale,), meta)
+
+
+def _triton_dropout_decode(codec: DropoutMask, payload: torch.Tensor, saved: tuple[torch.Tensor, ...],
+                           meta: Any) -> torch.Tensor:
+    """:meth:`DropoutMask.decode` in one launch."""
+    from actcomp.kernels import triton_masks
+
+    count, dtype = meta
+    return triton_masks.dropout_decode(payload.contiguous(), None if dtype == torch.bool else saved[0], count, dtype)
+
+
+# A float mask of no elements has no largest value: the reference raises, and so it runs there.
+register_implementation(
+    DropoutMask, "triton", encode=_triton_dropout_encode,
+    encodes=lambda codec, x, hints: triton_takes(x.device, x.dtype, x.numel(), (torch.bool,))
+    or (x.numel() > 0 and triton_takes(x.device, x.dtype, x.numel(), TRITON_FLOATS)),
+    decode=_triton_dropout_decode,
+    decodes=lambda codec, payload, saved, meta: triton_takes(payload.device, meta[1], meta[0],
+                                                             (torch.bool, *TRITON_FLOATS)))
 
 
 @register_codec
@@ -338,3 +447,35 @@ class PoolOffsets(Compressor):
         row = rows + torch.div(offset, self.kernel[1], rounding_mode="floor") * self.dilation[0]
         col = cols + (offset % self.kernel[1]) * self.dilation[1]
         return (row * self.width + col).reshape(-1)
+
+
+def _triton_pool_takes(codec: PoolOffsets, device: torch.device, dtype: torch.dtype, count: int) -> bool:
+    # Whole output planes only: the reference's reshape raises on anything else.
+    plane = math.prod(codec.out_size)
+    return len(codec.out_size) == 2 and plane > 0 and count % plane == 0 and triton_takes(
+        device, dtype, count, (torch.int64, torch.int32))
+
+
+def _triton_pool_encode(codec: PoolOffsets, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`PoolOffsets.encode` in one launch of :mod:`~actcomp.kernels.triton_masks`."""
+    from actcomp.kernels import triton_masks
+
+    flat = x.reshape(-1).contiguous()
+    return Encoded(triton_masks.pool_encode(flat, codec.bits, codec.kernel, codec.stride, codec.padding,
+                                            codec.dilation, codec.width, codec.out_size), (), x.numel())
+
+
+def _triton_pool_decode(codec: PoolOffsets, payload: torch.Tensor, saved: tuple[torch.Tensor, ...],
+                        meta: Any) -> torch.Tensor:
+    """:meth:`PoolOffsets.decode` in one launch."""
+    from actcomp.kernels import triton_masks
+
+    return triton_masks.pool_decode(payload.contiguous(), codec.bits, meta, codec.kernel, codec.stride, codec.padding,
+                                    codec.dilation, codec.width, codec.out_size)
+
+
+register_implementation(
+    PoolOffsets, "triton", encode=_triton_pool_encode,
+    encodes=lambda codec, x, hints: _triton_pool_takes(codec, x.device, x.dtype, x.numel()),
+    decode=_triton_pool_decode,
+    decodes=lambda codec, payload, saved, meta: _triton_pool_takes(codec, payload.device, torch.int64, meta))
