@@ -104,7 +104,8 @@ def test_every_implementation_gives_the_reference_codes_and_values(name, impleme
 
 
 # The codecs whose CUDA slot holds a Triton kernel (kernels/triton_*.py).
-TRITON_CODECS = {"int8", "int4", "int2"}
+TRITON_CODECS = {"int8", "int4", "int2", "relu-mask", "leaky-relu-mask", "clamp-mask", "dropout-mask", "pool-offsets",
+                 "fewbit"}
 
 
 def test_every_built_in_codec_has_its_reference_and_the_triton_kernels_their_slot():
