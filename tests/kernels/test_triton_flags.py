@@ -1,0 +1,46 @@
+"""The chain's finite flag as a Triton kernel (kernels/triton_flags.py), run on CPU tensors under
+Triton's interpreter: the eager flag's answer, a 0-d bool on the tensor's device, in one kernel
+launch after the fill, for every float dtype, size and non-finite value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actcomp.core import chain
+from actcomp.core.backends import use_backend
+from actcomp.kernels import triton_runtime
+
+pytestmark = pytest.mark.skipif(not triton_runtime.runs_on(torch.device("cpu")),
+                                reason="needs triton and its interpreter (TRITON_INTERPRET=1)")
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("count", [1, 7, 4099])
+def test_the_finite_flag_kernel_gives_the_eager_flag(dtype, count):
+    x = torch.randn(count).to(dtype)
+    x[-1] = torch.finfo(dtype).max  # finite at the dtype's largest: a sum would overflow
+    for special in (None, NAN, INF, -INF):
+        y = x.clone()
+        if special is not None:
+            y[count // 2] = special
+        triton_runtime.LAUNCHES.clear()
+        with use_backend("triton"):
+            flag = chain.finite_flag(y)
+        assert triton_runtime.LAUNCHES == {"_finite_kernel": 1}
+        assert flag.dtype == torch.bool and flag.shape == () and flag.device == y.device
+        assert bool(flag) == (special is None) == bool(chain.finite_flag(y))
+
+
+def test_the_finite_flag_kernel_on_empty_and_strided_tensors():
+    x = torch.randn(40, 30)
+    x[3, 5] = NAN
+    with use_backend("triton"):
+        triton_runtime.LAUNCHES.clear()
+        assert bool(chain.finite_flag(x[:0]))
+        assert not triton_runtime.LAUNCHES  # nothing to check: the fill alone
+        assert not bool(chain.finite_flag(x.t())) and triton_runtime.LAUNCHES == {"_finite_kernel": 1}
+        assert bool(chain.finite_flag(x[4:, ::3]))  # gaps between its elements: the eager flag
+        assert triton_runtime.LAUNCHES == {"_finite_kernel": 1}
