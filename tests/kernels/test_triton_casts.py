@@ -13,8 +13,11 @@ from actcomp.core import chain
 from actcomp.core.backends import use_backend
 from actcomp.kernels import triton_runtime
 
-pytestmark = [pytest.mark.skipif(not triton_runtime.runs_on(torch.device("cpu")),
-                                 reason="needs triton and its interpreter (TRITON_INTERPRET=1)"),
+# CPU tensors under Triton's interpreter, and a GPU's tensors where there is one.
+DEVICES = [device for device in ("cpu", "cuda") if (torch.cuda.is_available() or device == "cpu")
+           and triton_runtime.runs_on(torch.device(device))]
+pytestmark = [pytest.mark.skipif(not DEVICES, reason="needs triton: on a GPU, or its interpreter on the CPU"),
+              pytest.mark.parametrize("device", DEVICES),
               # numpy, running the kernels, says so where NaN or inf meet a division.
               pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
@@ -58,26 +61,26 @@ def assert_same(spec: str, x: torch.Tensor, flag_non_finite: bool = True) -> dic
 
 @pytest.mark.parametrize("spec", ["fp8", "fp16", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_casts_give_the_reference_bits(spec, dtype):
-    x = values(dtype)
-    for case in (x, x[:1], x[:7], x[:4096].view(64, 64).t(), x * 1e-30, torch.zeros(5, dtype=dtype)):
+def test_the_casts_give_the_reference_bits(spec, dtype, device):
+    x = values(dtype).to(device)
+    for case in (x, x[:1], x[:7], x[:4096].view(64, 64).t(), x * 1e-30, torch.zeros(5, dtype=dtype, device=device)):
         assert_same(spec, case)
 
 
 @pytest.mark.parametrize("spec", ["fp8", "fp16", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_non_finite_values_give_the_reference_bits_flagged_or_not(spec, dtype):
-    x = values(dtype, 300)
-    x[[3, 50, 51, 299]] = torch.tensor([NAN, INF, -INF, -NAN], dtype=dtype)
+def test_non_finite_values_give_the_reference_bits_flagged_or_not(spec, dtype, device):
+    x = values(dtype, 300).to(device)
+    x[[3, 50, 51, 299]] = torch.tensor([NAN, INF, -INF, -NAN], dtype=dtype, device=device)
     for flag_non_finite in (True, False):
         assert_same(spec, x, flag_non_finite)
-    x = values(dtype, 300)
+    x = values(dtype, 300).to(device)
     x[7] = INF  # amax inf: every finite code 0, the inf NaN
     assert_same(spec, x, flag_non_finite=False)
 
 
-def test_launches_per_encode_and_decode():
-    x = values(torch.float32)
+def test_launches_per_encode_and_decode(device):
+    x = values(torch.float32).to(device)
     assert assert_same("fp8", x, flag_non_finite=False) == {"_fp8_range_kernel": 1, "_fp8_encode_kernel": 1,
                                                             "_fp8_decode_kernel": 1}
     # The flag's check, and no pass of its own over the output: the decode applies it.
@@ -89,5 +92,5 @@ def test_launches_per_encode_and_decode():
     assert assert_same("fp16", x.to(torch.float16)) == {}  # nothing to cast
 
 
-def test_the_empty_tensor_is_encoded_without_a_kernel():
-    assert assert_same("fp8", torch.zeros(0, 3)) == {}
+def test_the_empty_tensor_is_encoded_without_a_kernel(device):
+    assert assert_same("fp8", torch.zeros(0, 3, device=device)) == {}

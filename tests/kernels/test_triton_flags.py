@@ -11,16 +11,19 @@ from actcomp.core import chain
 from actcomp.core.backends import use_backend
 from actcomp.kernels import triton_runtime
 
-pytestmark = pytest.mark.skipif(not triton_runtime.runs_on(torch.device("cpu")),
-                                reason="needs triton and its interpreter (TRITON_INTERPRET=1)")
+# CPU tensors under Triton's interpreter, and a GPU's tensors where there is one.
+DEVICES = [device for device in ("cpu", "cuda") if (torch.cuda.is_available() or device == "cpu")
+           and triton_runtime.runs_on(torch.device(device))]
+pytestmark = [pytest.mark.skipif(not DEVICES, reason="needs triton: on a GPU, or its interpreter on the CPU"),
+              pytest.mark.parametrize("device", DEVICES)]
 
 NAN, INF = float("nan"), float("inf")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("count", [1, 7, 4099])
-def test_the_finite_flag_kernel_gives_the_eager_flag(dtype, count):
-    x = torch.randn(count).to(dtype)
+def test_the_finite_flag_kernel_gives_the_eager_flag(dtype, count, device):
+    x = torch.randn(count).to(dtype).to(device)
     x[-1] = torch.finfo(dtype).max  # finite at the dtype's largest: a sum would overflow
     for special in (None, NAN, INF, -INF):
         y = x.clone()
@@ -34,8 +37,8 @@ def test_the_finite_flag_kernel_gives_the_eager_flag(dtype, count):
         assert bool(flag) == (special is None) == bool(chain.finite_flag(y))
 
 
-def test_the_finite_flag_kernel_on_empty_and_strided_tensors():
-    x = torch.randn(40, 30)
+def test_the_finite_flag_kernel_on_empty_and_strided_tensors(device):
+    x = torch.randn(40, 30, device=device)
     x[3, 5] = NAN
     with use_backend("triton"):
         triton_runtime.LAUNCHES.clear()
