@@ -136,12 +136,12 @@ def _fp8_decode_kernel(codes_ptr, scale_ptr, finite_ptr, out_ptr, count, limit, 
     values = (magnitude | ((byte & 0x80) << 24)).to(tl.float32, bitcast=True)
     values = rounded_to(_clamped(values * tl.load(scale_ptr), limit, False), out_ptr.dtype.element_ty)
     if FLAGGED:
-        values = _nan_unless(values, tl.load(finite_ptr).to(tl.int32) != 0)
+        values = nan_unless(values, tl.load(finite_ptr).to(tl.int32) != 0)
     tl.store(out_ptr + index, values, mask=valid)
 
 
 @triton.jit
-def _nan_unless(values, finite):
+def nan_unless(values, finite):
     """``values`` where ``finite``, else the NaN ``torch.where(finite, values, nan)`` writes in
     their dtype (0x7FC0 in bf16, 0x7E00 in fp16): selected by bits, as no cast can be trusted
     to give the same NaN on every device."""
