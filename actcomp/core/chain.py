@@ -153,7 +153,8 @@ def finite_flag(x: torch.Tensor) -> torch.Tensor:
     >>> finite_flag(torch.tensor([1.0, 2.0])), finite_flag(torch.tensor([1.0, float("inf")]))
     (tensor(True), tensor(False))
     """
-    if backends.triton_runs_on(x.device):
+    # While Dynamo traces, the eager ops: a kernel is an opaque call it would break the graph at.
+    if backends.triton_runs_on(x.device) and not torch.compiler.is_compiling():
         from actcomp.kernels import triton_flags
 
         if triton_flags.takes(x):

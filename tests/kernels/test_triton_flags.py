@@ -47,3 +47,11 @@ def test_the_finite_flag_kernel_on_empty_and_strided_tensors(device):
         assert not bool(chain.finite_flag(x.t())) and triton_runtime.LAUNCHES == {"_finite_kernel": 1}
         assert bool(chain.finite_flag(x[4:, ::3]))  # gaps between its elements: the eager flag
         assert triton_runtime.LAUNCHES == {"_finite_kernel": 1}
+
+
+def test_under_torch_compile_the_eager_flag_is_traced(device):
+    x = torch.randn(300, device=device)
+    x[7] = float("inf")
+    with use_backend("triton"):
+        flag = torch.compile(chain.finite_flag, fullgraph=True, backend="eager")(x)
+    assert flag.dtype == torch.bool and not bool(flag)
