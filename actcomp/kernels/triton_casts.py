@@ -68,8 +68,8 @@ def _cast_kernel(x_ptr, out_ptr, count, limit, BLOCK: tl.constexpr):
 def _fp8_range_kernel(x_ptr, partial_ptr, count, BLOCK: tl.constexpr):
     """``max |x|`` over a grid-strided share of ``x``, NaN where the share holds one."""
     programs = tl.num_programs(0)
-    high = 0.0
-    nan = 0
+    high = tl.full((), 0.0, tl.float32)
+    nan = tl.full((), 0, tl.int32)
     for start in range(tl.program_id(0) * BLOCK, count, programs * BLOCK):
         index = start + tl.arange(0, BLOCK).to(tl.int64)
         values = tl.load(x_ptr + index, mask=index < count, other=0.0).to(tl.float32)

@@ -94,3 +94,16 @@ def test_launches_per_encode_and_decode(device):
 
 def test_the_empty_tensor_is_encoded_without_a_kernel(device):
     assert assert_same("fp8", torch.zeros(0, 3, device=device)) == {}
+
+
+def test_fp8s_range_pass_strides_over_blocks_when_partials_run_out(device, monkeypatch):
+    from actcomp.kernels import triton_casts
+
+    monkeypatch.setattr(triton_casts, "MAX_PARTIALS", 3)  # each program reduces several blocks
+    x = values(torch.float32, 5 * triton_casts.BLOCK + 7).to(device)
+    for largest in (5 * triton_casts.BLOCK + 6, 2, triton_casts.BLOCK * 3 + 1):
+        y = x.clone()
+        y[largest] = 1e13  # in the last block, the first program's, a middle program's second block
+        assert_same("fp8", y)
+        y[largest] = NAN
+        assert_same("fp8", y, flag_non_finite=False)
