@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import torch
 
+from actcomp.core import backends
 from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints
 from actcomp.core.registry import register_compressor
@@ -119,3 +120,55 @@ register_implementation(
     decode=_cpu_decode,
     decodes=lambda codec, payload, saved, meta: native_cpu.casts(payload.device, meta, payload.numel())
     and saved[0].dtype == torch.float32)
+
+
+def _triton_cast(codec: _Cast, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`saturating_cast` in one launch of :mod:`~actcomp.kernels.triton_casts` where it
+    clamps; a plain cast (one launch, or none) is left to torch."""
+    if x.dtype == dtype or torch.finfo(x.dtype).max <= torch.finfo(dtype).max:
+        return saturating_cast(x, dtype)
+    from actcomp.kernels import triton_casts
+
+    return triton_casts.saturating_cast(x.reshape(-1).contiguous(), dtype).view(x.shape)
+
+
+def _triton_cast_takes(device: torch.device, *dtypes: torch.dtype) -> bool:
+    if not backends.triton_runs_on(device):
+        return False
+    from actcomp.kernels import triton_casts
+
+    return all(triton_casts.takes(dtype) for dtype in dtypes)
+
+
+# CUDA float32, bfloat16 and float16 (CPU under Triton's interpreter).
+register_implementation(
+    _Cast, "triton",
+    encode=lambda codec, x, hints: Encoded(_triton_cast(codec, x, codec.storage), (), x.dtype),
+    encodes=lambda codec, x, hints: _triton_cast_takes(x.device, x.dtype),
+    decode=lambda codec, payload, saved, meta: _triton_cast(codec, payload, meta),
+    decodes=lambda codec, payload, saved, meta: _triton_cast_takes(payload.device, payload.dtype, meta))
+
+
+def _triton_encode(codec: Fp8, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`Fp8.encode` in two launches of :mod:`~actcomp.kernels.triton_casts` (the range, then the codes)."""
+    from actcomp.kernels import triton_casts
+
+    codes, scale = triton_casts.fp8_encode(x.reshape(-1).contiguous())
+    return Encoded(codes.view(x.shape), (scale,), x.dtype)
+
+
+def _triton_decode(codec: Fp8, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta,
+                   finite: torch.Tensor | None = None) -> torch.Tensor:
+    """:meth:`Fp8.decode` in one launch, NaN everywhere where ``finite`` is false."""
+    from actcomp.kernels import triton_casts
+
+    return triton_casts.fp8_decode(payload.reshape(-1).contiguous(), saved[0], meta, finite).view(payload.shape)
+
+
+# CUDA float32, bfloat16 and float16 (CPU under Triton's interpreter), a float32 scale to decode by.
+register_implementation(
+    Fp8, "triton", encode=_triton_encode,
+    encodes=lambda codec, x, hints: _triton_cast_takes(x.device, x.dtype) and x.numel() < 2**31 - 2**16,
+    decode=_triton_decode, applies_finite_flag=True,
+    decodes=lambda codec, payload, saved, meta: _triton_cast_takes(payload.device, meta)
+    and payload.numel() < 2**31 - 2**16 and saved[0].dtype == torch.float32)

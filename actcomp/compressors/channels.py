@@ -13,10 +13,13 @@ tensor([[1., 0., 5.],
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from actcomp.core import backends
+from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints
 from actcomp.core.registry import register_compressor
 from actcomp.errors import ActcompError
@@ -104,3 +107,29 @@ class RandomChannels(_ChannelSparsifier):
 
     def choose(self, x: torch.Tensor, dim: int, kept: int) -> torch.Tensor:
         return torch.randperm(x.shape[dim], device=x.device)[:kept]
+
+
+def _triton_decode(codec: _ChannelSparsifier, payload: torch.Tensor, saved: tuple[torch.Tensor, ...],
+                   meta: KeptChannels, finite: torch.Tensor | None = None) -> torch.Tensor:
+    """:meth:`_ChannelSparsifier.decode` in one launch of :mod:`~actcomp.kernels.triton_channels`,
+    NaN everywhere where ``finite`` is false."""
+    from actcomp.kernels import triton_channels
+
+    return triton_channels.scatter(payload.contiguous(), saved[0].contiguous(), meta.dim, meta.channels, finite)
+
+
+def _triton_decodes(codec: _ChannelSparsifier, payload: torch.Tensor, saved: tuple[torch.Tensor, ...],
+                    meta: KeptChannels) -> bool:
+    if not backends.triton_runs_on(payload.device):
+        return False
+    from actcomp.kernels import triton_channels
+
+    shape = list(payload.shape)
+    shape[meta.dim] = meta.channels
+    return triton_channels.takes(payload.dtype, math.prod(shape))
+
+
+# The decode only (the encode's choice is a top-k of norms, or a permutation, torch's own).
+# CUDA float32, bfloat16 and float16 (CPU under Triton's interpreter); both sparsifiers.
+register_implementation(_ChannelSparsifier, "triton", decode=_triton_decode, decodes=_triton_decodes,
+                        applies_finite_flag=True)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from actcomp.core import backends
+from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
 from actcomp.errors import ActcompError
@@ -134,3 +136,30 @@ def _map_rows(grouped: torch.Tensor, dtype: torch.dtype, function) -> torch.Tens
     for start, stop in spans(grouped.shape[axis], step):
         out.narrow(axis, start, stop - start).copy_(function(grouped.narrow(axis, start, stop - start)))
     return out
+
+
+def _triton_decode(codec: Mesa8, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta,
+                   finite: torch.Tensor | None = None) -> torch.Tensor:
+    """:meth:`Mesa8.decode` in one launch of :mod:`~actcomp.kernels.triton_mesa`, NaN everywhere
+    where ``finite`` is false."""
+    from actcomp.kernels import triton_mesa
+
+    channel_dim, dtype = meta
+    grouped, _ = codec._grouped(payload, channel_dim)
+    span = grouped.shape[2] * grouped.shape[3]  # the values of one group in one outer row
+    low, scale = (tensor.contiguous() for tensor in saved)
+    return triton_mesa.dequantize(payload.reshape(-1).contiguous(), low, scale, max(span, 1), dtype,
+                                  finite).view(payload.shape)
+
+
+def _triton_decodes(codec: Mesa8, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> bool:
+    if not backends.triton_runs_on(payload.device):
+        return False
+    from actcomp.kernels import triton_mesa
+
+    return triton_mesa.takes(meta[1], payload.numel()) and all(tensor.dtype == torch.float32 for tensor in saved)
+
+
+# The decode only: the chain encodes a stateful stage itself (its running range), undispatched.
+# CUDA float32, bfloat16 and float16 (CPU under Triton's interpreter).
+register_implementation(Mesa8, "triton", decode=_triton_decode, decodes=_triton_decodes, applies_finite_flag=True)

@@ -147,11 +147,18 @@ def _laid_out(payload: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
 
 def finite_flag(x: torch.Tensor) -> torch.Tensor:
     """A 0-d bool tensor on ``x``'s device: whether every element of ``x`` is finite. One
-    reduction, never read back.
+    reduction, never read back: a Triton kernel where they run
+    (:func:`~actcomp.core.backends.triton_runs_on`), else ``torch.aminmax``.
 
     >>> finite_flag(torch.tensor([1.0, 2.0])), finite_flag(torch.tensor([1.0, float("inf")]))
     (tensor(True), tensor(False))
     """
+    # While Dynamo traces, the eager ops: a kernel is an opaque call it would break the graph at.
+    if backends.triton_runs_on(x.device) and not torch.compiler.is_compiling():
+        from actcomp.kernels import triton_flags
+
+        if triton_flags.takes(x):
+            return triton_flags.finite_flag(x)  # two launches where the eager flag is four on CUDA
     if x.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=x.device)
     # The extremes, not a sum: a sum of finite values near the dtype's maximum overflows, and

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from actcomp.kernels.bitpack import packed_size
 from actcomp.kernels.noise import FINGERPRINT_SAMPLE, ROTATION_KEY, _mix_seed_and_size
-from actcomp.kernels.triton_runtime import device_guard, launch
+from actcomp.kernels.triton_runtime import device_guard, interpreting, launch
 
 # Elements a program of the encode works on (whole groups, at least one) and of the decode.
 ENCODE_ELEMENTS = 2048
@@ -63,14 +63,19 @@ def _lowbias32(value):
     return value
 
 
+# The bf16 bits torch's cast gives a NaN: a GPU's canonical NaN, and on a CPU (where the
+# interpreter runs) all ones.
+_BF16_NAN = tl.constexpr(-1 if interpreting() else 0x7FFF)
+
+
 @triton.jit
 def rounded_to(values, dtype: tl.constexpr):
     """float32 ``values`` rounded to nearest-even in ``dtype``, as torch's casts round. bf16 by
     its bits: Triton's interpreter truncates a bf16 cast (a GPU rounds), and a test must see the
-    GPU's codes."""
+    GPU's codes. NaN becomes torch's NaN of the device (the rounding would carry into the sign)."""
     if dtype == tl.bfloat16:
         bits = values.to(tl.int32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        bits = tl.where(values != values, _BF16_NAN << 16, bits + 0x7FFF + ((bits >> 16) & 1))
         return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         return values.to(dtype)
