@@ -343,3 +343,14 @@ class HostReads(TorchDispatchMode):
         if name in HOST_READS:
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes (a fresh CPU copy), every NaN first made the dtype's one quiet NaN: a
+    NaN's sign and payload differ between torch's own paths (a bf16 cast writes 0x7FC0 on one CPU
+    path and 0xFFFF on another, 0x7FFF on a GPU), and nothing downstream reads them. Every other
+    value is compared bit for bit."""
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.cpu())
+    if copy.is_floating_point():
+        copy = torch.where(copy.isnan(), torch.tensor(float("nan"), dtype=copy.dtype), copy)
+    return copy.reshape(-1).view(torch.uint8)

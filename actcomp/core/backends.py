@@ -10,8 +10,11 @@ Every codec method has implementations by name:
   the int8/int4/int2 quantizers, fp8 and the ReLU masks (C kernels built once per machine by
   :mod:`~actcomp.kernels.native_cpu`), and the element sparsifiers' CPU selection (candidate
   search with ``nonzero``, :mod:`~actcomp.kernels.eager_select`, and Elias-Fano's CPU scatter).
-- ``"triton"`` (also called ``"cuda"``): the slot for CUDA kernels. None is registered yet:
-  asked for, it runs the reference after one warning.
+- ``"triton"`` (also called ``"cuda"``): the CUDA kernels, written in Triton
+  (:mod:`~actcomp.kernels.triton_runtime` and the ``triton_*`` modules beside it): preferred on
+  CUDA tensors; on CPU tensors only when asked (``use_backend("triton")``) and Triton's
+  interpreter is on (``TRITON_INTERPRET=1``), which is how they are tested without a GPU. A
+  codec without one runs its reference, after one warning where it was asked for.
 - ``"compiled"``: the reference under ``torch.compile(fullgraph=True)``, compiled once per
   codec class and settings and at most twice per tensor rank (symbolic sizes, settings as
   constants), for codecs whose ``compiles()`` says so; the others run eagerly.
@@ -154,7 +157,7 @@ def implementations(klass: type, method: str) -> dict[str, Implementation | None
 
     >>> from actcomp.compressors.affine import Int4
     >>> sorted(implementations(Int4, "decode"))
-    ['eager', 'native']
+    ['eager', 'native', 'triton']
     """
     return {"eager": None, **{kernel.name: kernel for kernel in _resolved(klass, method)}}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import bits
 
 import actcomp
 from actcomp.core import chain
@@ -22,10 +23,6 @@ pytestmark = [pytest.mark.skipif(not DEVICES, reason="needs triton: on a GPU, or
               pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 NAN, INF = float("nan"), float("inf")
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor).reshape(-1).view(torch.uint8)
 
 
 def values(dtype: torch.dtype, count: int = 4099) -> torch.Tensor:

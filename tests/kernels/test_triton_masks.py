@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from models import HostReads
+from models import HostReads, bits
 
 from actcomp.core import backends
 from actcomp.core.backends import use_backend
@@ -35,10 +35,6 @@ def values(count: int, dtype: torch.dtype, special: bool = True) -> torch.Tensor
     for position, value in zip(range(0, count, 3), picks):
         x[position] = value
     return x.to(dtype)
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
