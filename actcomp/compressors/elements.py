@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actcomp.core import backends
 from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
@@ -62,6 +63,8 @@ from actcomp.kernels.thresholds import (
     kept_count,
     magnitude_keys,
     random_keys,
+    sample_step,
+    sampled_rank,
     sampled_threshold,
     select_threshold,
 )
@@ -204,6 +207,56 @@ class SampledMinK(_ElementSparsifier):
         if flat.numel() <= self.sample:
             return exact_kept_positions(flat, kept)
         return sampled_kept_positions(flat, kept, self.sample)
+
+
+def _triton_encode(codec: MinK | SampledMinK, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`_ElementSparsifier.encode` of ``mink`` and ``smink`` by
+    :mod:`~actcomp.kernels.triton_select`: a radix select (of ``smink``'s sample where it samples),
+    then a count and a write pass."""
+    from actcomp.kernels import triton_select
+
+    flat = x.reshape(-1).contiguous()
+    count = flat.numel()
+    kept = codec.kept_count(count)
+    form = static_form(count, kept)
+    if isinstance(form, Dense):
+        return Encoded(flat, (), form)
+    sampled = None
+    if isinstance(codec, SampledMinK) and count > codec.sample:
+        step = sample_step(count, codec.sample)
+        sampled = (step, sampled_rank(count, kept, -(-count // step)))
+    low_bits = form.low_bits if isinstance(form, EliasFano) else None
+    values, saved = triton_select.encode(flat, kept, low_bits, sampled)
+    return Encoded(values, saved, form)
+
+
+def _triton_decode(codec: MinK | SampledMinK, payload: torch.Tensor, saved: tuple[torch.Tensor, ...],
+                   meta: Dense | Bitmask | EliasFano) -> torch.Tensor:
+    """:meth:`_ElementSparsifier.decode` in two launches (and a ``torch.cumsum``)."""
+    from actcomp.kernels import triton_select
+
+    if isinstance(meta, Dense):
+        return payload
+    low_bits = meta.low_bits if isinstance(meta, EliasFano) else None
+    return triton_select.decode(payload, saved, meta.count, low_bits)
+
+
+def _triton_takes(codec: MinK | SampledMinK, device: torch.device, dtype: torch.dtype, count: int) -> bool:
+    if codec.rice or not backends.triton_runs_on(device):
+        return False
+    from actcomp.kernels import triton_select
+
+    return triton_select.takes(dtype, count)
+
+
+for _klass in (MinK, SampledMinK):
+    # CUDA float32, bfloat16 and float16 (CPU under Triton's interpreter), the static forms.
+    register_implementation(
+        _klass, "triton", encode=_triton_encode,
+        encodes=lambda codec, x, hints: _triton_takes(codec, x.device, x.dtype, x.numel()),
+        decode=_triton_decode,
+        decodes=lambda codec, payload, saved, meta: isinstance(meta, (Dense, Bitmask, EliasFano))
+        and _triton_takes(codec, payload.device, payload.dtype, meta.count))
 
 
 @register_compressor

@@ -1,0 +1,295 @@
+"""The min-k sparsifiers (``mink``, ``smink``) as Triton kernels: a radix select for the
+threshold, then a count and a write pass that compact the kept values by prefix sums.
+
+They give :class:`~actcomp.compressors.elements.MinK`'s and ``SampledMinK``'s codes bit for bit
+(the kept values in position order, the positions as a bitmask or Elias-Fano), working on the
+values' bit patterns only (no float arithmetic), so non-finite values select as the reference's
+integer keys do:
+
+- :func:`encode`: the threshold is the ``rank``-th largest magnitude key (sign bit cleared) of
+  the tensor, or of its evenly spaced sample for ``smink``, found by radix select over 8-bit
+  digits: one launch per byte of the dtype, each program counting the digits of the keys that
+  share the prefix found so far into its own histogram and adding it to the global one with
+  atomics; every later program resolves the digits from those histograms itself (256 bins a
+  pass), so no launch is spent on that. A count launch then writes, per block, how many keys lie
+  above the threshold and how many equal it (and zeroes Elias-Fano's streams), ``torch.cumsum``
+  turns those into offsets, and a write launch keeps the keys above the threshold and the first
+  ``ties`` equal ones, puts each kept value in its slot (block offset plus the block's own
+  ``tl.cumsum``) and writes the bitmask bytes, or Elias-Fano's bits with ``atomic_or`` into
+  int32 words.
+- :func:`decode`: a launch counts the set bits of each block of the bitmask (Elias-Fano's high
+  stream), ``torch.cumsum`` turns those into ranks, and a launch writes each element (scatters
+  each slot's value to its position).
+
+Launches per encode: 2 (fp16, bf16) or 4 (fp32) histogram passes, a count and a write, plus a
+``torch.zeros`` for the histograms and a ``torch.cumsum``; per decode: two, plus a ``torch.cumsum``
+(and a ``torch.zeros`` of the output for Elias-Fano).
+
+>>> import torch
+>>> from actcomp.kernels import triton_runtime
+>>> triton_runtime.runs_on(torch.device("cpu")) in (True, False)
+True
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from actcomp.kernels.bitpack import packed_size
+from actcomp.kernels.triton_runtime import device_guard, launch
+
+_BINS = 256  # a radix pass's histogram: 8-bit digits
+# Keys a program of a histogram pass counts; rows of 8 elements (a bitmask byte) a program of
+# the count and write passes takes, and bitmask (or high-stream) bytes a decode program takes.
+HISTOGRAM_BLOCK = 4096
+ROWS = 256
+DECODE_ROWS = 256
+_ZERO_BLOCK = 1024
+_BITS = {2: torch.int16, 4: torch.int32}
+
+
+def takes(dtype: torch.dtype, count: int) -> bool:
+    """Whether these kernels select among ``count`` values of ``dtype``: fp32, bf16 or fp16,
+    positions in int32."""
+    return dtype in (torch.float32, torch.bfloat16, torch.float16) and count < 2**31 - 2**16
+
+
+@triton.jit
+def _resolve(hist_ptr, rank, DONE: tl.constexpr):
+    """The key's digits found by the first ``DONE`` histogram passes, as one prefix, and the rank
+    from the top, among the keys sharing it, of the key sought (``rank`` before any pass)."""
+    bins = tl.arange(0, 256)
+    wanted = rank.to(tl.int64)
+    prefix = wanted * 0
+    for done in tl.static_range(DONE):
+        counts = tl.load(hist_ptr + done * 256 + bins).to(tl.int64)
+        at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # non-increasing
+        digit = tl.sum((at_or_above >= wanted).to(tl.int64), axis=0) - 1
+        wanted = wanted - tl.max(tl.where(at_or_above < wanted, at_or_above, 0), axis=0)
+        prefix = (prefix << 8) | digit
+    return prefix, wanted
+
+
+@triton.jit
+def _histogram_kernel(bits_ptr, hist_ptr, count, stride, rank, KEY_MASK: tl.constexpr, PASS: tl.constexpr,
+                      PASSES: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass ``PASS``: the digit below the prefix found so far, of the keys sharing it, among
+    every ``stride``-th of ``count`` values."""
+    prefix, wanted = _resolve(hist_ptr, rank, PASS)
+    shift: tl.constexpr = 8 * (PASSES - 1 - PASS)
+    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = index < count
+    keys = tl.load(bits_ptr + index.to(tl.int64) * stride, mask=valid, other=0).to(tl.int32) & KEY_MASK
+    if PASS > 0:
+        valid = valid & ((keys >> (shift + 8)) == prefix)
+    local = tl.histogram((keys >> shift) & 255, 256, mask=valid)
+    bins = tl.arange(0, 256)
+    tl.atomic_add(hist_ptr + PASS * 256 + bins, local, mask=local > 0)
+
+
+@triton.jit
+def _rank_within(flags):
+    """Each element's count of set ``flags`` before it in a (rows, 8) block, in row-major order."""
+    flags = flags.to(tl.int32)
+    row_sums = tl.sum(flags, axis=1)
+    row_before = tl.cumsum(row_sums, axis=0) - row_sums
+    return tl.cumsum(flags, axis=1) - flags + row_before[:, None]
+
+
+@triton.jit
+def _count_kernel(bits_ptr, hist_ptr, counts_ptr, high_ptr, low_ptr, high_words, low_words, zero_span, count,
+                  rank, KEY_MASK: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr, ZEROES: tl.constexpr,
+                  ZERO_BLOCK: tl.constexpr):
+    """Per block, the keys above the threshold and those equal to it; the program's share of
+    Elias-Fano's word streams zeroed for the write's ``atomic_or``."""
+    key, wanted = _resolve(hist_ptr, rank, PASSES)
+    program = tl.program_id(0)
+    index = program * BLOCK + tl.arange(0, BLOCK)
+    valid = index < count
+    keys = tl.load(bits_ptr + index, mask=valid, other=0).to(tl.int32) & KEY_MASK
+    tl.store(counts_ptr + program * 2, tl.sum((valid & (keys > key)).to(tl.int32), axis=0))
+    tl.store(counts_ptr + program * 2 + 1, tl.sum((valid & (keys == key)).to(tl.int32), axis=0))
+    if ZEROES:
+        for offset in range(0, zero_span, ZERO_BLOCK):
+            word = program * zero_span + offset + tl.arange(0, ZERO_BLOCK)
+            mine = word < program * zero_span + zero_span
+            tl.store(high_ptr + word, tl.zeros((ZERO_BLOCK,), tl.int32), mask=mine & (word < high_words))
+            tl.store(low_ptr + word, tl.zeros((ZERO_BLOCK,), tl.int32), mask=mine & (word < low_words))
+
+
+@triton.jit
+def _set_code(words_ptr, code, first_bit, BITS: tl.constexpr, mask):
+    """Or ``BITS``-bit ``code`` in at ``first_bit`` of a little-endian stream of int32 words."""
+    offset = first_bit & 31
+    word = first_bit >> 5
+    tl.atomic_or(words_ptr + word, code << offset, mask=mask)
+    spill = mask & (offset + BITS > 32)
+    tl.atomic_or(words_ptr + word + 1, code >> tl.where(spill, 32 - offset, 0), mask=spill)
+
+
+@triton.jit
+def _write_kernel(bits_ptr, hist_ptr, counts_ptr, cumulative_ptr, values_ptr, mask_ptr, high_ptr, low_ptr, count,
+                  rank, kept, blocks, KEY_MASK: tl.constexpr, PASSES: tl.constexpr, SAMPLED: tl.constexpr,
+                  ELIAS_FANO: tl.constexpr, LOW_BITS: tl.constexpr, ROWS: tl.constexpr):
+    key, wanted = _resolve(hist_ptr, rank, PASSES)
+    program = tl.program_id(0)
+    row = tl.arange(0, ROWS)
+    column = tl.arange(0, 8)
+    index = program * ROWS * 8 + row[:, None] * 8 + column[None, :]
+    valid = index < count
+    raw = tl.load(bits_ptr + index, mask=valid, other=0)
+    keys = raw.to(tl.int32) & KEY_MASK
+    above = valid & (keys > key)
+    equal = valid & (keys == key)
+    above_total = tl.load(cumulative_ptr + (blocks - 1) * 2)
+    equal_total = tl.load(cumulative_ptr + (blocks - 1) * 2 + 1)
+    if SAMPLED:  # ties fill what the keys above leave of ``kept``; none when the key is zero
+        ties = tl.where(key > 0, tl.maximum(kept - above_total, 0), 0).to(tl.int32)
+    else:
+        ties = wanted.to(tl.int32)
+    above_before = tl.load(cumulative_ptr + program * 2) - tl.load(counts_ptr + program * 2)
+    equal_before = tl.load(cumulative_ptr + program * 2 + 1) - tl.load(counts_ptr + program * 2 + 1)
+    keep = above | (equal & (equal_before + _rank_within(equal) < ties))
+    slot = above_before + tl.minimum(equal_before, ties) + _rank_within(keep)
+    stored = keep & (slot < kept)  # past ``kept`` (smink's rare overflow) the last are dropped
+    tl.store(values_ptr + slot, raw, mask=stored)
+    # Slots no element took (smink): a zero value, and in Elias-Fano the position ``count``.
+    taken = tl.minimum(above_total + tl.minimum(equal_total, ties), kept)
+    empty = program * ROWS * 8 + row[:, None] * 8 + column[None, :]
+    is_empty = (empty >= taken) & (empty < kept)
+    tl.store(values_ptr + empty, tl.zeros((ROWS, 8), raw.dtype), mask=is_empty)
+    if ELIAS_FANO:
+        low_mask: tl.constexpr = (1 << LOW_BITS) - 1
+        high_bit = (index >> LOW_BITS) + slot
+        tl.atomic_or(high_ptr + (high_bit >> 5), 1 << (high_bit & 31), mask=stored)
+        _set_code(low_ptr, index & low_mask, slot * LOW_BITS, LOW_BITS, stored)
+        empty_bit = (count >> LOW_BITS) + empty
+        tl.atomic_or(high_ptr + (empty_bit >> 5), 1 << (empty_bit & 31), mask=is_empty)
+        _set_code(low_ptr, (empty * 0 + count) & low_mask, empty * LOW_BITS, LOW_BITS, is_empty)
+    else:
+        byte = tl.sum(tl.where(stored, 1 << column[None, :], 0), axis=1)
+        tl.store(mask_ptr + program * ROWS + row, byte.to(tl.uint8), mask=(program * ROWS + row) * 8 < count)
+
+
+def encode(flat: torch.Tensor, kept: int, low_bits: int | None,
+           sampled: tuple[int, int] | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The kept values of contiguous 1-D ``flat`` (``kept`` of its ``count`` values, ``0 < kept
+    < count``, see :func:`takes`) in position order, and their positions: a bitmask where
+    ``low_bits`` is None, else Elias-Fano's high and low streams with ``low_bits`` low bits. The
+    threshold is the ``kept``-th largest key (``mink``), or with ``sampled = (step, rank)`` the
+    ``rank``-th largest of every ``step``-th key (``smink``)."""
+    count = flat.numel()
+    device = flat.device
+    bits = flat.view(_BITS[flat.element_size()])
+    passes = flat.element_size()
+    key_mask = 2 ** (8 * passes - 1) - 1
+    step, rank = sampled or (1, kept)
+    selected = -(-count // step)
+    histograms = torch.zeros(passes, _BINS, dtype=torch.int32, device=device)
+    blocks = triton.cdiv(count, ROWS * 8)
+    counts = torch.empty(blocks, 2, dtype=torch.int32, device=device)
+    values = torch.empty(kept, dtype=flat.dtype, device=device)
+    if low_bits is None:
+        mask = torch.empty(packed_size(count, 1), dtype=torch.uint8, device=device)
+        high = low = mask
+        high_words = low_words = 0
+        saved: tuple[torch.Tensor, ...] = (mask,)
+    else:
+        high_bytes = packed_size(kept + (count >> low_bits) + 1, 1)
+        low_bytes = packed_size(kept, low_bits)
+        high_words, low_words = -(-high_bytes // 4), -(-low_bytes // 4)
+        high = torch.empty(high_words, dtype=torch.int32, device=device)
+        low = torch.empty(low_words, dtype=torch.int32, device=device)
+        mask = high
+        saved = (high.view(torch.uint8)[:high_bytes], low.view(torch.uint8)[:low_bytes])
+    zero_span = -(-max(high_words, low_words) // blocks)
+    with device_guard(flat):
+        for index in range(passes):
+            launch(_histogram_kernel, (triton.cdiv(selected, HISTOGRAM_BLOCK),), bits, histograms, selected, step,
+                   rank, KEY_MASK=key_mask, PASS=index, PASSES=passes, BLOCK=HISTOGRAM_BLOCK)
+        launch(_count_kernel, (blocks,), bits, histograms, counts, high, low, high_words, low_words, zero_span,
+               count, rank, KEY_MASK=key_mask, PASSES=passes, BLOCK=ROWS * 8, ZEROES=low_bits is not None,
+               ZERO_BLOCK=_ZERO_BLOCK)
+        cumulative = torch.cumsum(counts, 0, dtype=torch.int32)
+        launch(_write_kernel, (blocks,), bits, histograms, counts, cumulative, values.view(bits.dtype), mask, high,
+               low, count, rank, kept, blocks, KEY_MASK=key_mask, PASSES=passes, SAMPLED=sampled is not None,
+               ELIAS_FANO=low_bits is not None, LOW_BITS=low_bits or 1, ROWS=ROWS)
+    return values, saved
+
+
+@triton.jit
+def _popcount_kernel(packed_ptr, counts_ptr, length, ROWS: tl.constexpr):
+    """The set bits of each block of ``ROWS`` bytes of a bit stream of ``length`` bits."""
+    program = tl.program_id(0)
+    row = tl.arange(0, ROWS)
+    column = tl.arange(0, 8)
+    bit = program * ROWS * 8 + row[:, None] * 8 + column[None, :]
+    byte = tl.load(packed_ptr + program * ROWS + row, mask=(program * ROWS + row) * 8 < length, other=0)
+    set_bits = (byte.to(tl.int32)[:, None] >> column[None, :]) & 1
+    tl.store(counts_ptr + program, tl.sum(tl.sum(tl.where(bit < length, set_bits, 0), axis=1), axis=0))
+
+
+@triton.jit
+def _expand_kernel(packed_ptr, counts_ptr, cumulative_ptr, values_ptr, out_ptr, count, kept, ROWS: tl.constexpr):
+    """Bitmask: each element its slot's value where its bit is set, else +0."""
+    program = tl.program_id(0)
+    row = tl.arange(0, ROWS)
+    column = tl.arange(0, 8)
+    index = program * ROWS * 8 + row[:, None] * 8 + column[None, :]
+    valid = index < count
+    byte = tl.load(packed_ptr + program * ROWS + row, mask=(program * ROWS + row) * 8 < count, other=0)
+    is_kept = valid & (((byte.to(tl.int32)[:, None] >> column[None, :]) & 1) != 0)
+    slot = tl.load(cumulative_ptr + program) - tl.load(counts_ptr + program) + _rank_within(is_kept)
+    picked = tl.load(values_ptr + slot, mask=is_kept & (slot < kept), other=0)
+    tl.store(out_ptr + index, picked, mask=valid)
+
+
+@triton.jit
+def _elias_fano_kernel(high_ptr, low_ptr, counts_ptr, cumulative_ptr, values_ptr, out_ptr, count, kept, length,
+                       low_length, LOW_BITS: tl.constexpr, ROWS: tl.constexpr):
+    """Elias-Fano: set bit ``i`` of the high stream is slot ``j``'s (its rank among the set
+    bits); its value goes to ``((i - j) << LOW_BITS) | low code j`` (``count``: an empty slot)."""
+    program = tl.program_id(0)
+    row = tl.arange(0, ROWS)
+    column = tl.arange(0, 8)
+    bit = program * ROWS * 8 + row[:, None] * 8 + column[None, :]
+    byte = tl.load(high_ptr + program * ROWS + row, mask=(program * ROWS + row) * 8 < length, other=0)
+    is_set = (bit < length) & (((byte.to(tl.int32)[:, None] >> column[None, :]) & 1) != 0)
+    slot = tl.load(cumulative_ptr + program) - tl.load(counts_ptr + program) + _rank_within(is_set)
+    is_set = is_set & (slot < kept)
+    first = slot * LOW_BITS
+    pair = tl.load(low_ptr + (first >> 3), mask=is_set, other=0).to(tl.int32)
+    pair = pair | (tl.load(low_ptr + (first >> 3) + 1, mask=is_set & ((first >> 3) + 1 < low_length),
+                           other=0).to(tl.int32) << 8)
+    position = ((bit - slot) << LOW_BITS) | ((pair >> (first & 7)) & ((1 << LOW_BITS) - 1))
+    is_set = is_set & (position < count)
+    tl.store(out_ptr + position, tl.load(values_ptr + slot, mask=is_set, other=0), mask=is_set)
+
+
+def decode(values: torch.Tensor, saved: tuple[torch.Tensor, ...], count: int, low_bits: int | None) -> torch.Tensor:
+    """The ``count`` values :func:`encode` kept, +0 elsewhere, as a 1-D tensor of the values' dtype."""
+    device = values.device
+    kept = values.numel()
+    integers = values.view(_BITS[values.element_size()])
+    if low_bits is None:
+        (packed,) = saved
+        length = count
+        out = torch.empty(count, dtype=values.dtype, device=device)
+    else:
+        packed, low = saved
+        length = kept + (count >> low_bits) + 1
+        out = torch.zeros(count, dtype=values.dtype, device=device)
+    blocks = triton.cdiv(length, DECODE_ROWS * 8)
+    counts = torch.empty(blocks, dtype=torch.int32, device=device)
+    with device_guard(values):
+        launch(_popcount_kernel, (blocks,), packed, counts, length, ROWS=DECODE_ROWS)
+        cumulative = torch.cumsum(counts, 0, dtype=torch.int32)
+        if low_bits is None:
+            launch(_expand_kernel, (blocks,), packed, counts, cumulative, integers, out.view(integers.dtype), count,
+                   kept, ROWS=DECODE_ROWS)
+        else:
+            launch(_elias_fano_kernel, (blocks,), packed, low, counts, cumulative, integers, out.view(integers.dtype),
+                   count, kept, length, low.numel(), LOW_BITS=low_bits, ROWS=DECODE_ROWS)
+    return out

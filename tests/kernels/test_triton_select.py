@@ -1,0 +1,81 @@
+"""The Triton min-k kernels (actcomp.kernels.triton_select) under Triton's interpreter: codes and
+decoded values bit for bit those of the eager reference, over sizes that are not multiples of a
+block, dtypes, ties, all-equal values, mostly zeros (smink's empty slots) and a strided input;
+and the launches each encode and decode takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actcomp.compressors.elements import MinK, SampledMinK
+from actcomp.core.backends import use_backend
+from actcomp.kernels import triton_runtime
+
+pytestmark = pytest.mark.skipif(not triton_runtime.runs_on(torch.device("cpu")),
+                                reason="needs triton and TRITON_INTERPRET=1 (tests/conftest.py)")
+
+
+def round_trip(codec, x, backend):
+    with use_backend(backend):
+        packed = codec.compress(x)
+        return packed.tensors, codec.decompress(packed)
+
+
+def assert_same(codec, x):
+    triton_runtime.LAUNCHES.clear()
+    tensors, decoded = round_trip(codec, x, "triton")
+    if codec.kept_count(x.numel()) < x.numel():
+        assert sum(triton_runtime.LAUNCHES.values()) > 0  # the kernels ran
+    expected_tensors, expected = round_trip(codec, x, "eager")
+    assert len(tensors) == len(expected_tensors)
+    for got, want in zip(tensors, expected_tensors):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype)
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    assert torch.equal(decoded.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8))
+
+
+def values(count: int, dtype: torch.dtype, kind: str) -> torch.Tensor:
+    x = torch.randn(count, generator=torch.Generator().manual_seed(count)) * 3
+    if kind == "ties":
+        x = x.round()  # few distinct magnitudes: many ties at the threshold
+    elif kind == "equal":
+        x = torch.full((count,), -1.5)
+    elif kind == "zeros":
+        x[: count * 19 // 20] = 0.0  # more zeros than the drop rate: smink keeps only the non-zero ones
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("count", [1, 7, 1000, 4099, 20000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mink_and_smink_give_the_reference_codes(count, dtype):
+    x = values(count, dtype, "random")
+    for codec in (MinK(0.9), MinK(0.5), SampledMinK(0.9, sample=512)):
+        assert_same(codec, x)
+
+
+@pytest.mark.parametrize("kind", ["ties", "equal", "zeros"])
+@pytest.mark.parametrize("rate", [0.5, 0.9])
+def test_ties_equal_values_and_zeros_give_the_reference_codes(kind, rate):
+    for dtype in (torch.float32, torch.bfloat16):
+        x = values(4099, dtype, kind)
+        for codec in (MinK(rate), SampledMinK(rate, sample=256)):
+            assert_same(codec, x)
+
+
+def test_a_strided_input_gives_the_reference_codes():
+    x = torch.randn(60, 70, generator=torch.Generator().manual_seed(1))
+    for codec in (MinK(0.9), SampledMinK(0.9, sample=256)):
+        assert_same(codec, x.t())
+
+
+@pytest.mark.parametrize("dtype, encode_launches", [(torch.float32, 6), (torch.bfloat16, 4)])
+def test_launches_per_encode_and_decode(dtype, encode_launches):
+    codec, x = MinK(0.9), values(4099, dtype, "random")
+    with use_backend("triton"):
+        triton_runtime.LAUNCHES.clear()
+        packed = codec.compress(x)
+        assert sum(triton_runtime.LAUNCHES.values()) == encode_launches  # a histogram pass a byte, count, write
+        triton_runtime.LAUNCHES.clear()
+        codec.decompress(packed)
+        assert sum(triton_runtime.LAUNCHES.values()) == 2  # popcount, expand or scatter
