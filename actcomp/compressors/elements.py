@@ -209,8 +209,8 @@ class SampledMinK(_ElementSparsifier):
         return sampled_kept_positions(flat, kept, self.sample)
 
 
-def _triton_encode(codec: MinK | SampledMinK, x: torch.Tensor, hints: Hints) -> Encoded:
-    """:meth:`_ElementSparsifier.encode` of ``mink`` and ``smink`` by
+def _triton_encode(codec: MinK | SampledMinK | DropITReference, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`_ElementSparsifier.encode` of ``mink``, ``smink`` and ``dropit`` by
     :mod:`~actcomp.kernels.triton_select`: a radix select (of ``smink``'s sample where it samples),
     then a count and a write pass."""
     from actcomp.kernels import triton_select
@@ -218,7 +218,7 @@ def _triton_encode(codec: MinK | SampledMinK, x: torch.Tensor, hints: Hints) -> 
     flat = x.reshape(-1).contiguous()
     count = flat.numel()
     kept = codec.kept_count(count)
-    form = static_form(count, kept)
+    form = codec.position_form(count, kept, codec.chunk_length(flat.device, count))
     if isinstance(form, Dense):
         return Encoded(flat, (), form)
     sampled = None
@@ -226,37 +226,30 @@ def _triton_encode(codec: MinK | SampledMinK, x: torch.Tensor, hints: Hints) -> 
         step = sample_step(count, codec.sample)
         sampled = (step, sampled_rank(count, kept, -(-count // step)))
     low_bits = form.low_bits if isinstance(form, EliasFano) else None
-    values, saved = triton_select.encode(flat, kept, low_bits, sampled)
+    values, saved = triton_select.encode(flat, kept, low_bits, sampled, indices=isinstance(form, Indices))
     return Encoded(values, saved, form)
 
 
-def _triton_decode(codec: MinK | SampledMinK, payload: torch.Tensor, saved: tuple[torch.Tensor, ...],
-                   meta: Dense | Bitmask | EliasFano) -> torch.Tensor:
-    """:meth:`_ElementSparsifier.decode` in two launches (and a ``torch.cumsum``)."""
+def _triton_decode(codec: MinK | SampledMinK | DropITReference, payload: torch.Tensor,
+                   saved: tuple[torch.Tensor, ...], meta: Dense | Bitmask | EliasFano | Indices) -> torch.Tensor:
+    """:meth:`_ElementSparsifier.decode`: two launches (and a ``torch.cumsum``), one for indices."""
     from actcomp.kernels import triton_select
 
     if isinstance(meta, Dense):
         return payload
+    if isinstance(meta, Indices):
+        return triton_select.decode_indices(payload, saved[0], meta.count)
     low_bits = meta.low_bits if isinstance(meta, EliasFano) else None
     return triton_select.decode(payload, saved, meta.count, low_bits)
 
 
-def _triton_takes(codec: MinK | SampledMinK, device: torch.device, dtype: torch.dtype, count: int) -> bool:
-    if codec.rice or not backends.triton_runs_on(device):
+def _triton_takes(codec: MinK | SampledMinK | DropITReference, device: torch.device, dtype: torch.dtype,
+                  count: int) -> bool:
+    if getattr(codec, "rice", 0) or not backends.triton_runs_on(device):
         return False
     from actcomp.kernels import triton_select
 
     return triton_select.takes(dtype, count)
-
-
-for _klass in (MinK, SampledMinK):
-    # CUDA float32, bfloat16 and float16 (CPU under Triton's interpreter), the static forms.
-    register_implementation(
-        _klass, "triton", encode=_triton_encode,
-        encodes=lambda codec, x, hints: _triton_takes(codec, x.device, x.dtype, x.numel()),
-        decode=_triton_decode,
-        decodes=lambda codec, payload, saved, meta: isinstance(meta, (Dense, Bitmask, EliasFano))
-        and _triton_takes(codec, payload.device, payload.dtype, meta.count))
 
 
 @register_compressor
@@ -393,3 +386,13 @@ class DropITReference(_ElementSparsifier):
 
     def kept_positions(self, flat: torch.Tensor, kept: int) -> torch.Tensor | None:
         return exact_kept_positions(flat, kept)
+
+
+for _klass in (MinK, SampledMinK, DropITReference):
+    # CUDA float32, bfloat16 and float16 (CPU under Triton's interpreter), the static forms and indices.
+    register_implementation(
+        _klass, "triton", encode=_triton_encode,
+        encodes=lambda codec, x, hints: _triton_takes(codec, x.device, x.dtype, x.numel()),
+        decode=_triton_decode,
+        decodes=lambda codec, payload, saved, meta: isinstance(meta, (Dense, Bitmask, EliasFano, Indices))
+        and _triton_takes(codec, payload.device, payload.dtype, meta.count))

@@ -132,7 +132,9 @@ def _set_code(words_ptr, code, first_bit, BITS: tl.constexpr, mask):
 @triton.jit
 def _write_kernel(bits_ptr, hist_ptr, counts_ptr, cumulative_ptr, values_ptr, mask_ptr, high_ptr, low_ptr, count,
                   rank, kept, blocks, KEY_MASK: tl.constexpr, PASSES: tl.constexpr, SAMPLED: tl.constexpr,
-                  ELIAS_FANO: tl.constexpr, LOW_BITS: tl.constexpr, ROWS: tl.constexpr):
+                  FORM: tl.constexpr, LOW_BITS: tl.constexpr, ROWS: tl.constexpr):
+    """The kept values to their slots, and their positions in the form ``FORM`` (0: a bitmask
+    at ``mask_ptr``, 1: Elias-Fano's int32 word streams, 2: int32 indices at ``mask_ptr``)."""
     key, wanted = _resolve(hist_ptr, rank, PASSES)
     program = tl.program_id(0)
     row = tl.arange(0, ROWS)
@@ -160,7 +162,7 @@ def _write_kernel(bits_ptr, hist_ptr, counts_ptr, cumulative_ptr, values_ptr, ma
     empty = program * ROWS * 8 + row[:, None] * 8 + column[None, :]
     is_empty = (empty >= taken) & (empty < kept)
     tl.store(values_ptr + empty, tl.zeros((ROWS, 8), raw.dtype), mask=is_empty)
-    if ELIAS_FANO:
+    if FORM == 1:
         low_mask: tl.constexpr = (1 << LOW_BITS) - 1
         high_bit = (index >> LOW_BITS) + slot
         tl.atomic_or(high_ptr + (high_bit >> 5), 1 << (high_bit & 31), mask=stored)
@@ -168,16 +170,20 @@ def _write_kernel(bits_ptr, hist_ptr, counts_ptr, cumulative_ptr, values_ptr, ma
         empty_bit = (count >> LOW_BITS) + empty
         tl.atomic_or(high_ptr + (empty_bit >> 5), 1 << (empty_bit & 31), mask=is_empty)
         _set_code(low_ptr, (empty * 0 + count) & low_mask, empty * LOW_BITS, LOW_BITS, is_empty)
+    elif FORM == 2:
+        tl.store(mask_ptr + slot, index, mask=stored)
+        tl.store(mask_ptr + empty, tl.zeros((ROWS, 8), tl.int32), mask=is_empty)
     else:
         byte = tl.sum(tl.where(stored, 1 << column[None, :], 0), axis=1)
         tl.store(mask_ptr + program * ROWS + row, byte.to(tl.uint8), mask=(program * ROWS + row) * 8 < count)
 
 
 def encode(flat: torch.Tensor, kept: int, low_bits: int | None,
-           sampled: tuple[int, int] | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+           sampled: tuple[int, int] | None = None, indices: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The kept values of contiguous 1-D ``flat`` (``kept`` of its ``count`` values, ``0 < kept
-    < count``, see :func:`takes`) in position order, and their positions: a bitmask where
-    ``low_bits`` is None, else Elias-Fano's high and low streams with ``low_bits`` low bits. The
+    < count``, see :func:`takes`) in position order, and their positions: int32 indices where
+    ``indices``, a bitmask where ``low_bits`` is None, else Elias-Fano's high and low streams with
+    ``low_bits`` low bits. The
     threshold is the ``kept``-th largest key (``mink``), or with ``sampled = (step, rank)`` the
     ``rank``-th largest of every ``step``-th key (``smink``)."""
     count = flat.numel()
@@ -191,11 +197,16 @@ def encode(flat: torch.Tensor, kept: int, low_bits: int | None,
     blocks = triton.cdiv(count, ROWS * 8)
     counts = torch.empty(blocks, 2, dtype=torch.int32, device=device)
     values = torch.empty(kept, dtype=flat.dtype, device=device)
-    if low_bits is None:
-        mask = torch.empty(packed_size(count, 1), dtype=torch.uint8, device=device)
+    if indices:
+        mask = torch.empty(kept, dtype=torch.int32, device=device)
         high = low = mask
         high_words = low_words = 0
         saved: tuple[torch.Tensor, ...] = (mask,)
+    elif low_bits is None:
+        mask = torch.empty(packed_size(count, 1), dtype=torch.uint8, device=device)
+        high = low = mask
+        high_words = low_words = 0
+        saved = (mask,)
     else:
         high_bytes = packed_size(kept + (count >> low_bits) + 1, 1)
         low_bytes = packed_size(kept, low_bits)
@@ -210,12 +221,12 @@ def encode(flat: torch.Tensor, kept: int, low_bits: int | None,
             launch(_histogram_kernel, (triton.cdiv(selected, HISTOGRAM_BLOCK),), bits, histograms, selected, step,
                    rank, KEY_MASK=key_mask, PASS=index, PASSES=passes, BLOCK=HISTOGRAM_BLOCK)
         launch(_count_kernel, (blocks,), bits, histograms, counts, high, low, high_words, low_words, zero_span,
-               count, rank, KEY_MASK=key_mask, PASSES=passes, BLOCK=ROWS * 8, ZEROES=low_bits is not None,
+               count, rank, KEY_MASK=key_mask, PASSES=passes, BLOCK=ROWS * 8, ZEROES=high_words > 0,
                ZERO_BLOCK=_ZERO_BLOCK)
         cumulative = torch.cumsum(counts, 0, dtype=torch.int32)
         launch(_write_kernel, (blocks,), bits, histograms, counts, cumulative, values.view(bits.dtype), mask, high,
                low, count, rank, kept, blocks, KEY_MASK=key_mask, PASSES=passes, SAMPLED=sampled is not None,
-               ELIAS_FANO=low_bits is not None, LOW_BITS=low_bits or 1, ROWS=ROWS)
+               FORM=2 if indices else 0 if low_bits is None else 1, LOW_BITS=low_bits or 1, ROWS=ROWS)
     return values, saved
 
 
@@ -266,6 +277,26 @@ def _elias_fano_kernel(high_ptr, low_ptr, counts_ptr, cumulative_ptr, values_ptr
     position = ((bit - slot) << LOW_BITS) | ((pair >> (first & 7)) & ((1 << LOW_BITS) - 1))
     is_set = is_set & (position < count)
     tl.store(out_ptr + position, tl.load(values_ptr + slot, mask=is_set, other=0), mask=is_set)
+
+
+@triton.jit
+def _indices_kernel(index_ptr, values_ptr, out_ptr, kept, BLOCK: tl.constexpr):
+    """Indices: each slot's value to its position."""
+    slot = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = slot < kept
+    position = tl.load(index_ptr + slot, mask=valid, other=0)
+    tl.store(out_ptr + position, tl.load(values_ptr + slot, mask=valid, other=0), mask=valid)
+
+
+def decode_indices(values: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` values :func:`encode` kept with ``indices``, +0 elsewhere: one launch (and a
+    ``torch.zeros``)."""
+    out = torch.zeros(count, dtype=values.dtype, device=values.device)
+    integers = values.view(_BITS[values.element_size()])
+    with device_guard(values):
+        launch(_indices_kernel, (triton.cdiv(values.numel(), DECODE_ROWS * 8),), index, integers,
+               out.view(integers.dtype), values.numel(), BLOCK=DECODE_ROWS * 8)
+    return out
 
 
 def decode(values: torch.Tensor, saved: tuple[torch.Tensor, ...], count: int, low_bits: int | None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The Triton min-k kernels (actcomp.kernels.triton_select) under Triton's interpreter: codes and
+"""The Triton min-k kernels (mink, smink, dropit) (actcomp.kernels.triton_select) under Triton's interpreter: codes and
 decoded values bit for bit those of the eager reference, over sizes that are not multiples of a
 block, dtypes, ties, all-equal values, mostly zeros (smink's empty slots) and a strided input;
 and the launches each encode and decode takes."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actcomp.compressors.elements import MinK, SampledMinK
+from actcomp.compressors.elements import DropITReference, MinK, SampledMinK
 from actcomp.core.backends import use_backend
 from actcomp.kernels import triton_runtime
 
@@ -50,7 +50,7 @@ def values(count: int, dtype: torch.dtype, kind: str) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_mink_and_smink_give_the_reference_codes(count, dtype):
     x = values(count, dtype, "random")
-    for codec in (MinK(0.9), MinK(0.5), SampledMinK(0.9, sample=512)):
+    for codec in (MinK(0.9), MinK(0.5), SampledMinK(0.9, sample=512), DropITReference(0.9)):
         assert_same(codec, x)
 
 
@@ -59,7 +59,7 @@ def test_mink_and_smink_give_the_reference_codes(count, dtype):
 def test_ties_equal_values_and_zeros_give_the_reference_codes(kind, rate):
     for dtype in (torch.float32, torch.bfloat16):
         x = values(4099, dtype, kind)
-        for codec in (MinK(rate), SampledMinK(rate, sample=256)):
+        for codec in (MinK(rate), SampledMinK(rate, sample=256), DropITReference(rate)):
             assert_same(codec, x)
 
 
@@ -79,3 +79,12 @@ def test_launches_per_encode_and_decode(dtype, encode_launches):
         triton_runtime.LAUNCHES.clear()
         codec.decompress(packed)
         assert sum(triton_runtime.LAUNCHES.values()) == 2  # popcount, expand or scatter
+
+
+def test_dropit_decodes_its_indices_in_one_launch():
+    codec, x = DropITReference(0.9), values(4099, torch.float32, "random")
+    with use_backend("triton"):
+        packed = codec.compress(x)
+        triton_runtime.LAUNCHES.clear()
+        codec.decompress(packed)
+        assert sum(triton_runtime.LAUNCHES.values()) == 1
