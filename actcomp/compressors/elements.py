@@ -243,7 +243,7 @@ def _triton_decode(codec: MinK | SampledMinK | DropITReference, payload: torch.T
     return triton_select.decode(payload, saved, meta.count, low_bits)
 
 
-def _triton_takes(codec: MinK | SampledMinK | DropITReference, device: torch.device, dtype: torch.dtype,
+def _triton_takes(codec: _ElementSparsifier, device: torch.device, dtype: torch.dtype,
                   count: int) -> bool:
     if getattr(codec, "rice", 0) or not backends.triton_runs_on(device):
         return False
@@ -396,3 +396,32 @@ for _klass in (MinK, SampledMinK, DropITReference):
         decode=_triton_decode,
         decodes=lambda codec, payload, saved, meta: isinstance(meta, (Dense, Bitmask, EliasFano, Indices))
         and _triton_takes(codec, payload.device, payload.dtype, meta.count))
+
+
+def _triton_random_encode(codec: RandomDrop, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`RandomDrop.encode` by :mod:`~actcomp.kernels.triton_select`: the keys hashed in
+    registers, two histogram passes over them, a count and a write pass."""
+    from actcomp.kernels import triton_select
+
+    flat = x.reshape(-1).contiguous()
+    count = flat.numel()
+    kept = codec.kept_count(count)
+    if kept == count:
+        return Encoded(flat, (), static_form(count, kept))
+    seed = torch.randint(0, 2**31, (1,), device=flat.device)
+    return Encoded(triton_select.encode_random(flat, kept, seed), (seed,), Seeded(count, kept))
+
+
+def _triton_random_decode(codec: RandomDrop, payload: torch.Tensor, saved: tuple[torch.Tensor, ...],
+                          meta: Seeded | Dense) -> torch.Tensor:
+    from actcomp.kernels import triton_select
+
+    return payload if isinstance(meta, Dense) else triton_select.decode_random(payload, saved[0], meta.count)
+
+
+# The same kernels for random: its encode and decode are its own, so its own entry.
+register_implementation(
+    RandomDrop, "triton", encode=_triton_random_encode,
+    encodes=lambda codec, x, hints: _triton_takes(codec, x.device, x.dtype, x.numel()),
+    decode=_triton_random_decode,
+    decodes=lambda codec, payload, saved, meta: _triton_takes(codec, payload.device, payload.dtype, meta.count))

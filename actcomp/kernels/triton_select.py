@@ -1,8 +1,9 @@
-"""The min-k sparsifiers (``mink``, ``smink``) as Triton kernels: a radix select for the
-threshold, then a count and a write pass that compact the kept values by prefix sums.
+"""The element sparsifiers (``mink``, ``smink``, ``dropit``, ``random``) as Triton kernels: a
+radix select for the threshold, then a count and a write pass that compact the kept values by
+prefix sums.
 
-They give :class:`~actcomp.compressors.elements.MinK`'s and ``SampledMinK``'s codes bit for bit
-(the kept values in position order, the positions as a bitmask or Elias-Fano), working on the
+They give the codes of :mod:`~actcomp.compressors.elements` bit for bit (the kept values in
+position order, the positions as a bitmask, Elias-Fano or int32 indices), working on the
 values' bit patterns only (no float arithmetic), so non-finite values select as the reference's
 integer keys do:
 
@@ -21,9 +22,14 @@ integer keys do:
   stream), ``torch.cumsum`` turns those into ranks, and a launch writes each element (scatters
   each slot's value to its position).
 
-Launches per encode: 2 (fp16, bf16) or 4 (fp32) histogram passes, a count and a write, plus a
-``torch.zeros`` for the histograms and a ``torch.cumsum``; per decode: two, plus a ``torch.cumsum``
-(and a ``torch.zeros`` of the output for Elias-Fano).
+``random`` (:func:`encode_random`, :func:`decode_random`) selects on 16-bit hashes of (position,
+seed) computed in registers instead of magnitudes, and its decode runs the same passes again,
+the write pass gathering each element's value from its slot.
+
+Launches per encode: 2 (fp16, bf16, and ``random``) or 4 (fp32) histogram passes, a count and a
+write, plus a ``torch.zeros`` for the histograms and a ``torch.cumsum``; per decode: two, plus a
+``torch.cumsum`` (and a ``torch.zeros`` of the output for Elias-Fano), one (and the ``torch.zeros``)
+for indices, four for ``random``.
 
 >>> import torch
 >>> from actcomp.kernels import triton_runtime
@@ -38,6 +44,7 @@ import triton
 import triton.language as tl
 
 from actcomp.kernels.bitpack import packed_size
+from actcomp.kernels.triton_affine import _lowbias32
 from actcomp.kernels.triton_runtime import device_guard, launch
 
 _BINS = 256  # a radix pass's histogram: 8-bit digits
@@ -61,8 +68,9 @@ def _resolve(hist_ptr, rank, DONE: tl.constexpr):
     """The key's digits found by the first ``DONE`` histogram passes, as one prefix, and the rank
     from the top, among the keys sharing it, of the key sought (``rank`` before any pass)."""
     bins = tl.arange(0, 256)
-    wanted = rank.to(tl.int64)
-    prefix = wanted * 0
+    # A sum, not rank.to(): a GPU launch passes an int argument equal to 1 as a constant.
+    wanted = rank + tl.zeros((), tl.int64)
+    prefix = tl.zeros((), tl.int64)
     for done in tl.static_range(DONE):
         counts = tl.load(hist_ptr + done * 256 + bins).to(tl.int64)
         at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # non-increasing
@@ -73,15 +81,25 @@ def _resolve(hist_ptr, rank, DONE: tl.constexpr):
 
 
 @triton.jit
-def _histogram_kernel(bits_ptr, hist_ptr, count, stride, rank, KEY_MASK: tl.constexpr, PASS: tl.constexpr,
-                      PASSES: tl.constexpr, BLOCK: tl.constexpr):
+def _keys(bits_ptr, seed_ptr, index, valid, KEY_MASK: tl.constexpr, RANDOM: tl.constexpr):
+    """The keys at ``index``: the magnitudes' bits, or ``random``'s 16-bit hashes of (position, seed)."""
+    if RANDOM:
+        seed = tl.load(seed_ptr).to(tl.uint32)
+        return ((_lowbias32(index.to(tl.uint32) ^ seed) >> 16) & 0xFFFF).to(tl.int32)
+    else:
+        return tl.load(bits_ptr + index, mask=valid, other=0).to(tl.int32) & KEY_MASK
+
+
+@triton.jit
+def _histogram_kernel(bits_ptr, seed_ptr, hist_ptr, count, stride, rank, KEY_MASK: tl.constexpr,
+                      RANDOM: tl.constexpr, PASS: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr):
     """Pass ``PASS``: the digit below the prefix found so far, of the keys sharing it, among
     every ``stride``-th of ``count`` values."""
     prefix, wanted = _resolve(hist_ptr, rank, PASS)
     shift: tl.constexpr = 8 * (PASSES - 1 - PASS)
     index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = index < count
-    keys = tl.load(bits_ptr + index.to(tl.int64) * stride, mask=valid, other=0).to(tl.int32) & KEY_MASK
+    keys = _keys(bits_ptr, seed_ptr, index.to(tl.int64) * stride, valid, KEY_MASK, RANDOM)
     if PASS > 0:
         valid = valid & ((keys >> (shift + 8)) == prefix)
     local = tl.histogram((keys >> shift) & 255, 256, mask=valid)
@@ -99,8 +117,9 @@ def _rank_within(flags):
 
 
 @triton.jit
-def _count_kernel(bits_ptr, hist_ptr, counts_ptr, high_ptr, low_ptr, high_words, low_words, zero_span, count,
-                  rank, KEY_MASK: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr, ZEROES: tl.constexpr,
+def _count_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, high_ptr, low_ptr, high_words, low_words, zero_span,
+                  count, rank, KEY_MASK: tl.constexpr, RANDOM: tl.constexpr, PASSES: tl.constexpr,
+                  BLOCK: tl.constexpr, ZEROES: tl.constexpr,
                   ZERO_BLOCK: tl.constexpr):
     """Per block, the keys above the threshold and those equal to it; the program's share of
     Elias-Fano's word streams zeroed for the write's ``atomic_or``."""
@@ -108,7 +127,7 @@ def _count_kernel(bits_ptr, hist_ptr, counts_ptr, high_ptr, low_ptr, high_words,
     program = tl.program_id(0)
     index = program * BLOCK + tl.arange(0, BLOCK)
     valid = index < count
-    keys = tl.load(bits_ptr + index, mask=valid, other=0).to(tl.int32) & KEY_MASK
+    keys = _keys(bits_ptr, seed_ptr, index, valid, KEY_MASK, RANDOM)
     tl.store(counts_ptr + program * 2, tl.sum((valid & (keys > key)).to(tl.int32), axis=0))
     tl.store(counts_ptr + program * 2 + 1, tl.sum((valid & (keys == key)).to(tl.int32), axis=0))
     if ZEROES:
@@ -130,19 +149,19 @@ def _set_code(words_ptr, code, first_bit, BITS: tl.constexpr, mask):
 
 
 @triton.jit
-def _write_kernel(bits_ptr, hist_ptr, counts_ptr, cumulative_ptr, values_ptr, mask_ptr, high_ptr, low_ptr, count,
-                  rank, kept, blocks, KEY_MASK: tl.constexpr, PASSES: tl.constexpr, SAMPLED: tl.constexpr,
-                  FORM: tl.constexpr, LOW_BITS: tl.constexpr, ROWS: tl.constexpr):
+def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, cumulative_ptr, values_ptr, mask_ptr, high_ptr, low_ptr,
+                  count, rank, kept, blocks, KEY_MASK: tl.constexpr, RANDOM: tl.constexpr, PASSES: tl.constexpr,
+                  SAMPLED: tl.constexpr, FORM: tl.constexpr, LOW_BITS: tl.constexpr, ROWS: tl.constexpr):
     """The kept values to their slots, and their positions in the form ``FORM`` (0: a bitmask
-    at ``mask_ptr``, 1: Elias-Fano's int32 word streams, 2: int32 indices at ``mask_ptr``)."""
+    at ``mask_ptr``, 1: Elias-Fano's int32 word streams, 2: int32 indices at ``mask_ptr``, 3:
+    none); or, with ``FORM`` 4 (``random``'s decode), each element its slot's value at ``mask_ptr``."""
     key, wanted = _resolve(hist_ptr, rank, PASSES)
     program = tl.program_id(0)
     row = tl.arange(0, ROWS)
     column = tl.arange(0, 8)
     index = program * ROWS * 8 + row[:, None] * 8 + column[None, :]
     valid = index < count
-    raw = tl.load(bits_ptr + index, mask=valid, other=0)
-    keys = raw.to(tl.int32) & KEY_MASK
+    keys = _keys(bits_ptr, seed_ptr, index, valid, KEY_MASK, RANDOM)
     above = valid & (keys > key)
     equal = valid & (keys == key)
     above_total = tl.load(cumulative_ptr + (blocks - 1) * 2)
@@ -156,26 +175,28 @@ def _write_kernel(bits_ptr, hist_ptr, counts_ptr, cumulative_ptr, values_ptr, ma
     keep = above | (equal & (equal_before + _rank_within(equal) < ties))
     slot = above_before + tl.minimum(equal_before, ties) + _rank_within(keep)
     stored = keep & (slot < kept)  # past ``kept`` (smink's rare overflow) the last are dropped
-    tl.store(values_ptr + slot, raw, mask=stored)
-    # Slots no element took (smink): a zero value, and in Elias-Fano the position ``count``.
-    taken = tl.minimum(above_total + tl.minimum(equal_total, ties), kept)
-    empty = program * ROWS * 8 + row[:, None] * 8 + column[None, :]
-    is_empty = (empty >= taken) & (empty < kept)
-    tl.store(values_ptr + empty, tl.zeros((ROWS, 8), raw.dtype), mask=is_empty)
-    if FORM == 1:
-        low_mask: tl.constexpr = (1 << LOW_BITS) - 1
-        high_bit = (index >> LOW_BITS) + slot
-        tl.atomic_or(high_ptr + (high_bit >> 5), 1 << (high_bit & 31), mask=stored)
-        _set_code(low_ptr, index & low_mask, slot * LOW_BITS, LOW_BITS, stored)
-        empty_bit = (count >> LOW_BITS) + empty
-        tl.atomic_or(high_ptr + (empty_bit >> 5), 1 << (empty_bit & 31), mask=is_empty)
-        _set_code(low_ptr, (empty * 0 + count) & low_mask, empty * LOW_BITS, LOW_BITS, is_empty)
-    elif FORM == 2:
-        tl.store(mask_ptr + slot, index, mask=stored)
-        tl.store(mask_ptr + empty, tl.zeros((ROWS, 8), tl.int32), mask=is_empty)
+    if FORM == 4:
+        tl.store(mask_ptr + index, tl.load(values_ptr + slot, mask=stored, other=0), mask=valid)
     else:
-        byte = tl.sum(tl.where(stored, 1 << column[None, :], 0), axis=1)
-        tl.store(mask_ptr + program * ROWS + row, byte.to(tl.uint8), mask=(program * ROWS + row) * 8 < count)
+        tl.store(values_ptr + slot, tl.load(bits_ptr + index, mask=stored), mask=stored)
+        # Slots no element took (smink): a zero value, and in Elias-Fano the position ``count``.
+        taken = tl.minimum(above_total + tl.minimum(equal_total, ties), kept)
+        is_empty = (index >= taken) & (index < kept)  # as slots
+        tl.store(values_ptr + index, tl.zeros((ROWS, 8), values_ptr.dtype.element_ty), mask=is_empty)
+        if FORM == 1:
+            low_mask: tl.constexpr = (1 << LOW_BITS) - 1
+            high_bit = (index >> LOW_BITS) + slot
+            tl.atomic_or(high_ptr + (high_bit >> 5), 1 << (high_bit & 31), mask=stored)
+            _set_code(low_ptr, index & low_mask, slot * LOW_BITS, LOW_BITS, stored)
+            empty_bit = (count >> LOW_BITS) + index
+            tl.atomic_or(high_ptr + (empty_bit >> 5), 1 << (empty_bit & 31), mask=is_empty)
+            _set_code(low_ptr, (index * 0 + count) & low_mask, index * LOW_BITS, LOW_BITS, is_empty)
+        elif FORM == 2:
+            tl.store(mask_ptr + slot, index, mask=stored)
+            tl.store(mask_ptr + index, tl.zeros((ROWS, 8), tl.int32), mask=is_empty)
+        elif FORM == 0:
+            byte = tl.sum(tl.where(stored, 1 << column[None, :], 0), axis=1)
+            tl.store(mask_ptr + program * ROWS + row, byte.to(tl.uint8), mask=(program * ROWS + row) * 8 < count)
 
 
 def encode(flat: torch.Tensor, kept: int, low_bits: int | None,
@@ -183,51 +204,74 @@ def encode(flat: torch.Tensor, kept: int, low_bits: int | None,
     """The kept values of contiguous 1-D ``flat`` (``kept`` of its ``count`` values, ``0 < kept
     < count``, see :func:`takes`) in position order, and their positions: int32 indices where
     ``indices``, a bitmask where ``low_bits`` is None, else Elias-Fano's high and low streams with
-    ``low_bits`` low bits. The
-    threshold is the ``kept``-th largest key (``mink``), or with ``sampled = (step, rank)`` the
-    ``rank``-th largest of every ``step``-th key (``smink``)."""
+    ``low_bits`` low bits. The threshold is the ``kept``-th largest key (``mink``), or with
+    ``sampled = (step, rank)`` the ``rank``-th largest of every ``step``-th key (``smink``)."""
+    count = flat.numel()
+    device = flat.device
+    values = torch.empty(kept, dtype=flat.dtype, device=device)
+    if indices:
+        mask = high = low = torch.empty(kept, dtype=torch.int32, device=device)
+        form, saved = 2, (mask,)
+    elif low_bits is None:
+        mask = high = low = torch.empty(packed_size(count, 1), dtype=torch.uint8, device=device)
+        form, saved = 0, (mask,)
+    else:
+        high_bytes = packed_size(kept + (count >> low_bits) + 1, 1)
+        low_bytes = packed_size(kept, low_bits)
+        mask = high = torch.empty(-(-high_bytes // 4), dtype=torch.int32, device=device)
+        low = torch.empty(-(-low_bytes // 4), dtype=torch.int32, device=device)
+        form, saved = 1, (high.view(torch.uint8)[:high_bytes], low.view(torch.uint8)[:low_bytes])
+    _select(flat, None, kept, sampled, form, values, mask, high, low, low_bits or 1)
+    return values, saved
+
+
+def encode_random(flat: torch.Tensor, kept: int, seed: torch.Tensor) -> torch.Tensor:
+    """``random``'s kept values of contiguous 1-D ``flat`` (``0 < kept < count``): those with the
+    ``kept`` largest 16-bit keys of (position, ``seed``), ties by position, in position order."""
+    values = torch.empty(kept, dtype=flat.dtype, device=flat.device)
+    _select(flat, seed, kept, None, 3, values, values, values, values, 1)
+    return values
+
+
+def decode_random(values: torch.Tensor, seed: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` values :func:`encode_random` kept, +0 elsewhere: the keys and their
+    threshold recomputed from ``seed``."""
+    out = torch.empty(count, dtype=values.dtype, device=values.device)
+    _select(out, seed, values.numel(), None, 4, values, out, out, out, 1)
+    return out
+
+
+def _select(flat: torch.Tensor, seed: torch.Tensor | None, kept: int, sampled: tuple[int, int] | None, form: int,
+            values: torch.Tensor, mask: torch.Tensor, high: torch.Tensor, low: torch.Tensor, low_bits: int) -> None:
+    """The launches of a selection (see :func:`_write_kernel` for ``form``): a histogram pass per
+    byte of the keys, a count pass (which zeroes Elias-Fano's ``high`` and ``low``), offsets by
+    ``torch.cumsum``, and the write pass."""
     count = flat.numel()
     device = flat.device
     bits = flat.view(_BITS[flat.element_size()])
-    passes = flat.element_size()
-    key_mask = 2 ** (8 * passes - 1) - 1
+    integers = values.view(bits.dtype)
+    random = seed is not None
+    passes = 2 if random else flat.element_size()
+    key_mask = 2 ** (8 * flat.element_size() - 1) - 1
     step, rank = sampled or (1, kept)
     selected = -(-count // step)
     histograms = torch.zeros(passes, _BINS, dtype=torch.int32, device=device)
     blocks = triton.cdiv(count, ROWS * 8)
     counts = torch.empty(blocks, 2, dtype=torch.int32, device=device)
-    values = torch.empty(kept, dtype=flat.dtype, device=device)
-    if indices:
-        mask = torch.empty(kept, dtype=torch.int32, device=device)
-        high = low = mask
-        high_words = low_words = 0
-        saved: tuple[torch.Tensor, ...] = (mask,)
-    elif low_bits is None:
-        mask = torch.empty(packed_size(count, 1), dtype=torch.uint8, device=device)
-        high = low = mask
-        high_words = low_words = 0
-        saved = (mask,)
-    else:
-        high_bytes = packed_size(kept + (count >> low_bits) + 1, 1)
-        low_bytes = packed_size(kept, low_bits)
-        high_words, low_words = -(-high_bytes // 4), -(-low_bytes // 4)
-        high = torch.empty(high_words, dtype=torch.int32, device=device)
-        low = torch.empty(low_words, dtype=torch.int32, device=device)
-        mask = high
-        saved = (high.view(torch.uint8)[:high_bytes], low.view(torch.uint8)[:low_bytes])
-    zero_span = -(-max(high_words, low_words) // blocks)
+    words = high.numel() + low.numel() if form == 1 else 0
+    seed = bits if seed is None else seed
+    mask = mask.view(integers.dtype) if form == 4 else mask
     with device_guard(flat):
         for index in range(passes):
-            launch(_histogram_kernel, (triton.cdiv(selected, HISTOGRAM_BLOCK),), bits, histograms, selected, step,
-                   rank, KEY_MASK=key_mask, PASS=index, PASSES=passes, BLOCK=HISTOGRAM_BLOCK)
-        launch(_count_kernel, (blocks,), bits, histograms, counts, high, low, high_words, low_words, zero_span,
-               count, rank, KEY_MASK=key_mask, PASSES=passes, BLOCK=ROWS * 8, ZEROES=high_words > 0,
-               ZERO_BLOCK=_ZERO_BLOCK)
+            launch(_histogram_kernel, (triton.cdiv(selected, HISTOGRAM_BLOCK),), bits, seed, histograms, selected,
+                   step, rank, KEY_MASK=key_mask, RANDOM=random, PASS=index, PASSES=passes, BLOCK=HISTOGRAM_BLOCK)
+        launch(_count_kernel, (blocks,), bits, seed, histograms, counts, high, low, high.numel(), low.numel(),
+               -(-words // blocks), count, rank, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, BLOCK=ROWS * 8,
+               ZEROES=words > 0, ZERO_BLOCK=_ZERO_BLOCK)
         cumulative = torch.cumsum(counts, 0, dtype=torch.int32)
-        launch(_write_kernel, (blocks,), bits, histograms, counts, cumulative, values.view(bits.dtype), mask, high,
-               low, count, rank, kept, blocks, KEY_MASK=key_mask, PASSES=passes, SAMPLED=sampled is not None,
-               FORM=2 if indices else 0 if low_bits is None else 1, LOW_BITS=low_bits or 1, ROWS=ROWS)
-    return values, saved
+        launch(_write_kernel, (blocks,), bits, seed, histograms, counts, cumulative, integers, mask, high, low, count,
+               rank, kept, blocks, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, SAMPLED=sampled is not None,
+               FORM=form, LOW_BITS=low_bits, ROWS=ROWS)
 
 
 @triton.jit

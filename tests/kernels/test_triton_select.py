@@ -1,14 +1,14 @@
-"""The Triton min-k kernels (mink, smink, dropit) (actcomp.kernels.triton_select) under Triton's interpreter: codes and
-decoded values bit for bit those of the eager reference, over sizes that are not multiples of a
-block, dtypes, ties, all-equal values, mostly zeros (smink's empty slots) and a strided input;
-and the launches each encode and decode takes."""
+"""The Triton selection kernels of mink, smink, dropit and random (actcomp.kernels.triton_select)
+under Triton's interpreter: codes and decoded values bit for bit those of the eager reference,
+over sizes that are not multiples of a block, dtypes, ties, all-equal values, mostly zeros
+(smink's empty slots) and a strided input; and the launches each encode and decode takes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from actcomp.compressors.elements import DropITReference, MinK, SampledMinK
+from actcomp.compressors.elements import DropITReference, MinK, RandomDrop, SampledMinK
 from actcomp.core.backends import use_backend
 from actcomp.kernels import triton_runtime
 
@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(not triton_runtime.runs_on(torch.device("cpu")),
 
 
 def round_trip(codec, x, backend):
+    torch.manual_seed(0)  # random's seed is drawn from torch's generator
     with use_backend(backend):
         packed = codec.compress(x)
         return packed.tensors, codec.decompress(packed)
@@ -48,9 +49,12 @@ def values(count: int, dtype: torch.dtype, kind: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("count", [1, 7, 1000, 4099, 20000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_mink_and_smink_give_the_reference_codes(count, dtype):
+def test_each_selection_gives_the_reference_codes(count, dtype):
     x = values(count, dtype, "random")
-    for codec in (MinK(0.9), MinK(0.5), SampledMinK(0.9, sample=512), DropITReference(0.9)):
+    codecs = [MinK(0.9), SampledMinK(0.9, sample=512), RandomDrop(0.9)]
+    if count < 20000:  # the interpreter runs programs one by one: the largest size for three only
+        codecs += [MinK(0.5), DropITReference(0.9), RandomDrop(0.5)]
+    for codec in codecs:
         assert_same(codec, x)
 
 
@@ -59,8 +63,9 @@ def test_mink_and_smink_give_the_reference_codes(count, dtype):
 def test_ties_equal_values_and_zeros_give_the_reference_codes(kind, rate):
     for dtype in (torch.float32, torch.bfloat16):
         x = values(4099, dtype, kind)
-        for codec in (MinK(rate), SampledMinK(rate, sample=256), DropITReference(rate)):
+        for codec in (MinK(rate), SampledMinK(rate, sample=256)):
             assert_same(codec, x)
+    assert_same(DropITReference(rate), values(4099, torch.float32, kind))
 
 
 def test_a_strided_input_gives_the_reference_codes():
@@ -88,3 +93,21 @@ def test_dropit_decodes_its_indices_in_one_launch():
         triton_runtime.LAUNCHES.clear()
         codec.decompress(packed)
         assert sum(triton_runtime.LAUNCHES.values()) == 1
+
+
+def test_random_encodes_and_decodes_in_four_launches_each():
+    codec, x = RandomDrop(0.9), values(4099, torch.float16, "random")
+    with use_backend("triton"):
+        triton_runtime.LAUNCHES.clear()
+        packed = codec.compress(x)
+        assert sum(triton_runtime.LAUNCHES.values()) == 4  # two 8-bit passes over the 16-bit keys, count, write
+        triton_runtime.LAUNCHES.clear()
+        codec.decompress(packed)
+        assert sum(triton_runtime.LAUNCHES.values()) == 4  # the same passes, the write gathering instead
+
+
+def test_smink_drops_the_last_when_more_than_its_slots_lie_above_a_missed_threshold():
+    x = torch.full((4099,), 5.0)
+    x[1::7] = -7.0
+    x[::13] = 0.01  # smink's sample (every 13th of 4099 at sample=256) sees only the small ones
+    assert_same(SampledMinK(0.9, sample=256), x)
