@@ -12,6 +12,8 @@ Encoding reads nothing back to Python, so it runs under ``torch.compile(fullgrap
 All of them select a chunk at a time (:mod:`~actcomp.kernels.chunks`): a bool mask per slice
 of the tensor, the kept values and positions written from it while the slice is in cache. The
 min-k stages first find their threshold without sorting (:mod:`~actcomp.kernels.thresholds`).
+On CUDA, ``mink``, ``smink``, ``dropit`` and ``random`` run as Triton kernels instead
+(:mod:`~actcomp.kernels.triton_select`: a radix select and two passes, the same codes).
 
 Bytes and round-trip time of each form, the static ones beside ``rice=1``, are measured by
 ``python benchmarks/bench_compressors.py`` (its results file, and the README's table): on
