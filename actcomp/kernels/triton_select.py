@@ -9,27 +9,29 @@ integer keys do:
 
 - :func:`encode`: the threshold is the ``rank``-th largest magnitude key (sign bit cleared) of
   the tensor, or of its evenly spaced sample for ``smink``, found by radix select over 8-bit
-  digits: one launch per byte of the dtype, each program counting the digits of the keys that
+  digits: a launch per byte of the dtype, each program counting the digits of the keys that
   share the prefix found so far into its own histogram and adding it to the global one with
   atomics; every later program resolves the digits from those histograms itself (256 bins a
   pass), so no launch is spent on that. A count launch then writes, per block, how many keys lie
   above the threshold and how many equal it (and zeroes Elias-Fano's streams), ``torch.cumsum``
   turns those into offsets, and a write launch keeps the keys above the threshold and the first
   ``ties`` equal ones, puts each kept value in its slot (block offset plus the block's own
-  ``tl.cumsum``) and writes the bitmask bytes, or Elias-Fano's bits with ``atomic_or`` into
-  int32 words.
+  ``tl.cumsum``) and writes the bitmask bytes, the int32 indices, or Elias-Fano's bits with
+  ``atomic_or`` into int32 words. Where the select runs over all the keys (not ``smink``'s
+  sample), the count launch is the last digit's pass: each block writes its own histogram of
+  that digit, and the write pass reads the digit and its block's counts off their prefix sums.
 - :func:`decode`: a launch counts the set bits of each block of the bitmask (Elias-Fano's high
   stream), ``torch.cumsum`` turns those into ranks, and a launch writes each element (scatters
-  each slot's value to its position).
+  each slot's value to its position); indices scatter in one launch.
 
 ``random`` (:func:`encode_random`, :func:`decode_random`) selects on 16-bit hashes of (position,
 seed) computed in registers instead of magnitudes, and its decode runs the same passes again,
 the write pass gathering each element's value from its slot.
 
-Launches per encode: 2 (fp16, bf16, and ``random``) or 4 (fp32) histogram passes, a count and a
-write, plus a ``torch.zeros`` for the histograms and a ``torch.cumsum``; per decode: two, plus a
-``torch.cumsum`` (and a ``torch.zeros`` of the output for Elias-Fano), one (and the ``torch.zeros``)
-for indices, four for ``random``.
+Triton launches per encode: 5 (fp32) or 3 (fp16, bf16) for ``mink`` and ``dropit``, 6 or 4 for
+``smink`` where it samples, 3 for ``random``, plus a ``torch.zeros`` (the histograms) and a
+``torch.cumsum``; per decode: 2 and a ``torch.cumsum`` (and a ``torch.zeros`` of the output for
+Elias-Fano), 1 and a ``torch.zeros`` for indices, 3 for ``random``.
 
 >>> import torch
 >>> from actcomp.kernels import triton_runtime
@@ -72,12 +74,19 @@ def _resolve(hist_ptr, rank, DONE: tl.constexpr):
     wanted = rank + tl.zeros((), tl.int64)
     prefix = tl.zeros((), tl.int64)
     for done in tl.static_range(DONE):
-        counts = tl.load(hist_ptr + done * 256 + bins).to(tl.int64)
-        at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # non-increasing
-        digit = tl.sum((at_or_above >= wanted).to(tl.int64), axis=0) - 1
-        wanted = wanted - tl.max(tl.where(at_or_above < wanted, at_or_above, 0), axis=0)
+        digit, wanted = _digit(tl.load(hist_ptr + done * 256 + bins), wanted)
         prefix = (prefix << 8) | digit
     return prefix, wanted
+
+
+@triton.jit
+def _digit(counts, wanted):
+    """The digit of the key of rank ``wanted`` from the top, from the 256 ``counts`` of the digit
+    among the keys sharing the prefix, and its rank among the keys sharing that digit too."""
+    counts = counts.to(tl.int64)
+    at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # non-increasing
+    digit = tl.sum((at_or_above >= wanted).to(tl.int64), axis=0) - 1
+    return digit, wanted - tl.max(tl.where(at_or_above < wanted, at_or_above, 0), axis=0)
 
 
 @triton.jit
@@ -119,17 +128,25 @@ def _rank_within(flags):
 @triton.jit
 def _count_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, high_ptr, low_ptr, high_words, low_words, zero_span,
                   count, rank, KEY_MASK: tl.constexpr, RANDOM: tl.constexpr, PASSES: tl.constexpr,
-                  BLOCK: tl.constexpr, ZEROES: tl.constexpr,
-                  ZERO_BLOCK: tl.constexpr):
-    """Per block, the keys above the threshold and those equal to it; the program's share of
+                  FUSED: tl.constexpr, BLOCK: tl.constexpr, ZEROES: tl.constexpr, ZERO_BLOCK: tl.constexpr):
+    """Per block, the keys above the threshold and those equal to it (two counts); or, ``FUSED``
+    (the threshold's last digit is this pass's, over all the keys), the block's own histogram of
+    the last digit among the keys sharing the prefix found so far, and how many keys lie above
+    that prefix (257 counts), from which the write pass reads both. The program's share of
     Elias-Fano's word streams zeroed for the write's ``atomic_or``."""
-    key, wanted = _resolve(hist_ptr, rank, PASSES)
     program = tl.program_id(0)
     index = program * BLOCK + tl.arange(0, BLOCK)
     valid = index < count
     keys = _keys(bits_ptr, seed_ptr, index, valid, KEY_MASK, RANDOM)
-    tl.store(counts_ptr + program * 2, tl.sum((valid & (keys > key)).to(tl.int32), axis=0))
-    tl.store(counts_ptr + program * 2 + 1, tl.sum((valid & (keys == key)).to(tl.int32), axis=0))
+    if FUSED:
+        prefix, wanted = _resolve(hist_ptr, rank, PASSES - 1)
+        local = tl.histogram(keys & 255, 256, mask=valid & ((keys >> 8) == prefix))
+        tl.store(counts_ptr + program * 257 + tl.arange(0, 256), local)
+        tl.store(counts_ptr + program * 257 + 256, tl.sum((valid & ((keys >> 8) > prefix)).to(tl.int32), axis=0))
+    else:
+        key, wanted = _resolve(hist_ptr, rank, PASSES)
+        tl.store(counts_ptr + program * 2, tl.sum((valid & (keys > key)).to(tl.int32), axis=0))
+        tl.store(counts_ptr + program * 2 + 1, tl.sum((valid & (keys == key)).to(tl.int32), axis=0))
     if ZEROES:
         for offset in range(0, zero_span, ZERO_BLOCK):
             word = program * zero_span + offset + tl.arange(0, ZERO_BLOCK)
@@ -151,12 +168,31 @@ def _set_code(words_ptr, code, first_bit, BITS: tl.constexpr, mask):
 @triton.jit
 def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, cumulative_ptr, values_ptr, mask_ptr, high_ptr, low_ptr,
                   count, rank, kept, blocks, KEY_MASK: tl.constexpr, RANDOM: tl.constexpr, PASSES: tl.constexpr,
-                  SAMPLED: tl.constexpr, FORM: tl.constexpr, LOW_BITS: tl.constexpr, ROWS: tl.constexpr):
+                  SAMPLED: tl.constexpr, FUSED: tl.constexpr, FORM: tl.constexpr, LOW_BITS: tl.constexpr,
+                  ROWS: tl.constexpr):
     """The kept values to their slots, and their positions in the form ``FORM`` (0: a bitmask
     at ``mask_ptr``, 1: Elias-Fano's int32 word streams, 2: int32 indices at ``mask_ptr``, 3:
     none); or, with ``FORM`` 4 (``random``'s decode), each element its slot's value at ``mask_ptr``."""
-    key, wanted = _resolve(hist_ptr, rank, PASSES)
     program = tl.program_id(0)
+    if FUSED:  # the last digit from the blocks' histograms summed, the counts from the prefix sums
+        prefix, wanted = _resolve(hist_ptr, rank, PASSES - 1)
+        bins = tl.arange(0, 256)
+        totals = tl.load(cumulative_ptr + (blocks - 1) * 257 + bins)
+        digit, wanted = _digit(totals, wanted)
+        key = (prefix << 8) | digit
+        above_total = tl.load(cumulative_ptr + (blocks - 1) * 257 + 256) + tl.sum(tl.where(bins > digit, totals, 0))
+        equal_total = tl.sum(tl.where(bins == digit, totals, 0))
+        first = program * 257
+        before = tl.load(cumulative_ptr + first + bins) - tl.load(counts_ptr + first + bins)
+        above_before = tl.load(cumulative_ptr + first + 256) - tl.load(counts_ptr + first + 256) \
+            + tl.sum(tl.where(bins > digit, before, 0))
+        equal_before = tl.sum(tl.where(bins == digit, before, 0))
+    else:
+        key, wanted = _resolve(hist_ptr, rank, PASSES)
+        above_total = tl.load(cumulative_ptr + (blocks - 1) * 2)
+        equal_total = tl.load(cumulative_ptr + (blocks - 1) * 2 + 1)
+        above_before = tl.load(cumulative_ptr + program * 2) - tl.load(counts_ptr + program * 2)
+        equal_before = tl.load(cumulative_ptr + program * 2 + 1) - tl.load(counts_ptr + program * 2 + 1)
     row = tl.arange(0, ROWS)
     column = tl.arange(0, 8)
     index = program * ROWS * 8 + row[:, None] * 8 + column[None, :]
@@ -164,14 +200,10 @@ def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, cumulative_ptr, valu
     keys = _keys(bits_ptr, seed_ptr, index, valid, KEY_MASK, RANDOM)
     above = valid & (keys > key)
     equal = valid & (keys == key)
-    above_total = tl.load(cumulative_ptr + (blocks - 1) * 2)
-    equal_total = tl.load(cumulative_ptr + (blocks - 1) * 2 + 1)
     if SAMPLED:  # ties fill what the keys above leave of ``kept``; none when the key is zero
         ties = tl.where(key > 0, tl.maximum(kept - above_total, 0), 0).to(tl.int32)
     else:
         ties = wanted.to(tl.int32)
-    above_before = tl.load(cumulative_ptr + program * 2) - tl.load(counts_ptr + program * 2)
-    equal_before = tl.load(cumulative_ptr + program * 2 + 1) - tl.load(counts_ptr + program * 2 + 1)
     keep = above | (equal & (equal_before + _rank_within(equal) < ties))
     slot = above_before + tl.minimum(equal_before, ties) + _rank_within(keep)
     stored = keep & (slot < kept)  # past ``kept`` (smink's rare overflow) the last are dropped
@@ -257,20 +289,23 @@ def _select(flat: torch.Tensor, seed: torch.Tensor | None, kept: int, sampled: t
     selected = -(-count // step)
     histograms = torch.zeros(passes, _BINS, dtype=torch.int32, device=device)
     blocks = triton.cdiv(count, ROWS * 8)
-    counts = torch.empty(blocks, 2, dtype=torch.int32, device=device)
+    # Exact selections take the last digit in the count pass (see _count_kernel), sampled ones
+    # (the histograms are the sample's) count above and at the threshold there.
+    fused = sampled is None
+    counts = torch.empty(blocks, 257 if fused else 2, dtype=torch.int32, device=device)
     words = high.numel() + low.numel() if form == 1 else 0
     seed = bits if seed is None else seed
     mask = mask.view(integers.dtype) if form == 4 else mask
     with device_guard(flat):
-        for index in range(passes):
+        for index in range(passes - fused):
             launch(_histogram_kernel, (triton.cdiv(selected, HISTOGRAM_BLOCK),), bits, seed, histograms, selected,
                    step, rank, KEY_MASK=key_mask, RANDOM=random, PASS=index, PASSES=passes, BLOCK=HISTOGRAM_BLOCK)
         launch(_count_kernel, (blocks,), bits, seed, histograms, counts, high, low, high.numel(), low.numel(),
-               -(-words // blocks), count, rank, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, BLOCK=ROWS * 8,
+               -(-words // blocks), count, rank, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, FUSED=fused, BLOCK=ROWS * 8,
                ZEROES=words > 0, ZERO_BLOCK=_ZERO_BLOCK)
         cumulative = torch.cumsum(counts, 0, dtype=torch.int32)
         launch(_write_kernel, (blocks,), bits, seed, histograms, counts, cumulative, integers, mask, high, low, count,
-               rank, kept, blocks, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, SAMPLED=sampled is not None,
+               rank, kept, blocks, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, SAMPLED=not fused, FUSED=fused,
                FORM=form, LOW_BITS=low_bits, ROWS=ROWS)
 
 
