@@ -1,16 +1,22 @@
 """The Triton selection kernels of mink, smink, dropit and random (actcomp.kernels.triton_select)
 under Triton's interpreter: codes and decoded values bit for bit those of the eager reference,
 over sizes that are not multiples of a block, dtypes, ties, all-equal values, mostly zeros
-(smink's empty slots) and a strided input; and the launches each encode and decode takes."""
+(smink's empty slots) and a strided input; the launches each encode and decode takes; no read
+back to the host outside the kernels."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from models import HostReads
 
 from actcomp.compressors.elements import DropITReference, MinK, RandomDrop, SampledMinK
+from actcomp.core import backends
 from actcomp.core.backends import use_backend
+from actcomp.core.codec import Hints
 from actcomp.kernels import triton_runtime
+
+triton_select = pytest.importorskip("actcomp.kernels.triton_select", reason="needs triton")
 
 pytestmark = pytest.mark.skipif(not triton_runtime.runs_on(torch.device("cpu")),
                                 reason="needs triton and TRITON_INTERPRET=1 (tests/conftest.py)")
@@ -113,3 +119,16 @@ def test_smink_drops_the_last_when_more_than_its_slots_lie_above_a_missed_thresh
     x[1::7] = -7.0
     x[::13] = 0.01  # smink's sample (every 13th of 4099 at sample=256) sees only the small ones
     assert_same(SampledMinK(0.9, sample=256), x)
+
+
+def test_the_wrappers_read_nothing_back_to_the_host(monkeypatch):
+    # The launches left out: under the interpreter they copy to numpy, on a GPU they read nothing back.
+    monkeypatch.setattr(triton_select, "launch", lambda *args, **meta: None)
+    x = values(4099, torch.float32, "random")
+    for codec in (MinK(0.9), MinK(0.5), SampledMinK(0.9, sample=256), DropITReference(0.9), RandomDrop(0.9)):
+        with use_backend("triton"):
+            assert backends.choose(codec, "encode", x, Hints()) == "triton"
+        with use_backend("triton"), HostReads() as reads:  # the stage alone: on a CPU the chain reads its flag
+            encoded = backends.encode(codec, x, Hints())
+            backends.decode(codec, encoded.payload, encoded.saved, encoded.meta)
+        assert not reads.counts, (codec, reads.counts)
