@@ -12,6 +12,8 @@ Encoding reads nothing back to Python, so it runs under ``torch.compile(fullgrap
 All of them select a chunk at a time (:mod:`~actcomp.kernels.chunks`): a bool mask per slice
 of the tensor, the kept values and positions written from it while the slice is in cache. The
 min-k stages first find their threshold without sorting (:mod:`~actcomp.kernels.thresholds`).
+On CUDA, ``mink``, ``smink``, ``dropit`` and ``random`` run as Triton kernels instead
+(:mod:`~actcomp.kernels.triton_select`: a radix select and two passes, the same codes).
 
 Bytes and round-trip time of each form, the static ones beside ``rice=1``, are measured by
 ``python benchmarks/bench_compressors.py`` (its results file, and the README's table): on
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actcomp.core import backends
 from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
@@ -62,6 +65,8 @@ from actcomp.kernels.thresholds import (
     kept_count,
     magnitude_keys,
     random_keys,
+    sample_step,
+    sampled_rank,
     sampled_threshold,
     select_threshold,
 )
@@ -206,6 +211,49 @@ class SampledMinK(_ElementSparsifier):
         return sampled_kept_positions(flat, kept, self.sample)
 
 
+def _triton_encode(codec: MinK | SampledMinK | DropITReference, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`_ElementSparsifier.encode` of ``mink``, ``smink`` and ``dropit`` by
+    :mod:`~actcomp.kernels.triton_select`: a radix select (of ``smink``'s sample where it samples),
+    then a count and a write pass."""
+    from actcomp.kernels import triton_select
+
+    flat = x.reshape(-1).contiguous()
+    count = flat.numel()
+    kept = codec.kept_count(count)
+    form = codec.position_form(count, kept, codec.chunk_length(flat.device, count))
+    if isinstance(form, Dense):
+        return Encoded(flat, (), form)
+    sampled = None
+    if isinstance(codec, SampledMinK) and count > codec.sample:
+        step = sample_step(count, codec.sample)
+        sampled = (step, sampled_rank(count, kept, -(-count // step)))
+    low_bits = form.low_bits if isinstance(form, EliasFano) else None
+    values, saved = triton_select.encode(flat, kept, low_bits, sampled, indices=isinstance(form, Indices))
+    return Encoded(values, saved, form)
+
+
+def _triton_decode(codec: MinK | SampledMinK | DropITReference, payload: torch.Tensor,
+                   saved: tuple[torch.Tensor, ...], meta: Dense | Bitmask | EliasFano | Indices) -> torch.Tensor:
+    """:meth:`_ElementSparsifier.decode`: two launches (and a ``torch.cumsum``), one for indices."""
+    from actcomp.kernels import triton_select
+
+    if isinstance(meta, Dense):
+        return payload
+    if isinstance(meta, Indices):
+        return triton_select.decode_indices(payload, saved[0], meta.count)
+    low_bits = meta.low_bits if isinstance(meta, EliasFano) else None
+    return triton_select.decode(payload, saved, meta.count, low_bits)
+
+
+def _triton_takes(codec: _ElementSparsifier, device: torch.device, dtype: torch.dtype,
+                  count: int) -> bool:
+    if getattr(codec, "rice", 0) or not backends.triton_runs_on(device):
+        return False
+    from actcomp.kernels import triton_select
+
+    return triton_select.takes(dtype, count)
+
+
 @register_compressor
 @dataclass(frozen=True)
 class ParallelMinK(_ElementSparsifier):
@@ -340,3 +388,42 @@ class DropITReference(_ElementSparsifier):
 
     def kept_positions(self, flat: torch.Tensor, kept: int) -> torch.Tensor | None:
         return exact_kept_positions(flat, kept)
+
+
+for _klass in (MinK, SampledMinK, DropITReference):
+    # CUDA float32, bfloat16 and float16 (CPU under Triton's interpreter), the static forms and indices.
+    register_implementation(
+        _klass, "triton", encode=_triton_encode,
+        encodes=lambda codec, x, hints: _triton_takes(codec, x.device, x.dtype, x.numel()),
+        decode=_triton_decode,
+        decodes=lambda codec, payload, saved, meta: isinstance(meta, (Dense, Bitmask, EliasFano, Indices))
+        and _triton_takes(codec, payload.device, payload.dtype, meta.count))
+
+
+def _triton_random_encode(codec: RandomDrop, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`RandomDrop.encode` by :mod:`~actcomp.kernels.triton_select`: the keys hashed in
+    registers, two histogram passes over them, a count and a write pass."""
+    from actcomp.kernels import triton_select
+
+    flat = x.reshape(-1).contiguous()
+    count = flat.numel()
+    kept = codec.kept_count(count)
+    if kept == count:
+        return Encoded(flat, (), static_form(count, kept))
+    seed = torch.randint(0, 2**31, (1,), device=flat.device)
+    return Encoded(triton_select.encode_random(flat, kept, seed), (seed,), Seeded(count, kept))
+
+
+def _triton_random_decode(codec: RandomDrop, payload: torch.Tensor, saved: tuple[torch.Tensor, ...],
+                          meta: Seeded | Dense) -> torch.Tensor:
+    from actcomp.kernels import triton_select
+
+    return payload if isinstance(meta, Dense) else triton_select.decode_random(payload, saved[0], meta.count)
+
+
+# The same kernels for random: its encode and decode are its own, so its own entry.
+register_implementation(
+    RandomDrop, "triton", encode=_triton_random_encode,
+    encodes=lambda codec, x, hints: _triton_takes(codec, x.device, x.dtype, x.numel()),
+    decode=_triton_random_decode,
+    decodes=lambda codec, payload, saved, meta: _triton_takes(codec, payload.device, payload.dtype, meta.count))

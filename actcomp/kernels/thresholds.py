@@ -188,10 +188,19 @@ def sample_of(flat: torch.Tensor, size: int = SAMPLE) -> torch.Tensor:
     """About ``size`` evenly spaced elements of ``flat`` (all of them when fewer). The stride is
     odd and not a multiple of 3, 5 or 7, so the sample does not alias with channel or token
     periods (384 = 2**7 3, 3136 = 2**6 7**2)."""
-    step = max(1, flat.numel() // size)
+    return flat[::sample_step(flat.numel(), size)]
+
+
+def sample_step(count: int, size: int = SAMPLE) -> int:
+    """The stride of :func:`sample_of` among ``count`` elements.
+
+    >>> sample_step(10**6), sample_step(100)
+    (13, 1)
+    """
+    step = max(1, count // size)
     while step > 1 and any(step % p == 0 for p in (2, 3, 5, 7)):
         step -= 1
-    return flat[::step]
+    return step
 
 
 class ThresholdSelector:

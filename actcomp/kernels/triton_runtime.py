@@ -1,11 +1,11 @@
 """Where the Triton kernels run, and their launches counted.
 
-The Triton kernels (:mod:`~actcomp.kernels.triton_affine`, :mod:`~actcomp.kernels.triton_masks`)
-are the CUDA implementations of the codecs. They run on CUDA tensors, and on CPU tensors under
-Triton's interpreter: ``TRITON_INTERPRET=1`` set before ``triton`` is first imported, which runs
-each program instance in turn with numpy. That is how they are tested on a machine without a
-GPU (``tests/conftest.py`` sets it there): slowly, so at small sizes, but the same kernel source
-and the same codes.
+The Triton kernels (:mod:`~actcomp.kernels.triton_affine`, :mod:`~actcomp.kernels.triton_masks`,
+:mod:`~actcomp.kernels.triton_select`) are the CUDA implementations of the codecs. They run on
+CUDA tensors, and on CPU tensors under Triton's interpreter: ``TRITON_INTERPRET=1`` set before
+``triton`` is first imported, which runs each program instance in turn with numpy. That is how
+they are tested on a machine without a GPU (``tests/conftest.py`` sets it there): slowly, so at
+small sizes, but the same kernel source and the same codes.
 
 ``import actcomp`` never imports triton: the first CUDA tensor a codec sees does (or a CPU one
 under the interpreter with ``use_backend("triton")``).

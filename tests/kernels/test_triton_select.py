@@ -1,0 +1,134 @@
+"""The Triton selection kernels of mink, smink, dropit and random (actcomp.kernels.triton_select)
+under Triton's interpreter: codes and decoded values bit for bit those of the eager reference,
+over sizes that are not multiples of a block, dtypes, ties, all-equal values, mostly zeros
+(smink's empty slots) and a strided input; the launches each encode and decode takes; no read
+back to the host outside the kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import HostReads
+
+from actcomp.compressors.elements import DropITReference, MinK, RandomDrop, SampledMinK
+from actcomp.core import backends
+from actcomp.core.backends import use_backend
+from actcomp.core.codec import Hints
+from actcomp.kernels import triton_runtime
+
+triton_select = pytest.importorskip("actcomp.kernels.triton_select", reason="needs triton")
+
+pytestmark = pytest.mark.skipif(not triton_runtime.runs_on(torch.device("cpu")),
+                                reason="needs triton and TRITON_INTERPRET=1 (tests/conftest.py)")
+
+
+def round_trip(codec, x, backend):
+    torch.manual_seed(0)  # random's seed is drawn from torch's generator
+    with use_backend(backend):
+        packed = codec.compress(x)
+        return packed.tensors, codec.decompress(packed)
+
+
+def assert_same(codec, x):
+    triton_runtime.LAUNCHES.clear()
+    tensors, decoded = round_trip(codec, x, "triton")
+    if codec.kept_count(x.numel()) < x.numel():
+        assert sum(triton_runtime.LAUNCHES.values()) > 0  # the kernels ran
+    expected_tensors, expected = round_trip(codec, x, "eager")
+    assert len(tensors) == len(expected_tensors)
+    for got, want in zip(tensors, expected_tensors):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype)
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    assert torch.equal(decoded.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8))
+
+
+def values(count: int, dtype: torch.dtype, kind: str) -> torch.Tensor:
+    x = torch.randn(count, generator=torch.Generator().manual_seed(count)) * 3
+    if kind == "ties":
+        x = x.round()  # few distinct magnitudes: many ties at the threshold
+    elif kind == "equal":
+        x = torch.full((count,), -1.5)
+    elif kind == "zeros":
+        x[: count * 19 // 20] = 0.0  # more zeros than the drop rate: smink keeps only the non-zero ones
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("count", [1, 7, 1000, 4099, 20000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_each_selection_gives_the_reference_codes(count, dtype):
+    x = values(count, dtype, "random")
+    codecs = [MinK(0.9), SampledMinK(0.9, sample=512), RandomDrop(0.9)]
+    if count < 20000:  # the interpreter runs programs one by one: the largest size for three only
+        codecs += [MinK(0.5), DropITReference(0.9), RandomDrop(0.5)]
+    for codec in codecs:
+        assert_same(codec, x)
+
+
+@pytest.mark.parametrize("kind", ["ties", "equal", "zeros"])
+@pytest.mark.parametrize("rate", [0.5, 0.9])
+def test_ties_equal_values_and_zeros_give_the_reference_codes(kind, rate):
+    for dtype in (torch.float32, torch.bfloat16):
+        x = values(4099, dtype, kind)
+        for codec in (MinK(rate), SampledMinK(rate, sample=256)):
+            assert_same(codec, x)
+    assert_same(DropITReference(rate), values(4099, torch.float32, kind))
+
+
+def test_a_strided_input_gives_the_reference_codes():
+    x = torch.randn(60, 70, generator=torch.Generator().manual_seed(1))
+    for codec in (MinK(0.9), SampledMinK(0.9, sample=256)):
+        assert_same(codec, x.t())
+
+
+@pytest.mark.parametrize("codec, dtype, encode_launches", [(MinK(0.9), torch.float32, 5), (MinK(0.9), torch.bfloat16, 3),
+                                                           (SampledMinK(0.9, sample=256), torch.float32, 6)])
+def test_launches_per_encode_and_decode(codec, dtype, encode_launches):
+    x = values(4099, dtype, "random")
+    with use_backend("triton"):
+        triton_runtime.LAUNCHES.clear()
+        packed = codec.compress(x)
+        # A histogram pass a byte (an exact selection's last in the count pass), count, write.
+        assert sum(triton_runtime.LAUNCHES.values()) == encode_launches
+        triton_runtime.LAUNCHES.clear()
+        codec.decompress(packed)
+        assert sum(triton_runtime.LAUNCHES.values()) == 2  # popcount, expand or scatter
+
+
+def test_dropit_decodes_its_indices_in_one_launch():
+    codec, x = DropITReference(0.9), values(4099, torch.float32, "random")
+    with use_backend("triton"):
+        packed = codec.compress(x)
+        triton_runtime.LAUNCHES.clear()
+        codec.decompress(packed)
+        assert sum(triton_runtime.LAUNCHES.values()) == 1
+
+
+def test_random_encodes_and_decodes_in_three_launches_each():
+    codec, x = RandomDrop(0.9), values(4099, torch.float16, "random")
+    with use_backend("triton"):
+        triton_runtime.LAUNCHES.clear()
+        packed = codec.compress(x)
+        assert sum(triton_runtime.LAUNCHES.values()) == 3  # an 8-bit pass over the 16-bit keys, count, write
+        triton_runtime.LAUNCHES.clear()
+        codec.decompress(packed)
+        assert sum(triton_runtime.LAUNCHES.values()) == 3  # the same passes, the write gathering instead
+
+
+def test_smink_drops_the_last_when_more_than_its_slots_lie_above_a_missed_threshold():
+    x = torch.full((4099,), 5.0)
+    x[1::7] = -7.0
+    x[::13] = 0.01  # smink's sample (every 13th of 4099 at sample=256) sees only the small ones
+    assert_same(SampledMinK(0.9, sample=256), x)
+
+
+def test_the_wrappers_read_nothing_back_to_the_host(monkeypatch):
+    # The launches left out: under the interpreter they copy to numpy, on a GPU they read nothing back.
+    monkeypatch.setattr(triton_select, "launch", lambda *args, **meta: None)
+    x = values(4099, torch.float32, "random")
+    for codec in (MinK(0.9), MinK(0.5), SampledMinK(0.9, sample=256), DropITReference(0.9), RandomDrop(0.9)):
+        with use_backend("triton"):
+            assert backends.choose(codec, "encode", x, Hints()) == "triton"
+        with use_backend("triton"), HostReads() as reads:  # the stage alone: on a CPU the chain reads its flag
+            encoded = backends.encode(codec, x, Hints())
+            backends.decode(codec, encoded.payload, encoded.saved, encoded.meta)
+        assert not reads.counts, (codec, reads.counts)
