@@ -52,7 +52,8 @@ def steps(out_dir: Path) -> list[tuple[str, list[str], dict, int]]:
     return [
         ("tests on cuda", [*pytest, "tests/core/test_cuda_sync.py", "tests/compressors/test_compressors.py",
                            "tests/kernels/test_noise.py", "-k", "cuda or sync"], {}, 90),
-        ("triton kernels on cuda", [*pytest, "-n", "4", "tests/core/test_dispatch.py", "-k", "cuda or triton"], {}, 90),
+        ("triton kernels on cuda", [*pytest, "-n", "4", "tests/core/test_dispatch.py", "tests/kernels/test_triton_casts.py",
+                                    "tests/kernels/test_triton_flags.py", "-k", "cuda or triton"], {}, 150),
         ("zoo exactness on cuda", [*pytest, "-n", "8", "tests/integration/test_zoo.py"], {"ACTCOMP_TEST_DEVICE": "cuda"}, 120),
         ("compressor round trips", [python, "benchmarks/bench_compressors.py", "--device", "cuda", "--out-dir", out],
          {}, 45),
@@ -62,7 +63,7 @@ def steps(out_dir: Path) -> list[tuple[str, list[str], dict, int]]:
         ("step peaks", [python, "benchmarks/bench_gpu_peak.py", "--out-dir", out], {}, 75),
         ("compiled step", [python, "benchmarks/bench_compiled.py", "--device", "cuda", "--batch", "64",
                            "--img-size", "224", "--rounds", "1", "--configs", "plain", "fp8-pass", "actcomp-8bit",
-                           "--out-dir", out], {}, 180),
+                           "--out-dir", out], {}, 150),
         ("lora example", [python, "examples/lora_trainer.py", "--tiny"], {}, 90),
         ("language model", [python, "benchmarks/bench_lm_loss.py", "--device", "cuda", "--dtypes", "bf16",
                             "--tokens", "2048", "4096", "--rounds", "5", "--out", out], {}, 120),

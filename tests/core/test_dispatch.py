@@ -100,7 +100,7 @@ def test_every_implementation_gives_the_reference_codes_and_values(name, impleme
 
 # The codecs whose CUDA slot holds a Triton kernel (kernels/triton_*.py).
 TRITON_CODECS = {"int8", "int4", "int2", "relu-mask", "leaky-relu-mask", "clamp-mask", "dropout-mask", "pool-offsets",
-                 "fewbit", "fp8", "fp16", "bf16", "mesa8", "channel", "rchannel"}
+                 "fewbit", "fp8", "fp16", "bf16", "mesa8", "channel", "rchannel", "mink", "smink", "dropit", "random"}
 # Of them, those with a Triton decode only (mesa8's stateful encode is not dispatched; the
 # channel selections' encode is a top-k of norms).
 TRITON_DECODE_ONLY = {"mesa8", "channel", "rchannel"}

@@ -87,8 +87,10 @@ def test_launches_per_encode_and_decode(codec, dtype, encode_launches):
     with use_backend("triton"):
         triton_runtime.LAUNCHES.clear()
         packed = codec.compress(x)
-        # A histogram pass a byte (an exact selection's last in the count pass), count, write.
-        assert sum(triton_runtime.LAUNCHES.values()) == encode_launches
+        # A histogram pass a byte (an exact selection's last in the count pass), count, write;
+        # and the chain's finite flag.
+        assert sum(triton_runtime.LAUNCHES.values()) == encode_launches + 1
+        assert triton_runtime.LAUNCHES["_finite_kernel"] == 1
         triton_runtime.LAUNCHES.clear()
         codec.decompress(packed)
         assert sum(triton_runtime.LAUNCHES.values()) == 2  # popcount, expand or scatter
@@ -108,7 +110,8 @@ def test_random_encodes_and_decodes_in_three_launches_each():
     with use_backend("triton"):
         triton_runtime.LAUNCHES.clear()
         packed = codec.compress(x)
-        assert sum(triton_runtime.LAUNCHES.values()) == 3  # an 8-bit pass over the 16-bit keys, count, write
+        # An 8-bit pass over the 16-bit keys, count, write; and the chain's finite flag.
+        assert sum(triton_runtime.LAUNCHES.values()) == 3 + 1
         triton_runtime.LAUNCHES.clear()
         codec.decompress(packed)
         assert sum(triton_runtime.LAUNCHES.values()) == 3  # the same passes, the write gathering instead
