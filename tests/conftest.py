@@ -7,6 +7,7 @@ an accuracy or compile, and the zoo's models beyond the three the default tier s
 """
 
 import os
+import shutil
 import sys
 
 # Idle OpenMP threads sleep rather than spin, unless the caller chose: with another process on
@@ -16,7 +17,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Without a GPU, the Triton kernels run on CPU tensors under Triton's interpreter, which must be
 # on before triton is first imported (use_backend("triton") then picks them; unasked, CPU tensors
 # keep the native kernels). Reading /proc is enough to know: torch is not imported yet.
-if not os.path.exists("/proc/driver/nvidia") and os.environ.get("ACTCOMP_TEST_DEVICE", "cpu") == "cpu":
+if not (os.path.exists("/proc/driver/nvidia") or shutil.which("nvidia-smi")) and \
+        os.environ.get("ACTCOMP_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
