@@ -72,6 +72,7 @@ import torch
 
 from actcomp.errors import ActcompError, warn_once
 from actcomp.kernels import eager_cpu, native_cpu, triton_runtime
+from actcomp.kernels.layouts import is_subclass_tensor
 from actcomp.torch_compat import maybe_mark_dynamic, recompile_limit_raises
 
 # The names a caller may ask for. "eager" is every codec's reference; "native" and "triton" name
@@ -238,7 +239,7 @@ def decode(codec: Any, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], m
     kernel's own pass where it applies the flag, else in one more."""
     if finite is None:
         return _run(codec, "decode", (payload, saved, meta), backend)
-    if not torch.compiler.is_compiling():
+    if not tracing(payload):
         name, function = _chosen_implementation(codec, "decode", (payload, saved, meta), _asked(backend))
         kernel = next((kernel for kernel in _resolved(type(codec), "decode") if kernel.name == name), None)
         if kernel is not None and kernel.applies_finite_flag:
@@ -257,6 +258,14 @@ def nan_unless_finite(payload: torch.Tensor, finite: torch.Tensor) -> torch.Tens
         # On a CPU outside compile the flag is a read of host memory: skip the pass when finite.
         return payload if bool(finite) else torch.full_like(payload, math.nan)
     return torch.where(finite, payload, math.nan)
+
+
+def tracing(tensor: torch.Tensor) -> bool:
+    """Whether a graph is being traced through ``tensor`` (Dynamo, or AOTAutograd tracing the
+    saved-tensor hooks into the graph with fake or functional tensors): then the reference runs,
+    since a kernel would be an opaque call, or would run on a tensor with no memory (the H100 run
+    of ``compress_in_graph``: "Cannot access data pointer of Tensor")."""
+    return torch.compiler.is_compiling() or is_subclass_tensor(tensor)
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -321,7 +330,7 @@ def _chosen_implementation(codec: Any, method: str, args: tuple, asked: str | No
 
 
 def _run(codec: Any, method: str, args: tuple, backend: str | None) -> Any:
-    if torch.compiler.is_compiling():
+    if tracing(args[0]):
         # Dynamo traces the reference: a kernel is an opaque call it would break the graph at,
         # and the reference reads nothing back, so every shape in the graph is symbolic.
         return getattr(codec, method)(*args)

@@ -154,7 +154,7 @@ def finite_flag(x: torch.Tensor) -> torch.Tensor:
     (tensor(True), tensor(False))
     """
     # While Dynamo traces, the eager ops: a kernel is an opaque call it would break the graph at.
-    if backends.triton_runs_on(x.device) and not torch.compiler.is_compiling():
+    if backends.triton_runs_on(x.device) and not backends.tracing(x):
         from actcomp.kernels import triton_flags
 
         if triton_flags.takes(x):

@@ -41,6 +41,9 @@ ENCODE_ELEMENTS = 2048
 DECODE_ELEMENTS = 1024
 # The largest group (rounded up to a power of two) one program holds in registers.
 MAX_GROUP = 8192
+# A compiled kernel may read a module's global only as a constexpr (the interpreter reads any:
+# the H100 run found this one).
+_ROTATION_KEY = tl.constexpr(ROTATION_KEY)
 # Same-size integer views of the float dtypes, as the eager fingerprint sums them.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -85,7 +88,7 @@ def rounded_to(values, dtype: tl.constexpr):
 def _noise(index, seed):
     """:func:`actcomp.kernels.noise.noise_at` of int32 ``index`` under uint32 ``seed``."""
     period = (index >> 16).to(tl.uint32)
-    rotation = _lowbias32(period ^ ROTATION_KEY) & 0xFFFF
+    rotation = _lowbias32(period ^ _ROTATION_KEY) & 0xFFFF
     rotated = ((index.to(tl.uint32) & 0xFFFF) + rotation) & 0xFFFF
     hashed = _lowbias32(rotated ^ seed)
     return ((hashed >> 8) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216.0)

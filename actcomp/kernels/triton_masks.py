@@ -74,9 +74,11 @@ def _code(values, table_ptr, valid, low, high, PREDICATE: tl.constexpr, BITS: tl
     else:  # "interval": the edges below the value, in a table of 2**BITS - 1 sorted edges (+inf padded)
         code = tl.zeros(values.shape, tl.int64)
         for level in tl.static_range(BITS):
-            step: tl.constexpr = 1 << (BITS - 1 - level)
-            edge = tl.load(table_ptr + code + (step - 1), mask=valid, other=0.0).to(tl.float32)
-            code = tl.where(values > edge, code + step, code)
+            # Not annotated constexpr: a compiled kernel refuses to reassign one in an unrolled
+            # loop (the interpreter allows it; the H100 run found this).
+            span = 1 << (BITS - 1 - level)
+            edge = tl.load(table_ptr + code + (span - 1), mask=valid, other=0.0).to(tl.float32)
+            code = tl.where(values > edge, code + span, code)
     return code.to(tl.int64)
 
 

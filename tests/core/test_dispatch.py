@@ -235,3 +235,21 @@ def test_the_reference_reads_nothing_back_to_the_host(name):
             payload, saved, meta = backends.reference(codec, "encode", x, Hints(channel_dim=-1), state)
         backends.decode(codec, payload, saved, meta)
     assert not reads.counts, dict(reads.counts)
+
+
+def test_a_traced_tensor_runs_the_reference_not_a_kernel():
+    # AOTAutograd traces compress_in_graph's hooks with fake tensors, which have no memory: a
+    # Triton kernel there failed on the H100 ("Cannot access data pointer of Tensor").
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from actcomp.kernels import triton_runtime
+
+    codec = codec_named("int8")
+    launched = sum(triton_runtime.LAUNCHES.values())
+    with FakeTensorMode() as mode, use_backend("triton"):
+        x = mode.from_tensor(torch.randn(4, 300))
+        assert backends.tracing(x)
+        packed = actcomp.parse("int8").compress(x)
+        codec.decompress(codec.compress(x))
+    assert sum(triton_runtime.LAUNCHES.values()) == launched
+    assert packed.tensors[-1].shape == (1200,)
