@@ -207,14 +207,15 @@ register_implementation(
     decodes=lambda codec, payload, saved, meta: native_cpu.quantizes(payload.device, meta[1], meta[0].numel(), codec.bits))
 
 
-def _triton_encode(codec: GroupQuant, x: torch.Tensor, hints: Hints) -> Encoded:
+def _triton_encode(codec: GroupQuant, x: torch.Tensor, hints: Hints, finite: torch.Tensor | None = None) -> Encoded:
     """:meth:`GroupQuant.encode` in two launches of :mod:`~actcomp.kernels.triton_affine`
-    (the channels' powers of two, where scaled, are a few small reductions before)."""
+    (the channels' powers of two, where scaled, are a few small reductions before), writing the
+    chain's finite flag ``finite`` on the way where given."""
     from actcomp.kernels import triton_affine
 
     flat = x.reshape(-1).contiguous()
     exponents, inverse = _channel_exponents(flat, codec._channels(x, hints))
-    codes, offset, scale = triton_affine.quantize(flat, codec.bits, codec.group, inverse)
+    codes, offset, scale = triton_affine.quantize(flat, codec.bits, codec.group, inverse, finite)
     return Encoded(codes, (offset, scale, *exponents), (x.shape, x.dtype))
 
 
@@ -241,7 +242,7 @@ def _triton_takes(codec: GroupQuant, device: torch.device, dtype: torch.dtype, c
 register_implementation(
     GroupQuant, "triton", encode=_triton_encode,
     encodes=lambda codec, x, hints: _triton_takes(codec, x.device, x.dtype, x.numel()),
-    decode=_triton_decode, applies_finite_flag=True,
+    decode=_triton_decode, applies_finite_flag=True, writes_finite_flag=True,
     decodes=lambda codec, payload, saved, meta: _triton_takes(codec, payload.device, meta[1], meta[0].numel()))
 
 

@@ -106,7 +106,8 @@ class Implementation:
     function: Callable[..., Any]
     takes: Callable[..., bool]
     # A decode that takes ``finite=`` (the chain's 0-d finite flag) and writes NaN everywhere
-    # where it is false, in its own pass over the output.
+    # where it is false, in its own pass over the output; an encode that takes ``finite=`` (an
+    # uninitialized 0-d bool) and writes the flag as it reads the input, with no launch of its own.
     applies_finite_flag: bool = False
 
 
@@ -118,13 +119,16 @@ _RESOLVED: dict[tuple[type, str], tuple[Implementation, ...]] = {}
 
 def register_implementation(klass: type, name: str, *, encode: Callable[..., Any] | None = None,
                             encodes: Callable[..., bool] | None = None, decode: Callable[..., Any] | None = None,
-                            decodes: Callable[..., bool] | None = None, applies_finite_flag: bool = False) -> None:
+                            decodes: Callable[..., bool] | None = None, applies_finite_flag: bool = False,
+                            writes_finite_flag: bool = False) -> None:
     """Register ``klass``'s ``name`` kernels (``"native"``: CPU; ``"triton"``: CUDA), each with
     its capability predicate: ``encode(codec, x, hints)`` where ``encodes(codec, x, hints)``,
     ``decode(codec, payload, saved, meta)`` where ``decodes(...)``. Subclasses inherit them (a
     subclass may register its own); a predicate that asks ``type(codec).encode`` keeps a kernel
     off a subclass that encodes otherwise. ``applies_finite_flag``: the decode takes ``finite=``
     and makes the output NaN itself where the flag is false (no pass of its own over the output).
+    ``writes_finite_flag``: the encode takes ``finite=`` (an uninitialized 0-d bool on the
+    tensor's device) and writes whether every input value is finite (no reduction of its own).
 
     >>> from actcomp.compressors.casts import Fp16
     >>> register_implementation(Fp16, "triton", encode=lambda codec, x, hints: codec.encode(x, hints),
@@ -132,6 +136,9 @@ def register_implementation(klass: type, name: str, *, encode: Callable[..., Any
     >>> sorted(implementations(Fp16, "encode")); unregister_implementation(Fp16, "triton")
     ['eager', 'triton']
     """
+    flag_methods = {"decode"} if applies_finite_flag else set()
+    if writes_finite_flag:
+        flag_methods.add("encode")
     if name not in KERNELS:
         raise ActcompError(f"unknown kernel name {name!r} for {klass.__name__}; known: {', '.join(KERNELS)} "
                            "(the eager reference is the class's own encode/decode)")
@@ -141,7 +148,7 @@ def register_implementation(klass: type, name: str, *, encode: Callable[..., Any
                                f"({method}s=...): which tensors it takes")
         if function is not None:
             _REGISTRY[(klass, method, name)] = Implementation(name, function, takes,
-                                                              applies_finite_flag and method == "decode")
+                                                              applies_finite_flag and method in flag_methods)
     _RESOLVED.clear()
 
 
@@ -230,6 +237,21 @@ def takes_cpu_shortcut(tensor: torch.Tensor) -> bool:
 def encode(codec: Any, x: torch.Tensor, hints: Any, *state: Any, backend: str | None = None) -> Any:
     """``codec.encode(x, hints, *state)`` by the implementation :func:`choose` picks."""
     return _run(codec, "encode", (x, hints, *state), backend)
+
+
+def encode_flagged(codec: Any, x: torch.Tensor, hints: Any, finite_flag: Callable[[torch.Tensor], torch.Tensor], *,
+                   backend: str | None = None) -> tuple[Any, torch.Tensor]:
+    """``(codec.encode(x, hints), flag)``: the encoding and a 0-d bool, whether every value of
+    ``x`` is finite; written by the kernel as it encodes where it can (``writes_finite_flag``),
+    else ``finite_flag(x)``, one reduction more."""
+    if not tracing(x):
+        name, function = _chosen_implementation(codec, "encode", (x, hints), _asked(backend))
+        kernel = next((kernel for kernel in _resolved(type(codec), "encode") if kernel.name == name), None)
+        if kernel is not None and kernel.applies_finite_flag:
+            flag = torch.empty((), dtype=torch.bool, device=x.device)
+            return function(x, hints, finite=flag), flag
+    flag = finite_flag(x)
+    return _run(codec, "encode", (x, hints), backend), flag
 
 
 def decode(codec: Any, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any, *,

@@ -89,11 +89,20 @@ def _pack(stages: Sequence[Stage], spec: str, x: torch.Tensor, channel_dim: int 
     # that drops nothing).
     flagged = category == "float" and flag_non_finite and any(
         stage.flags_non_finite and not stage.lossless() for stage in stages)
-    tensors = [finite_flag(payload)] if flagged else []
+    tensors = []
     stage_layouts = []
-    for stage, state in zip(stages, states, strict=True):
+    for position, (stage, state) in enumerate(zip(stages, states, strict=True)):
         # Only stateful stages take a third argument: every other stage keeps encode(x, hints).
-        payload, saved, meta = backends.encode(stage, payload, hints) if state is None else stage.encode(payload, hints, state)
+        if state is not None:
+            if flagged and position == 0:
+                tensors.append(finite_flag(payload))
+            payload, saved, meta = stage.encode(payload, hints, state)
+        elif flagged and position == 0:
+            # The first stage reads the input: its kernel writes the flag as it does, where it can.
+            (payload, saved, meta), flag = backends.encode_flagged(stage, payload, hints, finite_flag)
+            tensors.append(flag)
+        else:
+            payload, saved, meta = backends.encode(stage, payload, hints)
         tensors.extend(saved)
         stage_layouts.append((len(saved), meta))
         # Past an element sparsifier the payload is a flat list of values.

@@ -95,9 +95,12 @@ def _noise(index, seed):
 
 
 @triton.jit
-def _seed_kernel(bits_ptr, seed_ptr, count, step, mix, SAMPLES: tl.constexpr):
+def _seed_kernel(bits_ptr, seed_ptr, finite_ptr, count, step, mix, SAMPLES: tl.constexpr, FLAGGED: tl.constexpr):
     """noise_seed: the bit patterns of every ``step``-th element summed (int64), folded to 32
-    bits, mixed with ``mix`` (torch's seed and the size) and hashed."""
+    bits, mixed with ``mix`` (torch's seed and the size) and hashed. Also sets the finite flag
+    true, for the encode (launched after it on the same stream) to clear."""
+    if FLAGGED:
+        tl.store(finite_ptr, 1)
     position = tl.arange(0, SAMPLES).to(tl.int64) * step
     sample = tl.load(bits_ptr + position, mask=position < count, other=0).to(tl.int64)
     total = tl.sum(sample, axis=0)
@@ -107,9 +110,9 @@ def _seed_kernel(bits_ptr, seed_ptr, count, step, mix, SAMPLES: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, inverse_ptr, seed_ptr, codes_ptr, offset_ptr, scale_ptr, count, group, channels,
-                     BITS: tl.constexpr, PER_BYTE: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr,
-                     SCALED: tl.constexpr):
+def _quantize_kernel(x_ptr, inverse_ptr, seed_ptr, codes_ptr, offset_ptr, scale_ptr, finite_ptr, count, group,
+                     channels, BITS: tl.constexpr, PER_BYTE: tl.constexpr, BYTES: tl.constexpr, ROWS: tl.constexpr,
+                     SCALED: tl.constexpr, FLAGGED: tl.constexpr):
     levels: tl.constexpr = (1 << BITS) - 1
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     byte = tl.arange(0, BYTES)
@@ -118,6 +121,11 @@ def _quantize_kernel(x_ptr, inverse_ptr, seed_ptr, codes_ptr, offset_ptr, scale_
     index = rows[:, None, None] * group + within[None, :, :]
     valid = (within[None, :, :] < group) & (index < count)
     values = tl.load(x_ptr + index, mask=valid, other=0.0)
+    if FLAGGED:  # any program that meets NaN or inf clears the flag (all write the same byte)
+        magnitude = tl.abs(values.to(tl.float32))
+        infinite = tl.max(tl.max(tl.max(((magnitude < float("inf")) == 0).to(tl.int32), axis=2), axis=1), axis=0)
+        if infinite > 0:
+            tl.store(finite_ptr, 0)
     if SCALED:  # times the channel's power of two, rounded to the input's dtype as the reference's product is
         inverse = tl.load(inverse_ptr + index % channels, mask=valid, other=1.0)
         values = rounded_to(values.to(tl.float32) * inverse.to(tl.float32), values.dtype)
@@ -166,22 +174,24 @@ def _dequantize_kernel(codes_ptr, offset_ptr, scale_ptr, exponents_ptr, finite_p
     tl.store(out_ptr + index, values, mask=valid)
 
 
-def noise_seed(flat: torch.Tensor) -> torch.Tensor:
-    """:func:`actcomp.kernels.noise.noise_seed` of contiguous 1-D ``flat``, in one launch."""
+def noise_seed(flat: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`actcomp.kernels.noise.noise_seed` of contiguous 1-D ``flat``, in one launch; sets
+    ``finite`` (a 0-d bool) true on the way where given."""
     count = flat.numel()
     step = max(1, count // FINGERPRINT_SAMPLE)
     seed = torch.empty((), dtype=torch.int64, device=flat.device)
     with device_guard(flat):
-        launch(_seed_kernel, (1,), flat.view(_BITS[flat.element_size()]), seed, count, step,
-               _mix_seed_and_size(count), SAMPLES=2 * FINGERPRINT_SAMPLE)
+        launch(_seed_kernel, (1,), flat.view(_BITS[flat.element_size()]), seed, seed if finite is None else finite,
+               count, step, _mix_seed_and_size(count), SAMPLES=2 * FINGERPRINT_SAMPLE, FLAGGED=finite is not None)
     return seed
 
 
-def quantize(flat: torch.Tensor, bits: int, group: int,
-             inverse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(flat: torch.Tensor, bits: int, group: int, inverse: torch.Tensor | None = None,
+             finite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(codes, offset, scale)`` of contiguous 1-D ``flat`` (see :func:`takes`), as
     :meth:`~actcomp.compressors.affine.GroupQuant.encode` makes them: ``inverse`` holds each
-    channel's power of two (the last axis of ``flat``'s rows), or None. Two launches."""
+    channel's power of two (the last axis of ``flat``'s rows), or None. Where ``finite`` (a 0-d
+    bool) is given, it is written: whether every value of ``flat`` is finite. Two launches."""
     count = flat.numel()
     groups = -(-count // group)
     codes = torch.empty(packed_size(count, bits), dtype=torch.uint8, device=flat.device)
@@ -190,11 +200,12 @@ def quantize(flat: torch.Tensor, bits: int, group: int,
     per_byte = 8 // bits
     padded = triton.next_power_of_2(group)
     rows = max(1, ENCODE_ELEMENTS // padded)
-    seed = noise_seed(flat)
+    seed = noise_seed(flat, finite)
     with device_guard(flat):
         launch(_quantize_kernel, (triton.cdiv(groups, rows),), flat, flat if inverse is None else inverse, seed, codes,
-               offset, scale, count, group, 1 if inverse is None else inverse.numel(), BITS=bits, PER_BYTE=per_byte,
-               BYTES=max(1, padded // per_byte), ROWS=rows, SCALED=inverse is not None)
+               offset, scale, seed if finite is None else finite, count, group,
+               1 if inverse is None else inverse.numel(), BITS=bits, PER_BYTE=per_byte, BYTES=max(1, padded // per_byte),
+               ROWS=rows, SCALED=inverse is not None, FLAGGED=finite is not None)
     return codes, offset, scale
 
 

@@ -87,9 +87,15 @@ def test_every_implementation_gives_the_reference_codes_and_values(name, impleme
             tensors, decoded = round_trip(codec, x, implementation)
         expected_tensors, expected = round_trip(codec, x, "eager")
         assert len(tensors) == len(expected_tensors), case
+        if x.is_floating_point() and x.numel() and x.isfinite().all() and expected_tensors[0].dtype == torch.bool \
+                and expected_tensors[0].dim() == 0:
+            assert tensors[0], case  # the finite flag, where the codec keeps one
         if codec.flags_non_finite and x.is_floating_point() and not x.isfinite().all():
             # The chain's finite flag decodes this tensor to NaN whatever the codes (core/chain.py):
-            # a kernel owes the reference its codes for finite inputs only.
+            # a kernel owes the reference its codes for finite inputs only, and the flag (which a
+            # kernel may write itself as it encodes) and the all-NaN output.
+            assert not tensors[0] and not expected_tensors[0], case
+            assert decoded.isnan().all() and expected.isnan().all(), case
             continue
         for got, want in zip(tensors, expected_tensors):
             assert (got.shape, got.dtype) == (want.shape, want.dtype), case
