@@ -23,7 +23,10 @@ then one step per backend under a ``TorchDispatchMode`` that counts:
   figure the Triton kernels are to bring to 2 or fewer per encode and per decode. ``native``
   (the default on a CPU) is given beside them, and ``triton`` (``use_backend("triton")``: the
   Triton kernels where a codec has one, each launch counted; on a machine without a GPU they
-  run under Triton's interpreter, ``TRITON_INTERPRET=1``, slowly: give small sizes). Also per
+  run under Triton's interpreter, ``TRITON_INTERPRET=1``, slowly: give small sizes), and
+  ``triton-host``: the same path, its codec time taken without the time inside Triton's
+  launches: the host's own share of a GPU step's codecs (Python and the small ATen ops around
+  the kernels; Triton's own launcher, a few µs a launch on a GPU, not included). Also per
   spec (codec), and the most frequent ops;
 - **hook ops**: ATen ops the whole-model hooks run outside the codecs (choosing, caching);
 - **host reads**: ops that read a value back to the host or whose size depends on the data
@@ -64,12 +67,15 @@ HOST_READS = {"_local_scalar_dense", "nonzero", "nonzero_static", "bincount", "u
               "is_nonzero"}
 # Allocations without a kernel: not launches.
 NO_LAUNCH = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
-BACKENDS = ("eager", "eager-device-chunks", "native", "triton")
+BACKENDS = ("eager", "eager-device-chunks", "native", "triton", "triton-host")
 
 
 @contextlib.contextmanager
 def backend_of(name: str):
-    """``use_backend`` of the name; ``eager-device-chunks``: the reference with CUDA's chunk length."""
+    """``use_backend`` of the name; ``eager-device-chunks``: the reference with CUDA's chunk length;
+    ``triton-host``: the Triton path (timed without the time inside its launches)."""
+    if name == "triton-host":
+        name = "triton"
     if name != "eager-device-chunks":
         with use_backend(name):
             yield
@@ -204,10 +210,20 @@ class HookTracker:
 
 
 class Timer:
-    """Wall time inside top-level codec calls (a watcher)."""
+    """Wall time inside top-level codec calls (a watcher), less the time inside Triton launches
+    (an observer of :mod:`~actcomp.kernels.triton_runtime`): the host's own share where the
+    kernels run under the interpreter (``triton-host``)."""
 
     def __init__(self) -> None:
         self.depth, self.start, self.seconds, self.packs = 0, 0.0, 0.0, 0
+
+    @contextlib.contextmanager
+    def launch(self, name: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds -= time.perf_counter() - started
 
     def begin(self, direction: str) -> None:
         if self.depth == 0:
@@ -254,12 +270,14 @@ def counted(step) -> Counter:
     return counter
 
 
-def timed(step, steps: int) -> tuple[float, int]:
-    """Median seconds inside the codecs per step, and codec packs per step."""
+def timed(step, steps: int, without_kernels: bool = False) -> tuple[float, int]:
+    """Median seconds inside the codecs per step (``without_kernels``: less the time inside
+    Triton launches), and codec packs per step."""
     seconds, packs = [float("nan")], 0
     for _ in range(steps):
         timer = Timer()
-        with watchers.watching(timer):
+        with watchers.watching(timer), \
+                triton_runtime.observed(timer.launch if without_kernels else lambda name: contextlib.nullcontext()):
             step()
         seconds.append(timer.seconds)
         packs = timer.packs
@@ -306,7 +324,7 @@ def main() -> None:
             with backend_of(backend):
                 step()  # warm-up (native build, lazy set-up)
                 counter = counted(step)
-                seconds, packs = timed(step, args.timed_steps)
+                seconds, packs = timed(step, args.timed_steps, without_kernels=backend == "triton-host")
             codec_ops = counter.ops["pack"] + counter.ops["unpack"]
             row = {
                 "model": name, "backend": backend, "input": "x".join(map(str, x.shape)),
