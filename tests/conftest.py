@@ -41,6 +41,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 # The full tier, by file or file::test (every parametrization), with why each is there.
 FULL_TIER = {
     "test_triton_compiles.py": "compiles every Triton kernel specialization for a GPU target (a minute)",
+    "test_triton_steps.py": "three models' training steps through Triton's interpreter (about a minute)",
     "test_examples.py::test_hf_trainer": "an example script end to end",
     "test_examples.py::test_amp_loop": "an example script end to end",
     "test_examples.py::test_lora_trainer": "an example script end to end",

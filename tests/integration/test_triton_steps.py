@@ -32,14 +32,17 @@ def gradients(model: torch.nn.Module, batch: dict, backend: str) -> dict[str, to
     return {name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.grad is not None}
 
 
-@pytest.mark.parametrize("model_id", sorted(MODELS))
-def test_a_training_step_on_the_triton_kernels_gives_the_reference_gradients(model_id):
+def plain_and_converted(model_id: str) -> tuple[torch.nn.Module, torch.nn.Module, dict]:
     entry = MODELS[model_id]
     torch.manual_seed(0)
     plain = entry.build()
     converted = actcomp.to_compressed(copy.deepcopy(plain), "mink0.9+int8", rest="8bit", return_freed_memory=False)
-    converted.train()
-    batch = entry.batch()
+    return plain, converted.train(), entry.batch()
+
+
+@pytest.mark.parametrize("model_id", sorted(MODELS))
+def test_a_training_step_on_the_triton_kernels_gives_the_reference_gradients(model_id):
+    _, converted, batch = plain_and_converted(model_id)
 
     expected = gradients(converted, batch, "eager")
     launched = sum(triton_runtime.LAUNCHES.values())
@@ -53,11 +56,7 @@ def test_a_training_step_on_the_triton_kernels_gives_the_reference_gradients(mod
 
 @pytest.mark.parametrize("model_id", sorted(MODELS))
 def test_a_training_step_on_the_triton_kernels_reads_nothing_back(model_id):
-    entry = MODELS[model_id]
-    torch.manual_seed(0)
-    plain = entry.build()
-    converted = actcomp.to_compressed(copy.deepcopy(plain), "mink0.9+int8", rest="8bit", return_freed_memory=False)
-    batch = entry.batch()
+    plain, converted, batch = plain_and_converted(model_id)
     plain_reads = host_reads_of_a_step(plain, batch)
     with use_backend("triton"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
