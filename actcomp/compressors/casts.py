@@ -149,11 +149,12 @@ register_implementation(
     decodes=lambda codec, payload, saved, meta: _triton_cast_takes(payload.device, payload.dtype, meta))
 
 
-def _triton_encode(codec: Fp8, x: torch.Tensor, hints: Hints) -> Encoded:
-    """:meth:`Fp8.encode` in two launches of :mod:`~actcomp.kernels.triton_casts` (the range, then the codes)."""
+def _triton_encode(codec: Fp8, x: torch.Tensor, hints: Hints, finite: torch.Tensor | None = None) -> Encoded:
+    """:meth:`Fp8.encode` in two launches of :mod:`~actcomp.kernels.triton_casts` (the range, then
+    the codes), writing the chain's finite flag ``finite`` on the way where given."""
     from actcomp.kernels import triton_casts
 
-    codes, scale = triton_casts.fp8_encode(x.reshape(-1).contiguous())
+    codes, scale = triton_casts.fp8_encode(x.reshape(-1).contiguous(), finite)
     return Encoded(codes.view(x.shape), (scale,), x.dtype)
 
 
@@ -169,6 +170,6 @@ def _triton_decode(codec: Fp8, payload: torch.Tensor, saved: tuple[torch.Tensor,
 register_implementation(
     Fp8, "triton", encode=_triton_encode,
     encodes=lambda codec, x, hints: _triton_cast_takes(x.device, x.dtype) and x.numel() < 2**31 - 2**16,
-    decode=_triton_decode, applies_finite_flag=True,
+    decode=_triton_decode, applies_finite_flag=True, writes_finite_flag=True,
     decodes=lambda codec, payload, saved, meta: _triton_cast_takes(payload.device, meta)
     and payload.numel() < 2**31 - 2**16 and saved[0].dtype == torch.float32)

@@ -79,11 +79,14 @@ def _fp8_range_kernel(x_ptr, partial_ptr, count, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fp8_encode_kernel(x_ptr, partial_ptr, scale_ptr, codes_ptr, count, partials, inverse_max,
-                       BLOCK: tl.constexpr, PARTIALS: tl.constexpr, RECIPROCAL: tl.constexpr):
+def _fp8_encode_kernel(x_ptr, partial_ptr, scale_ptr, codes_ptr, finite_ptr, count, partials, inverse_max,
+                       BLOCK: tl.constexpr, PARTIALS: tl.constexpr, RECIPROCAL: tl.constexpr, FLAGGED: tl.constexpr):
     partial = tl.load(partial_ptr + tl.arange(0, PARTIALS), mask=tl.arange(0, PARTIALS) < partials, other=0.0)
     nan = tl.max((partial != partial).to(tl.int32), axis=0)
     amax = tl.where(nan > 0, float("nan"), tl.max(tl.where(partial == partial, partial, 0.0), axis=0))
+    if FLAGGED and tl.program_id(0) == 0:
+        # max |x| is NaN or inf exactly where a value is: the chain's finite flag, at no pass of its own.
+        tl.store(finite_ptr, (amax < float("inf")).to(tl.uint8))
     if RECIPROCAL:
         scale = amax * inverse_max
     else:
@@ -163,13 +166,16 @@ def saturating_cast(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def fp8_encode(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_encode(flat: torch.Tensor, finite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, scale)`` of contiguous 1-D ``flat``, as :meth:`~actcomp.compressors.casts.Fp8.encode`
     makes them: float8_e4m3fn codes of ``x / scale``, ``scale = max |x| / 448`` (1 where that is
-    zero or NaN). Two launches (none for an empty ``flat``, whose scale is a fill)."""
+    zero or NaN). Where ``finite`` (a 0-d bool) is given, it is written: whether every value is
+    finite. Two launches (for an empty ``flat``, fills)."""
     count = flat.numel()
     codes = torch.empty(count, dtype=torch.float8_e4m3fn, device=flat.device)
     if not count:
+        if finite is not None:
+            finite.fill_(True)
         return codes, torch.ones((), dtype=torch.float32, device=flat.device)
     scale = torch.empty((), dtype=torch.float32, device=flat.device)
     programs = min(triton.cdiv(count, BLOCK), MAX_PARTIALS)
@@ -177,8 +183,8 @@ def fp8_encode(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     with device_guard(flat):
         launch(_fp8_range_kernel, (programs,), flat, partials, count, BLOCK=BLOCK)
         launch(_fp8_encode_kernel, (triton.cdiv(count, BLOCK),), flat, partials, scale, codes.view(torch.uint8),
-               count, programs, _INVERSE_FP8_MAX, BLOCK=BLOCK, PARTIALS=triton.next_power_of_2(programs),
-               RECIPROCAL=flat.is_cuda)
+               scale if finite is None else finite.view(torch.uint8), count, programs, _INVERSE_FP8_MAX, BLOCK=BLOCK,
+               PARTIALS=triton.next_power_of_2(programs), RECIPROCAL=flat.is_cuda, FLAGGED=finite is not None)
     return codes, scale
 
 
