@@ -34,7 +34,7 @@ import triton.language as tl
 
 from actcomp.kernels.bitpack import packed_size
 from actcomp.kernels.noise import FINGERPRINT_SAMPLE, ROTATION_KEY, _mix_seed_and_size
-from actcomp.kernels.triton_runtime import device_guard, interpreting, launch
+from actcomp.kernels.triton_runtime import cdiv, device_guard, interpreting, launch, next_power_of_2
 
 # Elements a program of the encode works on (whole groups, at least one) and of the decode.
 ENCODE_ELEMENTS = 2048
@@ -52,7 +52,7 @@ def takes(dtype: torch.dtype, count: int, bits: int, group: int) -> bool:
     """Whether these kernels encode and decode ``count`` values of ``dtype`` in ``bits``-bit
     codes, groups of ``group``: float32/bfloat16/float16, int32 indices, whole bytes per group."""
     return (dtype in (torch.float32, torch.bfloat16, torch.float16) and 0 < count < 2**31 - 2 * group
-            and bits in (2, 4, 8) and group % (8 // bits) == 0 and triton.next_power_of_2(group) <= MAX_GROUP)
+            and bits in (2, 4, 8) and group % (8 // bits) == 0 and next_power_of_2(group) <= MAX_GROUP)
 
 
 @triton.jit
@@ -198,11 +198,11 @@ def quantize(flat: torch.Tensor, bits: int, group: int, inverse: torch.Tensor | 
     offset = torch.empty(groups, dtype=flat.dtype, device=flat.device)
     scale = torch.empty(groups, dtype=torch.bfloat16, device=flat.device)
     per_byte = 8 // bits
-    padded = triton.next_power_of_2(group)
+    padded = next_power_of_2(group)
     rows = max(1, ENCODE_ELEMENTS // padded)
     seed = noise_seed(flat, finite)
     with device_guard(flat):
-        launch(_quantize_kernel, (triton.cdiv(groups, rows),), flat, flat if inverse is None else inverse, seed, codes,
+        launch(_quantize_kernel, (cdiv(groups, rows),), flat, flat if inverse is None else inverse, seed, codes,
                offset, scale, seed if finite is None else finite, count, group,
                1 if inverse is None else inverse.numel(), BITS=bits, PER_BYTE=per_byte, BYTES=max(1, padded // per_byte),
                ROWS=rows, SCALED=inverse is not None, FLAGGED=finite is not None)
@@ -216,7 +216,7 @@ def dequantize(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, b
     times ``2**exponents`` where given, all NaN where ``finite`` (a 0-d bool) is false. One launch."""
     out = torch.empty(count, dtype=dtype, device=codes.device)
     with device_guard(codes):
-        launch(_dequantize_kernel, (triton.cdiv(count, DECODE_ELEMENTS),), codes, offset, scale,
+        launch(_dequantize_kernel, (cdiv(count, DECODE_ELEMENTS),), codes, offset, scale,
                codes if exponents is None else exponents, codes if finite is None else finite, out, count, group,
                1 if exponents is None else exponents.numel(), torch.finfo(dtype).max, BITS=bits, PER_BYTE=8 // bits,
                BLOCK=DECODE_ELEMENTS, SCALED=exponents is not None, FLAGGED=finite is not None)

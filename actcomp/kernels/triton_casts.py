@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from actcomp.kernels.triton_affine import rounded_to
-from actcomp.kernels.triton_runtime import device_guard, launch
+from actcomp.kernels.triton_runtime import cdiv, device_guard, launch, next_power_of_2
 
 # Elements a program works on.
 BLOCK = 2048
@@ -161,7 +161,7 @@ def saturating_cast(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(flat.numel(), dtype=dtype, device=flat.device)
     if flat.numel():
         with device_guard(flat):
-            launch(_cast_kernel, (triton.cdiv(flat.numel(), BLOCK),), flat, out, flat.numel(),
+            launch(_cast_kernel, (cdiv(flat.numel(), BLOCK),), flat, out, flat.numel(),
                    torch.finfo(dtype).max, BLOCK=BLOCK)
     return out
 
@@ -178,13 +178,13 @@ def fp8_encode(flat: torch.Tensor, finite: torch.Tensor | None = None) -> tuple[
             finite.fill_(True)
         return codes, torch.ones((), dtype=torch.float32, device=flat.device)
     scale = torch.empty((), dtype=torch.float32, device=flat.device)
-    programs = min(triton.cdiv(count, BLOCK), MAX_PARTIALS)
+    programs = min(cdiv(count, BLOCK), MAX_PARTIALS)
     partials = torch.empty(programs, dtype=torch.float32, device=flat.device)
     with device_guard(flat):
         launch(_fp8_range_kernel, (programs,), flat, partials, count, BLOCK=BLOCK)
-        launch(_fp8_encode_kernel, (triton.cdiv(count, BLOCK),), flat, partials, scale, codes.view(torch.uint8),
+        launch(_fp8_encode_kernel, (cdiv(count, BLOCK),), flat, partials, scale, codes.view(torch.uint8),
                scale if finite is None else finite.view(torch.uint8), count, programs, _INVERSE_FP8_MAX, BLOCK=BLOCK,
-               PARTIALS=triton.next_power_of_2(programs), RECIPROCAL=flat.is_cuda, FLAGGED=finite is not None)
+               PARTIALS=next_power_of_2(programs), RECIPROCAL=flat.is_cuda, FLAGGED=finite is not None)
     return codes, scale
 
 
@@ -195,7 +195,7 @@ def fp8_decode(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
     if codes.numel():
         with device_guard(codes):
-            launch(_fp8_decode_kernel, (triton.cdiv(codes.numel(), BLOCK),), codes.view(torch.uint8), scale,
+            launch(_fp8_decode_kernel, (cdiv(codes.numel(), BLOCK),), codes.view(torch.uint8), scale,
                    scale if finite is None else finite, out, codes.numel(), torch.finfo(dtype).max, BLOCK=BLOCK,
                    FLAGGED=finite is not None)
     return out

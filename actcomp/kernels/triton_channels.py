@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from actcomp.kernels.triton_runtime import device_guard, launch
+from actcomp.kernels.triton_runtime import cdiv, device_guard, launch
 
 BLOCK = 2048
 # The integer each dtype's values are copied as, and the bits of the NaN ``torch.where(finite,
@@ -72,7 +72,7 @@ def scatter(payload: torch.Tensor, ids: torch.Tensor, dim: int, channels: int,
         integer, nan_bits = _BITS[payload.dtype]
         kept = ids.numel()
         with device_guard(payload):
-            launch(_channel_decode_kernel, (triton.cdiv(count, BLOCK),), payload.view(integer), ids,
+            launch(_channel_decode_kernel, (cdiv(count, BLOCK),), payload.view(integer), ids,
                    ids if finite is None else finite, out.view(integer), count, math.prod(shape[dim + 1:]), channels,
                    kept, nan_bits, BLOCK=BLOCK, STEPS=max(1, kept.bit_length()), FLAGGED=finite is not None)
     return out

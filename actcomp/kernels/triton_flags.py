@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from actcomp.kernels.triton_runtime import device_guard, launch
+from actcomp.kernels.triton_runtime import cdiv, device_guard, launch
 
 # Elements a program checks.
 BLOCK = 4096
@@ -61,5 +61,5 @@ def finite_flag(x: torch.Tensor) -> torch.Tensor:
     count = dense.numel()
     if count:
         with device_guard(x):
-            launch(_finite_kernel, (triton.cdiv(count, BLOCK),), dense, flag.view(torch.uint8), count, BLOCK=BLOCK)
+            launch(_finite_kernel, (cdiv(count, BLOCK),), dense, flag.view(torch.uint8), count, BLOCK=BLOCK)
     return flag

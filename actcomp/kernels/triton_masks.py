@@ -37,7 +37,7 @@ import triton.language as tl
 
 from actcomp.kernels.bitpack import packed_size
 from actcomp.kernels.triton_affine import rounded_to
-from actcomp.kernels.triton_runtime import device_guard, launch
+from actcomp.kernels.triton_runtime import cdiv, device_guard, launch
 
 # Runs of 8 codes a program of the encode packs, and values a program of the decode writes.
 ENCODE_RUNS = 128
@@ -251,7 +251,7 @@ def dropout_encode(flat: torch.Tensor, nan_unless_mask: bool) -> tuple[torch.Ten
     """DropoutMask's bits of non-empty float ``flat`` and its scale (1 element of ``flat``'s
     dtype): the largest value, NaN where one is NaN or, with ``nan_unless_mask``, where a value
     is neither 0 nor that largest one. Two launches."""
-    programs = triton.cdiv(flat.numel(), 8 * ENCODE_RUNS)
+    programs = cdiv(flat.numel(), 8 * ENCODE_RUNS)
     partials = torch.empty(_PARTIALS * programs, dtype=torch.float32, device=flat.device)
     packed = _encode(flat, "nonzero", 1, None, 0.0, 0.0, partials)
     scale = torch.empty(1, dtype=flat.dtype, device=flat.device)
@@ -272,8 +272,8 @@ def _encode(flat: torch.Tensor, predicate: str, bits: int, table: torch.Tensor |
     # Python number); past float32's range they are infinite.
     low, high = ctypes.c_float(low).value, ctypes.c_float(high).value
     with device_guard(flat):
-        launch(_encode_kernel, (triton.cdiv(count, 8 * ENCODE_RUNS),), flat, flat if table is None else table, packed,
-               packed if partials is None else partials, count, packed.numel(), triton.cdiv(count, 8 * ENCODE_RUNS),
+        launch(_encode_kernel, (cdiv(count, 8 * ENCODE_RUNS),), flat, flat if table is None else table, packed,
+               packed if partials is None else partials, count, packed.numel(), cdiv(count, 8 * ENCODE_RUNS),
                low, high, PREDICATE=predicate, BITS=bits, RUNS=ENCODE_RUNS, PARTIALS=partials is not None)
     return packed
 
@@ -299,7 +299,7 @@ def _decode(packed: torch.Tensor, table: torch.Tensor, bits: int, count: int, dt
     if count == 0:
         return out
     with device_guard(packed):
-        launch(_decode_kernel, (triton.cdiv(count, DECODE_ELEMENTS),), packed, table,
+        launch(_decode_kernel, (cdiv(count, DECODE_ELEMENTS),), packed, table,
                packed if finite is None else finite, out.view(torch.uint8) if dtype == torch.bool else out, count,
                packed.numel(), BITS=bits, TABLE=kind, BLOCK=DECODE_ELEMENTS, FLAGGED=finite is not None)
     return out
@@ -322,7 +322,7 @@ def pool_encode(flat: torch.Tensor, bits: int, kernel: tuple[int, ...], stride: 
         return packed
     per_byte = 8 // bits
     with device_guard(flat):
-        launch(_pool_encode_kernel, (triton.cdiv(packed.numel(), ENCODE_RUNS),), flat, packed, count,
+        launch(_pool_encode_kernel, (cdiv(packed.numel(), ENCODE_RUNS),), flat, packed, count,
                *_pool_settings(kernel, stride, padding, dilation, width, out_size), BITS=bits, PER_BYTE=per_byte,
                BYTES=ENCODE_RUNS)
     return packed
@@ -336,7 +336,7 @@ def pool_decode(packed: torch.Tensor, bits: int, count: int, kernel: tuple[int, 
     if count == 0:
         return out
     with device_guard(packed):
-        launch(_pool_decode_kernel, (triton.cdiv(count, DECODE_ELEMENTS),), packed, out, count,
+        launch(_pool_decode_kernel, (cdiv(count, DECODE_ELEMENTS),), packed, out, count,
                *_pool_settings(kernel, stride, padding, dilation, width, out_size), BITS=bits,
                BLOCK=DECODE_ELEMENTS)
     return out

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from actcomp.kernels.triton_affine import rounded_to
 from actcomp.kernels.triton_casts import nan_unless
-from actcomp.kernels.triton_runtime import device_guard, launch
+from actcomp.kernels.triton_runtime import cdiv, device_guard, launch
 
 BLOCK = 2048
 
@@ -53,7 +53,7 @@ def dequantize(codes: torch.Tensor, low: torch.Tensor, scale: torch.Tensor, span
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
     if codes.numel():
         with device_guard(codes):
-            launch(_mesa_decode_kernel, (triton.cdiv(codes.numel(), BLOCK),), codes, low, scale,
+            launch(_mesa_decode_kernel, (cdiv(codes.numel(), BLOCK),), codes, low, scale,
                    low if finite is None else finite, out, codes.numel(), span, low.numel(), BLOCK=BLOCK,
                    FLAGGED=finite is not None)
     return out
