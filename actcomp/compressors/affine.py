@@ -246,6 +246,59 @@ register_implementation(
     decodes=lambda codec, payload, saved, meta: _triton_takes(codec, payload.device, meta[1], meta[0].numel()))
 
 
+# In a traced graph, one custom op each way whose implementation is the eager path's choice (the
+# native kernel on a CPU, the Triton kernel on CUDA, else the reference): a compiled graph gives
+# the eager codes, and Inductor compiles an extern call where the traced reference is a few
+# dozen loops of generated code (its C++ code generation dominated compress_in_graph's first call:
+# benchmarks/profile_first_compiled_call.py).
+@torch.library.custom_op("actcomp::group_quant_encode", mutates_args=())
+def _encode_op(x: torch.Tensor, bits: int, group: int, scale: str,
+               channel_dim: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    codec = _WIDTHS[bits](group=group, scale=scale)
+    codes, (offset, step, *exponents), _ = backends.encode(codec, x, Hints(channel_dim=channel_dim))
+    return codes, offset, step, exponents[0] if exponents else torch.empty(0, dtype=torch.int8, device=x.device)
+
+
+@_encode_op.register_fake
+def _(x, bits, group, scale, channel_dim):
+    codec = _WIDTHS[bits](group=group, scale=scale)
+    count = x.numel()
+    groups = (count + group - 1) // group
+    channels = codec._channels(x, Hints(channel_dim=channel_dim))
+    return (x.new_empty(((count * bits + 7) // 8,), dtype=torch.uint8), x.new_empty((groups,)),
+            x.new_empty((groups,), dtype=torch.bfloat16), x.new_empty((channels or 0,), dtype=torch.int8))
+
+
+@torch.library.custom_op("actcomp::group_quant_decode", mutates_args=())
+def _decode_op(codes: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, exponents: torch.Tensor, bits: int,
+               group: int, scale: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    codec = _WIDTHS[bits](group=group, scale=scale)
+    saved = (offset, step, exponents) if exponents.numel() else (offset, step)
+    return backends.decode(codec, codes, saved, (torch.Size(shape), dtype))
+
+
+@_decode_op.register_fake
+def _(codes, offset, step, exponents, bits, group, scale, shape, dtype):
+    return codes.new_empty(shape, dtype=dtype)
+
+
+def _graph_encode(codec: GroupQuant, x: torch.Tensor, hints: Hints) -> Encoded:
+    codes, offset, step, exponents = _encode_op(x, codec.bits, codec.group, codec.scale, hints.channel_dim)
+    channels = codec._channels(x, hints)
+    return Encoded(codes, (offset, step, exponents) if channels else (offset, step), (x.shape, x.dtype))
+
+
+def _graph_decode(codec: GroupQuant, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
+    shape, dtype = meta
+    offset, step, *exponents = saved
+    empty = payload.new_empty((0,), dtype=torch.int8)
+    return _decode_op(payload, offset, step, exponents[0] if exponents else empty, codec.bits, codec.group,
+                      codec.scale, list(shape), dtype)
+
+
+backends.register_graph_op(GroupQuant, encode=_graph_encode, decode=_graph_decode)
+
+
 # The registered widths: a name and a width each, all behaviour in GroupQuant. They are classes,
 # so `Int4(group=64)`, `isinstance(stage, Int8)` and pickles that name `affine.Int8` keep working.
 @register_compressor
@@ -281,3 +334,6 @@ class Int2(GroupQuant):
     """
 
     name, bits = "int2", 2
+
+
+_WIDTHS = {8: Int8, 4: Int4, 2: Int2}

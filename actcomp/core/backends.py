@@ -152,6 +152,28 @@ def register_implementation(klass: type, name: str, *, encode: Callable[..., Any
     _RESOLVED.clear()
 
 
+# (codec class, "encode" or "decode") -> its graph op: what a traced graph calls.
+_GRAPH_OPS: dict[tuple[type, str], Callable[..., Any]] = {}
+
+
+def register_graph_op(klass: type, *, encode: Callable[..., Any], decode: Callable[..., Any]) -> None:
+    """What ``klass``'s encode and decode put in a graph being traced (``torch.compile``,
+    ``compress_in_graph``): ``encode(codec, x, hints)`` and ``decode(codec, payload, saved, meta)``
+    calling a ``torch.library`` custom op whose implementations are the codec's own (the kernel
+    the eager path would choose), so a compiled graph gives the eager codes and holds one extern
+    call where the traced reference would be a few dozen generated loops to compile. Subclasses
+    inherit it. ``use_backend("eager")`` and ``"compiled"`` trace the reference instead."""
+    _GRAPH_OPS[(klass, "encode")] = encode
+    _GRAPH_OPS[(klass, "decode")] = decode
+
+
+def _graph_op(klass: type, method: str) -> Callable[..., Any] | None:
+    for base in klass.__mro__:
+        if (base, method) in _GRAPH_OPS:
+            return _GRAPH_OPS[(base, method)]
+    return None
+
+
 def unregister_implementation(klass: type, name: str) -> None:
     """Forget ``klass``'s own ``name`` kernels (those it inherits stay)."""
     for method in ("encode", "decode"):
@@ -353,8 +375,13 @@ def _chosen_implementation(codec: Any, method: str, args: tuple, asked: str | No
 
 def _run(codec: Any, method: str, args: tuple, backend: str | None) -> Any:
     if tracing(args[0]):
-        # Dynamo traces the reference: a kernel is an opaque call it would break the graph at,
-        # and the reference reads nothing back, so every shape in the graph is symbolic.
+        # A graph being traced gets the codec's graph op where it registered one (the kernels
+        # behind a torch.library op: one extern call in the graph), else the reference traced:
+        # a kernel is an opaque call Dynamo would break the graph at, and the reference reads
+        # nothing back, so every shape in the graph is symbolic.
+        op = _graph_op(type(codec), method)
+        if op is not None and _asked(backend) not in ("eager", "compiled"):
+            return op(codec, *args)
         return getattr(codec, method)(*args)
     return _chosen_implementation(codec, method, args, _asked(backend))[1](*args)
 

@@ -70,3 +70,28 @@ def test_every_registered_codec_has_a_compile_test():
     assert sorted(QUANTIZERS) == actcomp.list_codecs("quantizer")
     assert set(actcomp.list_codecs()) == set(actcomp.list_codecs("quantizer") + actcomp.list_codecs("sparsifier")
                                              + actcomp.list_codecs("exact") + actcomp.list_codecs("derivative"))
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "int2:group=64"])
+def test_a_traced_graph_calls_the_quantizers_op_and_gives_the_eager_codes(spec):
+    # The graph holds one extern call each way (the kernels the eager path chooses), not the
+    # reference's loops: what makes compress_in_graph's first compile shorter.
+    graphs = []
+
+    def recording(graph_module, example_inputs):
+        graphs.append(graph_module.code)
+        return graph_module
+
+    pipeline = actcomp.parse(spec)
+    x = torch.randn(48, 320)
+
+    def round_trip(x):
+        packed = pipeline.compress(x, channel_dim=-1)
+        return packed.tensors, pipeline.decompress(packed)
+
+    torch._dynamo.reset()
+    tensors, decoded = torch.compile(round_trip, backend=recording, fullgraph=True)(x)
+    expected_tensors, expected = round_trip(x)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, expected_tensors, strict=True))
+    assert torch.equal(decoded, expected)
+    assert "group_quant_encode" in graphs[0] and "group_quant_decode" in graphs[0]
