@@ -148,6 +148,29 @@ def lazily_not_compiled(function: _F) -> _F:
     return lazy(function) if lazy is not None else torch.compiler.disable(function)
 
 
+def not_compiled_frame(function: _F) -> _F:
+    """``function``'s own frame run eagerly where a compiled caller traces through it, while
+    the frames it calls are still compiled by that caller's ``torch.compile`` (``recursive=False``).
+    Checked on 2.13.0 and 2.14.1 (``torch._disable_dynamo``'s ``recursive``); without it, the
+    public ``torch.compiler.disable(recursive=False)``."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(function, recursive=False) if lazy is not None else torch.compiler.disable(function, recursive=False)
+
+
+def called_from_compiled_code() -> bool:
+    """Whether a ``torch.compile`` d caller is running this frame's callees through Dynamo: true
+    inside a :func:`not_compiled_frame` function that a compiled function called. Checked on
+    2.13.0 and 2.14.1 (``torch._C._dynamo.eval_frame.get_eval_frame_callback``: Dynamo's frame
+    callback, None outside compiled code and inside a recursively disabled frame). If it moves,
+    False: a compiled caller runs the whole-model forward eagerly, as before."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    except (ImportError, AttributeError):
+        return False
+    callback = get_eval_frame_callback()
+    return callback is not None and callback is not False
+
+
 def skip_frame_but_inline(code: Any) -> None:
     """Tell dynamo never to compile ``code`` as a frame of its own, while still inlining it into
     a compiled caller. Checked on 2.13.0 and 2.14.1 (``torch._C._dynamo.eval_frame.

@@ -49,8 +49,9 @@ def warn_if_leaving_graph(key: str) -> None:
 
 @not_compiled
 def _warn_leaving_graph(key: str) -> None:
-    what = ("the whole-model forward of this converted model runs eagerly, outside the compiled graph (one "
-            "graph break at the model's entry)" if key == WHOLE_MODEL_FALLBACK else
+    what = ("the whole-model forward of this converted model compiles as a graph of its own under "
+            "compress_in_graph's hooks, its rest policy chosen inside the graph (one graph break at the model's "
+            "entry; fullgraph=True cannot hold it)" if key == WHOLE_MODEL_FALLBACK else
             "each converted Linear/Conv layer runs eagerly, outside the compiled graph (a graph break at "
             "every converted layer whose codec cannot run in a graph: Rice-coded positions, running ranges, "
             "random draws)")

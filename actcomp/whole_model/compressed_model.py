@@ -85,7 +85,8 @@ from actcomp.graph.saved_tensors import (
     top_saved_tensors_hooks,
     tracking_scopes,
 )
-from actcomp.torch_compat import in_backward_pass
+from actcomp.torch_compat import called_from_compiled_code, in_backward_pass, not_compiled_frame
+from actcomp.whole_model.in_graph import compress_in_graph
 from actcomp.whole_model.policy import RestPolicy
 from actcomp.whole_model.session import _Session, _unpack
 
@@ -126,13 +127,22 @@ class _Running(threading.local):
 _RUNNING = _Running()
 
 
-# Storage keys, saved-tensor hooks and the op-kind mode are not traceable: under torch.compile a
-# whole-model forward runs eagerly (one graph break at the model's entry).
-@not_compiled
+# Storage keys, saved-tensor hooks and the op-kind mode are not traceable. Under torch.compile
+# this frame runs eagerly (a graph break at the model's entry) and the model's own forward, which
+# it calls, compiles as a graph of its own under compress_in_graph's hooks (the same rest policy,
+# chosen in the graph: in_graph.py); Linear/Conv layers compress their inputs in it as they do
+# eagerly.
+@not_compiled_frame
 def _whole_model_forward(module: CompressedModel, args: tuple, kwargs: dict):
     forward = super(CompressedModel, module).forward
     if _RUNNING.owner is not None:
         return forward(*args, **kwargs)  # a whole-model inside another: the outer one's hooks decide
+    if called_from_compiled_code():
+        hooks = _enter_in_graph(module.actcomp_rest)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _exit_in_graph(hooks)
     # Called from a compiled caller, the model-input hook was traced and recorded nothing.
     record_model_inputs(tensors_in((args, kwargs)))
     try:
@@ -141,6 +151,31 @@ def _whole_model_forward(module: CompressedModel, args: tuple, kwargs: dict):
         return forward(*args, **kwargs)
     finally:
         _finish()
+
+
+class _InGraph:
+    """Whether a converted model's forward is compiling under compress_in_graph's hooks: read by
+    the submodules' traced pre-hooks, which then know they are not an entry from outside."""
+
+    active = False
+
+
+_IN_GRAPH = _InGraph()
+
+
+@not_compiled
+def _enter_in_graph(policy: RestPolicy) -> contextlib.AbstractContextManager:
+    """compress_in_graph's hooks for ``policy`` entered (eagerly: Dynamo must not trace this)."""
+    hooks = compress_in_graph(None, rest=policy)
+    hooks.__enter__()
+    _IN_GRAPH.active = True
+    return hooks
+
+
+@not_compiled
+def _exit_in_graph(hooks: contextlib.AbstractContextManager) -> None:
+    _IN_GRAPH.active = False
+    hooks.__exit__(None, None, None)
 
 
 def _start(owner: nn.Module, policy: RestPolicy, excluded: list, model_class: type, entered: tuple | None = None):
@@ -193,7 +228,7 @@ def _enter_submodule(policy: RestPolicy, model_class: type, module: nn.Module, a
     if torch.compiler.is_compiling():
         # Dynamo traces module hooks into the graph, where no session can run: an eval forward
         # compiles as before; a compiled training call that enters here is told once.
-        if module.training and torch.is_grad_enabled() and _COMPILED_ENTRY not in WARNED:
+        if module.training and torch.is_grad_enabled() and _COMPILED_ENTRY not in WARNED and not _IN_GRAPH.active:
             _warn_compiled_entry(model_class)
         return
     owner = _RUNNING.owner

@@ -1179,21 +1179,21 @@ def test_foreign_saved_tensor_hooks_win_with_a_warning():
     assert_same_gradients(grads, ref_grads)
 
 
-def test_torch_compile_of_a_training_step_is_bit_identical(monkeypatch):
+def test_torch_compile_of_a_training_step_compresses_in_the_graph_within_compiles_drift(monkeypatch):
     from torch._dynamo.utils import counters
 
-    from actcomp.whole_model.session import _Compressed
+    from actcomp.whole_model import in_graph
 
-    # Whether dynamo traced each unpack: the count of frames it looked at is no witness, it
-    # depends on the state of Inductor's on-disk cache (8 warm, 103 cold on torch 2.14.1).
+    # The model's forward compiles under compress_in_graph's hooks: AOTAutograd retraces the
+    # pack hook once per tensor the forward graph saves.
     traced = []
-    original_unpack = _Compressed.unpack
+    original_pack = in_graph._pack
 
-    def spying_unpack(self):
-        traced.append(torch.compiler.is_compiling())
-        return original_unpack(self)
+    def spying_pack(saved, plan_hash):
+        traced.append(plan_hash)
+        return original_pack(saved, plan_hash)
 
-    monkeypatch.setattr(_Compressed, "unpack", spying_unpack)
+    monkeypatch.setattr(in_graph, "_pack", spying_pack)
 
     torch._dynamo.reset()
     counters.clear()
@@ -1211,15 +1211,14 @@ def test_torch_compile_of_a_training_step_is_bit_identical(monkeypatch):
 
     compiled = torch.compile(train_step)
     WARNED.discard(WHOLE_MODEL_FALLBACK)
-    with pytest.warns(UserWarning, match="whole-model forward of this converted model runs eagerly") as said:
+    with pytest.warns(UserWarning, match="compiles as a graph of its own under compress_in_graph's hooks") as said:
         _two_compiled_steps(compiled, model, plain, inputs, train_step)
-    assert sum("outside the compiled graph" in str(warning.message) for warning in said) == 1
+    assert sum("compress_in_graph's hooks" in str(warning.message) for warning in said) == 1
+    assert traced, "the pack hook was never traced: nothing was compressed in the graph"
     # Measured (torch 2.14.1): graph breaks while compiling the first step only, at the
-    # not_compiled whole-model forward (saved-tensor hooks and the op-kind mode are not
-    # traceable; torch's lazy disable wrapper, a file dynamo skips, names it "marked as
-    # skipped"), at the one warning that it leaves the graph (3 times: dynamo restarts its
+    # whole-model forward (its frame runs eagerly to enter the hooks; the model's own forward it
+    # calls compiles as a graph of its own), at the one warning (3 times: dynamo restarts its
     # analysis), and at Tensor.backward(). None after: a break a step would be a slow step.
-    # A change either way should be looked at.
     def breaks() -> dict[str, int]:
         found: dict[str, int] = {}
         for reason, count in counters["graph_break"].items():
@@ -1228,28 +1227,36 @@ def test_torch_compile_of_a_training_step_is_bit_identical(monkeypatch):
             found[key] = found.get(key, 0) + count
         return found
 
-    assert breaks() == {"_warn_leaving_graph": 3, "_whole_model_forward": 1, "Unsupported Tensor.backward() call": 1}
+    first = breaks()
+    # (The plain model, compiled beside it as the yardstick, breaks at its backward too.)
+    assert first.get("_whole_model_forward") == 1 and first.get("Unsupported Tensor.backward() call") == 2, first
     model.zero_grad(set_to_none=True)
     compiled(model, inputs)
-    assert breaks() == {"_warn_leaving_graph": 3, "_whole_model_forward": 1, "Unsupported Tensor.backward() call": 1}
-    # The unpack hook runs eagerly: traced, dynamo would compile it once per holder, closure and
-    # size (110 frames for a resnet18 step) for tensors that are mostly bit operations.
-    assert traced and not any(traced)
+    assert breaks() == first
 
 
 def _two_compiled_steps(compiled, model, plain, inputs, train_step) -> None:
+    # rest="exact" keeps only exact forms, so the gradients differ from plain eager's only as
+    # Inductor's own kernels do: the compiled plain step's distance from eager, the yardstick
+    # (with a floor for parameters it happens to match exactly).
+    def grads(net):
+        return {n: p.grad.clone() for n, p in net.named_parameters()}
+
     for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        plain.zero_grad(set_to_none=True)
-        events = []
-        torch.manual_seed(1)
-        with listening(events.append):
-            compiled(model, inputs)
-        torch.manual_seed(1)
-        train_step(plain, inputs)
-        assert codecs_used(events) == RELU_FAMILY_CODECS
-        assert_same_gradients({n: p.grad for n, p in model.named_parameters()},
-                              {n: p.grad for n, p in plain.named_parameters()})
+        for net, run in ((model, compiled), (plain, train_step), (plain, compiled)):
+            net.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            run(net, inputs)
+            if net is model:
+                got = grads(model)
+            elif run is train_step:
+                eager = grads(plain)
+            else:
+                compiled_plain = grads(plain)
+        for name, want in eager.items():
+            drift = (compiled_plain[name] - want).abs().max().item()
+            bound = 4 * drift + 1e-6 * want.abs().max().item()
+            assert (got[name] - want).abs().max().item() <= bound, name
 
 
 def test_large_tensors_are_quantized_in_chunks_with_the_same_groups(monkeypatch):
