@@ -8,19 +8,20 @@ values' bit patterns only (no float arithmetic), so non-finite values select as 
 integer keys do:
 
 - :func:`encode`: the threshold is the ``rank``-th largest magnitude key (sign bit cleared) of
-  the tensor, or of its evenly spaced sample for ``smink``, found by radix select over 8-bit
-  digits: a launch per byte of the dtype, each program counting the digits of the keys that
-  share the prefix found so far into its own histogram and adding it to the global one with
-  atomics; every later program resolves the digits from those histograms itself (256 bins a
-  pass), so no launch is spent on that. A count launch then writes, per block, how many keys lie
-  at or above the threshold and how many above it (and zeroes Elias-Fano's streams), and a write
-  launch keeps the keys above the threshold and the first ``ties`` equal ones, puts each kept
-  value in its slot (the counts of the blocks before its own, which each program sums itself,
-  plus the block's own ``tl.cumsum``) and writes the bitmask bytes, the int32 indices, or
-  Elias-Fano's bits with ``atomic_or`` into int32 words. Where the select runs over all the keys
-  (not ``smink``'s sample), the count launch is the last digit's pass: each block writes those
-  two counts for every value of the last digit (and adds its histogram to the global one), and
-  the write pass reads the digit off the histograms and its two counts off each block's row.
+  the tensor, or of its evenly spaced sample for ``smink``, found by radix select: a launch per
+  digit (fp32's 31-bit keys in digits of 11, 11 and 9 bits, fp16's and bf16's 15-bit ones in 8
+  and 8), each program counting the digits of the keys that share the prefix found so far into
+  its own histogram and adding it to the global one with atomics; every later program resolves
+  the digits from those histograms itself (at most 2048 bins a pass), so no launch is spent on
+  that. A count launch then writes, per block, how many keys lie at or above the threshold and
+  how many above it (and zeroes Elias-Fano's streams), and a write launch keeps the keys above
+  the threshold and the first ``ties`` equal ones, puts each kept value in its slot (the counts
+  of the blocks before its own, which each program sums itself, plus the block's own
+  ``tl.cumsum``) and writes the bitmask bytes, the int32 indices, or Elias-Fano's bits with
+  ``atomic_or`` into int32 words. Where the select runs over all the keys (not ``smink``'s
+  sample), the count launch is the last digit's pass: each block writes those two counts for
+  every value of the last digit (and adds its histogram of it to the global one), and the write
+  pass reads the digit off the histograms and its two counts off each block's row.
 - :func:`decode`: a launch counts the set bits of each block of the bitmask (Elias-Fano's high
   stream; it also fills Elias-Fano's output, which the next scatters into), and a launch writes
   each element (scatters each slot's value to its position), its rank the counts of the blocks
@@ -35,7 +36,7 @@ The chain's finite flag (:mod:`~actcomp.core.chain`) costs no launch: where an e
 clears it where its block holds a magnitude key at or above infinity's; a decode given it
 writes NaN everywhere in the launches that write the output.
 
-Triton launches per encode: 5 (fp32) or 3 (fp16, bf16) for ``mink`` and ``dropit``, 6 or 4 for
+Triton launches per encode: 4 (fp32) or 3 (fp16, bf16) for ``mink`` and ``dropit``, 5 or 4 for
 ``smink`` where it samples, 3 for ``random``, plus a ``torch.zeros`` (the histograms); per
 decode: 2, 3 and a ``torch.zeros`` (the histograms) for ``random``.
 
@@ -55,7 +56,10 @@ from actcomp.kernels.bitpack import packed_size
 from actcomp.kernels.triton_affine import _lowbias32
 from actcomp.kernels.triton_runtime import device_guard, launch
 
-_BINS = 256  # a radix pass's histogram: 8-bit digits
+# A radix select's digits, from the top: ``wide`` bits each but the last, which takes what is left
+# of the key's bits (as ``(passes, wide, last)``): three passes over fp32's 31-bit magnitudes with
+# at most 2048 bins, two over the 15-bit ones of fp16 and bf16 and random's 16-bit hashes.
+_DIGITS = {4: (3, 11, 9), 2: (2, 8, 8)}  # by the keys' bytes
 # Keys a program of a histogram pass counts; rows of 8 elements (a bitmask byte) a program of
 # the count and write passes takes, and bitmask (or high-stream) bytes a decode program takes.
 HISTOGRAM_BLOCK = 4096
@@ -78,22 +82,26 @@ def takes(dtype: torch.dtype, count: int) -> bool:
 
 
 @triton.jit
-def _resolve(hist_ptr, rank, DONE: tl.constexpr):
-    """The key's digits found by the first ``DONE`` histogram passes, as one prefix, and the rank
-    from the top, among the keys sharing it, of the key sought (``rank`` before any pass)."""
-    bins = tl.arange(0, 256)
+def _resolve(hist_ptr, rank, DONE: tl.constexpr, PASSES: tl.constexpr, WIDE: tl.constexpr, LAST: tl.constexpr):
+    """The key's digits found by the first ``DONE`` of ``PASSES`` histogram passes (``WIDE`` bits
+    each, the last ``LAST``; rows of ``2**WIDE`` bins), as one prefix, and the rank from the top,
+    among the keys sharing it, of the key sought (``rank`` before any pass)."""
     # A sum, not rank.to(): a GPU launch passes an int argument equal to 1 as a constant.
     wanted = rank + tl.zeros((), tl.int64)
     prefix = tl.zeros((), tl.int64)
     for done in tl.static_range(DONE):
-        digit, wanted = _digit(tl.load(hist_ptr + done * 256 + bins), wanted)
-        prefix = (prefix << 8) | digit
+        if done < PASSES - 1:
+            digit, wanted = _digit(tl.load(hist_ptr + done * (1 << WIDE) + tl.arange(0, 1 << WIDE)), wanted)
+            prefix = (prefix << WIDE) | digit
+        else:
+            digit, wanted = _digit(tl.load(hist_ptr + done * (1 << WIDE) + tl.arange(0, 1 << LAST)), wanted)
+            prefix = (prefix << LAST) | digit
     return prefix, wanted
 
 
 @triton.jit
 def _digit(counts, wanted):
-    """The digit of the key of rank ``wanted`` from the top, from the 256 ``counts`` of the digit
+    """The digit of the key of rank ``wanted`` from the top, from the ``counts`` of the digit's values
     among the keys sharing the prefix, and its rank among the keys sharing that digit too."""
     counts = counts.to(tl.int64)
     at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # non-increasing
@@ -113,19 +121,18 @@ def _keys(bits_ptr, seed_ptr, index, valid, KEY_MASK: tl.constexpr, RANDOM: tl.c
 
 @triton.jit
 def _histogram_kernel(bits_ptr, seed_ptr, hist_ptr, count, stride, rank, KEY_MASK: tl.constexpr,
-                      RANDOM: tl.constexpr, PASS: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr):
-    """Pass ``PASS``: the digit below the prefix found so far, of the keys sharing it, among
-    every ``stride``-th of ``count`` values."""
-    prefix, wanted = _resolve(hist_ptr, rank, PASS)
-    shift: tl.constexpr = 8 * (PASSES - 1 - PASS)
+                      RANDOM: tl.constexpr, PASS: tl.constexpr, PASSES: tl.constexpr, WIDE: tl.constexpr,
+                      LAST: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass ``PASS``: the digit below the prefix found so far (``BITS`` bits from bit ``SHIFT``),
+    of the keys sharing it, among every ``stride``-th of ``count`` values."""
+    prefix, wanted = _resolve(hist_ptr, rank, PASS, PASSES, WIDE, LAST)
     index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = index < count
     keys = _keys(bits_ptr, seed_ptr, index.to(tl.int64) * stride, valid, KEY_MASK, RANDOM)
     if PASS > 0:
-        valid = valid & ((keys >> (shift + 8)) == prefix)
-    local = tl.histogram((keys >> shift) & 255, 256, mask=valid)
-    bins = tl.arange(0, 256)
-    tl.atomic_add(hist_ptr + PASS * 256 + bins, local, mask=local > 0)
+        valid = valid & ((keys >> (SHIFT + BITS)) == prefix)
+    local = tl.histogram((keys >> SHIFT) & ((1 << BITS) - 1), 1 << BITS, mask=valid)
+    tl.atomic_add(hist_ptr + PASS * (1 << WIDE) + tl.arange(0, 1 << BITS), local, mask=local > 0)
 
 
 @triton.jit
@@ -140,12 +147,12 @@ def _rank_within(flags):
 @triton.jit
 def _count_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, high_ptr, low_ptr, finite_ptr, high_words, low_words,
                   zero_span, count, rank, KEY_MASK: tl.constexpr, RANDOM: tl.constexpr, PASSES: tl.constexpr,
-                  FUSED: tl.constexpr, FLAGGED: tl.constexpr, BLOCK: tl.constexpr, ZEROES: tl.constexpr,
-                  ZERO_BLOCK: tl.constexpr):
+                  WIDE: tl.constexpr, LAST: tl.constexpr, FUSED: tl.constexpr, FLAGGED: tl.constexpr,
+                  BLOCK: tl.constexpr, ZEROES: tl.constexpr, ZERO_BLOCK: tl.constexpr):
     """Per block, how many keys lie at or above the threshold and how many above it (two
     counts); or, ``FUSED`` (the threshold's last digit is this pass's, over all the keys), the
     same for each value the last digit may take, among the keys sharing the prefix found so far
-    (256 counts at or above, then 1 above the prefix: 257), the block's histogram of that digit
+    (``2**LAST`` counts at or above, then 1 above the prefix), the block's histogram of that digit
     added to the global one, from which the write pass reads the digit. The program's share of
     Elias-Fano's word streams zeroed for the write's ``atomic_or``; ``FLAGGED``, the finite flag
     set true, for the write pass (launched after it on the same stream) to clear."""
@@ -157,15 +164,16 @@ def _count_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, high_ptr, low_ptr, f
     valid = index < count
     keys = _keys(bits_ptr, seed_ptr, index, valid, KEY_MASK, RANDOM)
     if FUSED:
-        prefix, wanted = _resolve(hist_ptr, rank, PASSES - 1)
-        local = tl.histogram(keys & 255, 256, mask=valid & ((keys >> 8) == prefix))
-        above = tl.sum((valid & ((keys >> 8) > prefix)).to(tl.int32), axis=0)
-        bins = tl.arange(0, 256)
-        tl.store(counts_ptr + program * 257 + bins, above + tl.sum(local, axis=0) - tl.cumsum(local, axis=0) + local)
-        tl.store(counts_ptr + program * 257 + 256, above)
-        tl.atomic_add(hist_ptr + (PASSES - 1) * 256 + bins, local, mask=local > 0)
+        prefix, wanted = _resolve(hist_ptr, rank, PASSES - 1, PASSES, WIDE, LAST)
+        local = tl.histogram(keys & ((1 << LAST) - 1), 1 << LAST, mask=valid & ((keys >> LAST) == prefix))
+        above = tl.sum((valid & ((keys >> LAST) > prefix)).to(tl.int32), axis=0)
+        bins = tl.arange(0, 1 << LAST)
+        row = counts_ptr + program * ((1 << LAST) + 1)
+        tl.store(row + bins, above + tl.sum(local, axis=0) - tl.cumsum(local, axis=0) + local)
+        tl.store(row + (1 << LAST), above)
+        tl.atomic_add(hist_ptr + (PASSES - 1) * (1 << WIDE) + bins, local, mask=local > 0)
     else:
-        key, wanted = _resolve(hist_ptr, rank, PASSES)
+        key, wanted = _resolve(hist_ptr, rank, PASSES, PASSES, WIDE, LAST)
         tl.store(counts_ptr + program * 2, tl.sum((valid & (keys >= key)).to(tl.int32), axis=0))
         tl.store(counts_ptr + program * 2 + 1, tl.sum((valid & (keys > key)).to(tl.int32), axis=0))
     if ZEROES:
@@ -189,9 +197,9 @@ def _set_code(words_ptr, code, first_bit, BITS: tl.constexpr, mask):
 @triton.jit
 def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, values_ptr, mask_ptr, high_ptr, low_ptr, finite_ptr,
                   count, rank, kept, blocks, KEY_MASK: tl.constexpr, RANDOM: tl.constexpr, PASSES: tl.constexpr,
-                  SAMPLED: tl.constexpr, FUSED: tl.constexpr, FORM: tl.constexpr, LOW_BITS: tl.constexpr,
-                  FLAGGED: tl.constexpr, INFINITY: tl.constexpr, NAN: tl.constexpr, WIDTH: tl.constexpr,
-                  ROWS: tl.constexpr, SCAN: tl.constexpr):
+                  WIDE: tl.constexpr, LAST: tl.constexpr, SAMPLED: tl.constexpr, FUSED: tl.constexpr,
+                  FORM: tl.constexpr, LOW_BITS: tl.constexpr, FLAGGED: tl.constexpr, INFINITY: tl.constexpr,
+                  NAN: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr):
     """The kept values to their slots, and their positions in the form ``FORM`` (0: a bitmask
     at ``mask_ptr``, 1: Elias-Fano's int32 word streams, 2: int32 indices at ``mask_ptr``, 3:
     none); or, with ``FORM`` 4 (``random``'s decode), each element its slot's value at ``mask_ptr``.
@@ -201,9 +209,9 @@ def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, values_ptr, mask_ptr
     # The threshold from the histograms (an exact selection's last digit added by the count
     # pass), then the block's offsets: the counts of the blocks before it, summed here (each
     # program reads every block's two counts at the threshold: no prefix-sum launch).
-    key, wanted = _resolve(hist_ptr, rank, PASSES)
+    key, wanted = _resolve(hist_ptr, rank, PASSES, PASSES, WIDE, LAST)
     if FUSED:
-        at = key & 255  # the last digit: its column in the rows of 257
+        at = key & ((1 << LAST) - 1)  # the last digit: its column in the rows of 2**LAST + 1
     else:
         at = key * 0
     above_before = tl.zeros((), tl.int32)
@@ -316,7 +324,7 @@ def _select(flat: torch.Tensor, seed: torch.Tensor | None, kept: int, sampled: t
             values: torch.Tensor, mask: torch.Tensor, high: torch.Tensor, low: torch.Tensor, low_bits: int,
             finite: torch.Tensor | None) -> None:
     """The launches of a selection (see :func:`_write_kernel` for ``form``): a histogram pass per
-    byte of the keys (an exact selection's last in the count pass), a count pass (which zeroes
+    digit of the keys (:data:`_DIGITS`; an exact selection's last in the count pass), a count pass (which zeroes
     Elias-Fano's ``high`` and ``low`` and sets ``finite`` true), and the write pass (which
     clears ``finite`` on inf or NaN, or in ``random``'s decode applies it)."""
     count = flat.numel()
@@ -324,16 +332,16 @@ def _select(flat: torch.Tensor, seed: torch.Tensor | None, kept: int, sampled: t
     bits = flat.view(_BITS[flat.element_size()])
     integers = values.view(bits.dtype)
     random = seed is not None
-    passes = 2 if random else flat.element_size()
     key_mask = 2 ** (8 * flat.element_size() - 1) - 1
+    passes, wide, last = _DIGITS[2 if random else flat.element_size()]
     step, rank = sampled or (1, kept)
     selected = -(-count // step)
-    histograms = torch.zeros(passes, _BINS, dtype=torch.int32, device=device)
+    histograms = torch.zeros(passes, 2**wide, dtype=torch.int32, device=device)
     blocks = triton.cdiv(count, ROWS * 8)
     # Exact selections take the last digit in the count pass (see _count_kernel), sampled ones
     # (the histograms are the sample's) count at and above the threshold there.
     fused = sampled is None
-    width = 257 if fused else 2
+    width = 2**last + 1 if fused else 2
     counts = torch.empty(blocks, width, dtype=torch.int32, device=device)
     words = high.numel() + low.numel() if form == 1 else 0
     seed = bits if seed is None else seed
@@ -341,15 +349,18 @@ def _select(flat: torch.Tensor, seed: torch.Tensor | None, kept: int, sampled: t
     flag = bits if finite is None else finite
     with device_guard(flat):
         for index in range(passes - fused):
+            digit = (wide, last + wide * (passes - 2 - index)) if index < passes - 1 else (last, 0)  # bits, shift
             launch(_histogram_kernel, (triton.cdiv(selected, HISTOGRAM_BLOCK),), bits, seed, histograms, selected,
-                   step, rank, KEY_MASK=key_mask, RANDOM=random, PASS=index, PASSES=passes, BLOCK=HISTOGRAM_BLOCK)
+                   step, rank, KEY_MASK=key_mask, RANDOM=random, PASS=index, PASSES=passes, WIDE=wide, LAST=last,
+                   SHIFT=digit[1], BITS=digit[0], BLOCK=HISTOGRAM_BLOCK)
         launch(_count_kernel, (blocks,), bits, seed, histograms, counts, high, low, flag, high.numel(), low.numel(),
-               -(-words // blocks), count, rank, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, FUSED=fused,
-               FLAGGED=finite is not None and form != 4, BLOCK=ROWS * 8, ZEROES=words > 0, ZERO_BLOCK=_ZERO_BLOCK)
+               -(-words // blocks), count, rank, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, WIDE=wide,
+               LAST=last, FUSED=fused, FLAGGED=finite is not None and form != 4, BLOCK=ROWS * 8, ZEROES=words > 0,
+               ZERO_BLOCK=_ZERO_BLOCK)
         launch(_write_kernel, (blocks,), bits, seed, histograms, counts, integers, mask, high, low, flag, count,
-               rank, kept, blocks, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, SAMPLED=not fused, FUSED=fused,
-               FORM=form, LOW_BITS=low_bits, FLAGGED=finite is not None, INFINITY=_INFINITY[flat.dtype],
-               NAN=_NAN[flat.dtype], WIDTH=width, ROWS=ROWS, SCAN=_SCAN)
+               rank, kept, blocks, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, WIDE=wide, LAST=last,
+               SAMPLED=not fused, FUSED=fused, FORM=form, LOW_BITS=low_bits, FLAGGED=finite is not None,
+               INFINITY=_INFINITY[flat.dtype], NAN=_NAN[flat.dtype], WIDTH=width, ROWS=ROWS, SCAN=_SCAN)
 
 
 @triton.jit
