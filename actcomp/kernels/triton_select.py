@@ -8,20 +8,19 @@ values' bit patterns only (no float arithmetic), so non-finite values select as 
 integer keys do:
 
 - :func:`encode`: the threshold is the ``rank``-th largest magnitude key (sign bit cleared) of
-  the tensor, or of its evenly spaced sample for ``smink``, found by radix select: a launch per
-  digit (fp32's 31-bit keys in digits of 11, 11 and 9 bits, fp16's and bf16's 15-bit ones in 8
-  and 8), each program counting the digits of the keys that share the prefix found so far into
-  its own histogram and adding it to the global one with atomics; every later program resolves
-  the digits from those histograms itself (at most 2048 bins a pass), so no launch is spent on
-  that. A count launch then writes, per block, how many keys lie at or above the threshold and
-  how many above it (and zeroes Elias-Fano's streams), and a write launch keeps the keys above
-  the threshold and the first ``ties`` equal ones, puts each kept value in its slot (the counts
-  of the blocks before its own, which each program sums itself, plus the block's own
-  ``tl.cumsum``) and writes the bitmask bytes, the int32 indices, or Elias-Fano's bits with
-  ``atomic_or`` into int32 words. Where the select runs over all the keys (not ``smink``'s
-  sample), the count launch is the last digit's pass: each block writes those two counts for
-  every value of the last digit (and adds its histogram of it to the global one), and the write
-  pass reads the digit off the histograms and its two counts off each block's row.
+  the tensor, or of its evenly spaced sample for ``smink``, found by radix select: fp32's 31-bit
+  keys in digits of 11, 11 and 9 bits, fp16's and bf16's 15-bit ones in 8 and 8. A launch per
+  digit but the last, each program counting the digits of the keys that share the prefix found
+  so far into its own histogram and adding it to the global one with atomics; every later
+  program resolves the digits from those histograms itself (at most 2048 bins a pass), so no
+  launch is spent on that. A count launch takes the last digit: per block, for every value it may
+  take, how many keys lie at or above it and how many above the prefix (and its histogram of the
+  digit, of ``smink``'s sample where it samples, added to the global one); it also zeroes
+  Elias-Fano's streams. A write launch reads the digit off the histograms and its block's
+  offsets off the rows of the blocks before its own (each program sums them itself), keeps the
+  keys above the threshold and the first ``ties`` equal ones, puts each kept value in its slot
+  (the block's offset plus its own ``tl.cumsum``) and writes the bitmask bytes, the int32
+  indices, or Elias-Fano's bits with ``atomic_or`` into int32 words.
 - :func:`decode`: a launch counts the set bits of each block of the bitmask (Elias-Fano's high
   stream; it also fills Elias-Fano's output, which the next scatters into), and a launch writes
   each element (scatters each slot's value to its position), its rank the counts of the blocks
@@ -36,9 +35,9 @@ The chain's finite flag (:mod:`~actcomp.core.chain`) costs no launch: where an e
 clears it where its block holds a magnitude key at or above infinity's; a decode given it
 writes NaN everywhere in the launches that write the output.
 
-Triton launches per encode: 4 (fp32) or 3 (fp16, bf16) for ``mink`` and ``dropit``, 5 or 4 for
-``smink`` where it samples, 3 for ``random``, plus a ``torch.zeros`` (the histograms); per
-decode: 2, 3 and a ``torch.zeros`` (the histograms) for ``random``.
+Triton launches per encode: 4 (fp32) or 3 (fp16, bf16) for ``mink``, ``smink`` and ``dropit``,
+3 for ``random``, plus a ``torch.zeros`` (the histograms); per decode: 2, and 3 and a
+``torch.zeros`` for ``random``.
 
 >>> import torch
 >>> from actcomp.kernels import triton_runtime
@@ -122,17 +121,19 @@ def _keys(bits_ptr, seed_ptr, index, valid, KEY_MASK: tl.constexpr, RANDOM: tl.c
 @triton.jit
 def _histogram_kernel(bits_ptr, seed_ptr, hist_ptr, count, stride, rank, KEY_MASK: tl.constexpr,
                       RANDOM: tl.constexpr, PASS: tl.constexpr, PASSES: tl.constexpr, WIDE: tl.constexpr,
-                      LAST: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Pass ``PASS``: the digit below the prefix found so far (``BITS`` bits from bit ``SHIFT``),
-    of the keys sharing it, among every ``stride``-th of ``count`` values."""
+                      LAST: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass ``PASS`` (one of the first ``PASSES - 1``; the count pass takes the last digit): the
+    ``WIDE``-bit digit below the prefix found so far, of the keys sharing it, among every
+    ``stride``-th of ``count`` values."""
     prefix, wanted = _resolve(hist_ptr, rank, PASS, PASSES, WIDE, LAST)
+    shift: tl.constexpr = LAST + WIDE * (PASSES - 2 - PASS)
     index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = index < count
     keys = _keys(bits_ptr, seed_ptr, index.to(tl.int64) * stride, valid, KEY_MASK, RANDOM)
     if PASS > 0:
-        valid = valid & ((keys >> (SHIFT + BITS)) == prefix)
-    local = tl.histogram((keys >> SHIFT) & ((1 << BITS) - 1), 1 << BITS, mask=valid)
-    tl.atomic_add(hist_ptr + PASS * (1 << WIDE) + tl.arange(0, 1 << BITS), local, mask=local > 0)
+        valid = valid & ((keys >> (shift + WIDE)) == prefix)
+    local = tl.histogram((keys >> shift) & ((1 << WIDE) - 1), 1 << WIDE, mask=valid)
+    tl.atomic_add(hist_ptr + PASS * (1 << WIDE) + tl.arange(0, 1 << WIDE), local, mask=local > 0)
 
 
 @triton.jit
@@ -146,16 +147,16 @@ def _rank_within(flags):
 
 @triton.jit
 def _count_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, high_ptr, low_ptr, finite_ptr, high_words, low_words,
-                  zero_span, count, rank, KEY_MASK: tl.constexpr, RANDOM: tl.constexpr, PASSES: tl.constexpr,
-                  WIDE: tl.constexpr, LAST: tl.constexpr, FUSED: tl.constexpr, FLAGGED: tl.constexpr,
+                  zero_span, count, step, rank, KEY_MASK: tl.constexpr, RANDOM: tl.constexpr, PASSES: tl.constexpr,
+                  WIDE: tl.constexpr, LAST: tl.constexpr, SAMPLED: tl.constexpr, FLAGGED: tl.constexpr,
                   BLOCK: tl.constexpr, ZEROES: tl.constexpr, ZERO_BLOCK: tl.constexpr):
-    """Per block, how many keys lie at or above the threshold and how many above it (two
-    counts); or, ``FUSED`` (the threshold's last digit is this pass's, over all the keys), the
-    same for each value the last digit may take, among the keys sharing the prefix found so far
-    (``2**LAST`` counts at or above, then 1 above the prefix), the block's histogram of that digit
-    added to the global one, from which the write pass reads the digit. The program's share of
-    Elias-Fano's word streams zeroed for the write's ``atomic_or``; ``FLAGGED``, the finite flag
-    set true, for the write pass (launched after it on the same stream) to clear."""
+    """The threshold's last digit's pass: per block, for each value the last digit may take, how
+    many keys sharing the prefix found so far lie at or above it (``2**LAST`` counts), then how
+    many keys lie above the prefix (1), from which the write pass reads its offsets; and the
+    block's histogram of the last digit (``SAMPLED``: of the sample's keys, every ``step``-th)
+    added to the global one, from which it reads the digit. The program's share of Elias-Fano's
+    word streams zeroed for the write's ``atomic_or``; ``FLAGGED``, the finite flag set true, for
+    the write pass (launched after it on the same stream) to clear."""
     program = tl.program_id(0)
     if FLAGGED:
         if program == 0:
@@ -163,19 +164,19 @@ def _count_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, high_ptr, low_ptr, f
     index = program * BLOCK + tl.arange(0, BLOCK)
     valid = index < count
     keys = _keys(bits_ptr, seed_ptr, index, valid, KEY_MASK, RANDOM)
-    if FUSED:
-        prefix, wanted = _resolve(hist_ptr, rank, PASSES - 1, PASSES, WIDE, LAST)
-        local = tl.histogram(keys & ((1 << LAST) - 1), 1 << LAST, mask=valid & ((keys >> LAST) == prefix))
-        above = tl.sum((valid & ((keys >> LAST) > prefix)).to(tl.int32), axis=0)
-        bins = tl.arange(0, 1 << LAST)
-        row = counts_ptr + program * ((1 << LAST) + 1)
-        tl.store(row + bins, above + tl.sum(local, axis=0) - tl.cumsum(local, axis=0) + local)
-        tl.store(row + (1 << LAST), above)
-        tl.atomic_add(hist_ptr + (PASSES - 1) * (1 << WIDE) + bins, local, mask=local > 0)
+    prefix, wanted = _resolve(hist_ptr, rank, PASSES - 1, PASSES, WIDE, LAST)
+    sharing = valid & ((keys >> LAST) == prefix)
+    local = tl.histogram(keys & ((1 << LAST) - 1), 1 << LAST, mask=sharing)
+    above = tl.sum((valid & ((keys >> LAST) > prefix)).to(tl.int32), axis=0)
+    bins = tl.arange(0, 1 << LAST)
+    row = counts_ptr + program * ((1 << LAST) + 1)
+    tl.store(row + bins, above + tl.sum(local, axis=0) - tl.cumsum(local, axis=0) + local)
+    tl.store(row + (1 << LAST), above)
+    if SAMPLED:
+        sampled = tl.histogram(keys & ((1 << LAST) - 1), 1 << LAST, mask=sharing & (index % step == 0))
+        tl.atomic_add(hist_ptr + (PASSES - 1) * (1 << WIDE) + bins, sampled, mask=sampled > 0)
     else:
-        key, wanted = _resolve(hist_ptr, rank, PASSES, PASSES, WIDE, LAST)
-        tl.store(counts_ptr + program * 2, tl.sum((valid & (keys >= key)).to(tl.int32), axis=0))
-        tl.store(counts_ptr + program * 2 + 1, tl.sum((valid & (keys > key)).to(tl.int32), axis=0))
+        tl.atomic_add(hist_ptr + (PASSES - 1) * (1 << WIDE) + bins, local, mask=local > 0)
     if ZEROES:
         for offset in range(0, zero_span, ZERO_BLOCK):
             word = program * zero_span + offset + tl.arange(0, ZERO_BLOCK)
@@ -197,23 +198,20 @@ def _set_code(words_ptr, code, first_bit, BITS: tl.constexpr, mask):
 @triton.jit
 def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, values_ptr, mask_ptr, high_ptr, low_ptr, finite_ptr,
                   count, rank, kept, blocks, KEY_MASK: tl.constexpr, RANDOM: tl.constexpr, PASSES: tl.constexpr,
-                  WIDE: tl.constexpr, LAST: tl.constexpr, SAMPLED: tl.constexpr, FUSED: tl.constexpr,
-                  FORM: tl.constexpr, LOW_BITS: tl.constexpr, FLAGGED: tl.constexpr, INFINITY: tl.constexpr,
-                  NAN: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr):
+                  WIDE: tl.constexpr, LAST: tl.constexpr, SAMPLED: tl.constexpr, FORM: tl.constexpr,
+                  LOW_BITS: tl.constexpr, FLAGGED: tl.constexpr, INFINITY: tl.constexpr, NAN: tl.constexpr,
+                  ROWS: tl.constexpr, SCAN: tl.constexpr):
     """The kept values to their slots, and their positions in the form ``FORM`` (0: a bitmask
     at ``mask_ptr``, 1: Elias-Fano's int32 word streams, 2: int32 indices at ``mask_ptr``, 3:
     none); or, with ``FORM`` 4 (``random``'s decode), each element its slot's value at ``mask_ptr``.
     ``FLAGGED``: an encode clears the finite flag where its block holds a magnitude at or above
     ``INFINITY`` (inf or NaN); ``random``'s decode writes ``NAN`` everywhere where it is false."""
     program = tl.program_id(0)
-    # The threshold from the histograms (an exact selection's last digit added by the count
-    # pass), then the block's offsets: the counts of the blocks before it, summed here (each
-    # program reads every block's two counts at the threshold: no prefix-sum launch).
+    # The threshold from the histograms (the last digit's added by the count pass), then the
+    # block's offsets: the counts of the blocks before it, summed here (each program reads every
+    # block's two counts at the threshold's last digit: no prefix-sum launch).
     key, wanted = _resolve(hist_ptr, rank, PASSES, PASSES, WIDE, LAST)
-    if FUSED:
-        at = key & ((1 << LAST) - 1)  # the last digit: its column in the rows of 2**LAST + 1
-    else:
-        at = key * 0
+    at = key & ((1 << LAST) - 1)  # its column in the rows of 2**LAST + 1
     above_before = tl.zeros((), tl.int32)
     equal_before = tl.zeros((), tl.int32)
     above_total = tl.zeros((), tl.int32)
@@ -221,8 +219,8 @@ def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, values_ptr, mask_ptr
     for first in range(0, blocks, SCAN):
         block = first + tl.arange(0, SCAN)
         present = block < blocks
-        block_above = tl.load(counts_ptr + block * WIDTH + at + 1, mask=present, other=0)
-        block_equal = tl.load(counts_ptr + block * WIDTH + at, mask=present, other=0) - block_above
+        block_above = tl.load(counts_ptr + block * ((1 << LAST) + 1) + at + 1, mask=present, other=0)
+        block_equal = tl.load(counts_ptr + block * ((1 << LAST) + 1) + at, mask=present, other=0) - block_above
         earlier = block < program
         above_before += tl.sum(tl.where(earlier, block_above, 0), axis=0)
         equal_before += tl.sum(tl.where(earlier, block_equal, 0), axis=0)
@@ -324,9 +322,9 @@ def _select(flat: torch.Tensor, seed: torch.Tensor | None, kept: int, sampled: t
             values: torch.Tensor, mask: torch.Tensor, high: torch.Tensor, low: torch.Tensor, low_bits: int,
             finite: torch.Tensor | None) -> None:
     """The launches of a selection (see :func:`_write_kernel` for ``form``): a histogram pass per
-    digit of the keys (:data:`_DIGITS`; an exact selection's last in the count pass), a count pass (which zeroes
-    Elias-Fano's ``high`` and ``low`` and sets ``finite`` true), and the write pass (which
-    clears ``finite`` on inf or NaN, or in ``random``'s decode applies it)."""
+    digit of the keys but the last (:data:`_DIGITS`), a count pass, which takes the last digit
+    (zeroes Elias-Fano's ``high`` and ``low`` and sets ``finite`` true), and the write pass
+    (which clears ``finite`` on inf or NaN, or in ``random``'s decode applies it)."""
     count = flat.numel()
     device = flat.device
     bits = flat.view(_BITS[flat.element_size()])
@@ -338,29 +336,24 @@ def _select(flat: torch.Tensor, seed: torch.Tensor | None, kept: int, sampled: t
     selected = -(-count // step)
     histograms = torch.zeros(passes, 2**wide, dtype=torch.int32, device=device)
     blocks = triton.cdiv(count, ROWS * 8)
-    # Exact selections take the last digit in the count pass (see _count_kernel), sampled ones
-    # (the histograms are the sample's) count at and above the threshold there.
-    fused = sampled is None
-    width = 2**last + 1 if fused else 2
-    counts = torch.empty(blocks, width, dtype=torch.int32, device=device)
+    counts = torch.empty(blocks, 2**last + 1, dtype=torch.int32, device=device)
     words = high.numel() + low.numel() if form == 1 else 0
     seed = bits if seed is None else seed
     mask = mask.view(integers.dtype) if form == 4 else mask
     flag = bits if finite is None else finite
     with device_guard(flat):
-        for index in range(passes - fused):
-            digit = (wide, last + wide * (passes - 2 - index)) if index < passes - 1 else (last, 0)  # bits, shift
+        for index in range(passes - 1):
             launch(_histogram_kernel, (triton.cdiv(selected, HISTOGRAM_BLOCK),), bits, seed, histograms, selected,
                    step, rank, KEY_MASK=key_mask, RANDOM=random, PASS=index, PASSES=passes, WIDE=wide, LAST=last,
-                   SHIFT=digit[1], BITS=digit[0], BLOCK=HISTOGRAM_BLOCK)
+                   BLOCK=HISTOGRAM_BLOCK)
         launch(_count_kernel, (blocks,), bits, seed, histograms, counts, high, low, flag, high.numel(), low.numel(),
-               -(-words // blocks), count, rank, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, WIDE=wide,
-               LAST=last, FUSED=fused, FLAGGED=finite is not None and form != 4, BLOCK=ROWS * 8, ZEROES=words > 0,
-               ZERO_BLOCK=_ZERO_BLOCK)
+               -(-words // blocks), count, step, rank, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, WIDE=wide,
+               LAST=last, SAMPLED=sampled is not None, FLAGGED=finite is not None and form != 4, BLOCK=ROWS * 8,
+               ZEROES=words > 0, ZERO_BLOCK=_ZERO_BLOCK)
         launch(_write_kernel, (blocks,), bits, seed, histograms, counts, integers, mask, high, low, flag, count,
                rank, kept, blocks, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, WIDE=wide, LAST=last,
-               SAMPLED=not fused, FUSED=fused, FORM=form, LOW_BITS=low_bits, FLAGGED=finite is not None,
-               INFINITY=_INFINITY[flat.dtype], NAN=_NAN[flat.dtype], WIDTH=width, ROWS=ROWS, SCAN=_SCAN)
+               SAMPLED=sampled is not None, FORM=form, LOW_BITS=low_bits, FLAGGED=finite is not None,
+               INFINITY=_INFINITY[flat.dtype], NAN=_NAN[flat.dtype], ROWS=ROWS, SCAN=_SCAN)
 
 
 @triton.jit
