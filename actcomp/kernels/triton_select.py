@@ -17,14 +17,16 @@ integer keys do:
   take, how many keys lie at or above it and how many above the prefix (and its histogram of the
   digit, of ``smink``'s sample where it samples, added to the global one); it also zeroes
   Elias-Fano's streams. A write launch reads the digit off the histograms and its block's
-  offsets off the rows of the blocks before its own (each program sums them itself), keeps the
+  offsets off the rows of the blocks before its own (each program sums them itself, up to
+  :data:`_SCAN` blocks; beyond, a ``torch.cumsum`` launch sums them), keeps the
   keys above the threshold and the first ``ties`` equal ones, puts each kept value in its slot
   (the block's offset plus its own ``tl.cumsum``) and writes the bitmask bytes, the int32
   indices, or Elias-Fano's bits with ``atomic_or`` into int32 words.
 - :func:`decode`: a launch counts the set bits of each block of the bitmask (Elias-Fano's high
   stream; it also fills Elias-Fano's output, which the next scatters into), and a launch writes
   each element (scatters each slot's value to its position), its rank the counts of the blocks
-  before its own plus its rank within; indices fill and scatter in two launches.
+  before its own (summed as the encode's are) plus its rank within; indices fill and scatter in
+  two launches.
 
 ``random`` (:func:`encode_random`, :func:`decode_random`) selects on 16-bit hashes of (position,
 seed) computed in registers instead of magnitudes, and its decode runs the same passes again,
@@ -37,7 +39,8 @@ writes NaN everywhere in the launches that write the output.
 
 Triton launches per encode: 4 (fp32) or 3 (fp16, bf16) for ``mink``, ``smink`` and ``dropit``,
 3 for ``random``, plus a ``torch.zeros`` (the histograms); per decode: 2, and 3 and a
-``torch.zeros`` for ``random``.
+``torch.zeros`` for ``random``. Past :data:`_SCAN` blocks of 2048 elements (bits of a decode's
+stream), a ``torch.cumsum`` more each.
 
 >>> import torch
 >>> from actcomp.kernels import triton_runtime
@@ -65,7 +68,9 @@ HISTOGRAM_BLOCK = 4096
 ROWS = 256
 DECODE_ROWS = 256
 _ZERO_BLOCK = 1024
-# Per-block counts a program of a write or decode pass sums at a time, for its block's offset.
+# Up to this many blocks, each program of a write or decode pass sums the counts of the blocks
+# before its own in one vector load (no prefix-sum launch); beyond, its reads would grow with the
+# square of the blocks (for all programs), and a torch.cumsum makes the offsets instead.
 _SCAN = 1024
 _BITS = {2: torch.int16, 4: torch.int32}
 # A magnitude's bits (sign cleared) at or above these are inf or NaN.
@@ -196,11 +201,11 @@ def _set_code(words_ptr, code, first_bit, BITS: tl.constexpr, mask):
 
 
 @triton.jit
-def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, values_ptr, mask_ptr, high_ptr, low_ptr, finite_ptr,
+def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, cumulative_ptr, values_ptr, mask_ptr, high_ptr, low_ptr, finite_ptr,
                   count, rank, kept, blocks, KEY_MASK: tl.constexpr, RANDOM: tl.constexpr, PASSES: tl.constexpr,
                   WIDE: tl.constexpr, LAST: tl.constexpr, SAMPLED: tl.constexpr, FORM: tl.constexpr,
                   LOW_BITS: tl.constexpr, FLAGGED: tl.constexpr, INFINITY: tl.constexpr, NAN: tl.constexpr,
-                  ROWS: tl.constexpr, SCAN: tl.constexpr):
+                  ROWS: tl.constexpr, SCAN: tl.constexpr, PREFIXED: tl.constexpr):
     """The kept values to their slots, and their positions in the form ``FORM`` (0: a bitmask
     at ``mask_ptr``, 1: Elias-Fano's int32 word streams, 2: int32 indices at ``mask_ptr``, 3:
     none); or, with ``FORM`` 4 (``random``'s decode), each element its slot's value at ``mask_ptr``.
@@ -208,24 +213,28 @@ def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, values_ptr, mask_ptr
     ``INFINITY`` (inf or NaN); ``random``'s decode writes ``NAN`` everywhere where it is false."""
     program = tl.program_id(0)
     # The threshold from the histograms (the last digit's added by the count pass), then the
-    # block's offsets: the counts of the blocks before it, summed here (each program reads every
-    # block's two counts at the threshold's last digit: no prefix-sum launch).
+    # block's offsets from each block's two counts at the threshold's last digit: those of the
+    # blocks before it summed here, or (``PREFIXED``, more than ``SCAN`` blocks) read off their
+    # prefix sums.
     key, wanted = _resolve(hist_ptr, rank, PASSES, PASSES, WIDE, LAST)
     at = key & ((1 << LAST) - 1)  # its column in the rows of 2**LAST + 1
-    above_before = tl.zeros((), tl.int32)
-    equal_before = tl.zeros((), tl.int32)
-    above_total = tl.zeros((), tl.int32)
-    equal_total = tl.zeros((), tl.int32)
-    for first in range(0, blocks, SCAN):
-        block = first + tl.arange(0, SCAN)
+    if PREFIXED:
+        final = cumulative_ptr + (blocks - 1) * ((1 << LAST) + 1) + at
+        above_total = tl.load(final + 1)
+        equal_total = tl.load(final) - above_total
+        through = cumulative_ptr + program * ((1 << LAST) + 1) + at
+        own = counts_ptr + program * ((1 << LAST) + 1) + at
+        above_before = tl.load(through + 1) - tl.load(own + 1)
+        equal_before = tl.load(through) - tl.load(own) - above_before
+    else:
+        block = tl.arange(0, SCAN)
         present = block < blocks
         block_above = tl.load(counts_ptr + block * ((1 << LAST) + 1) + at + 1, mask=present, other=0)
         block_equal = tl.load(counts_ptr + block * ((1 << LAST) + 1) + at, mask=present, other=0) - block_above
-        earlier = block < program
-        above_before += tl.sum(tl.where(earlier, block_above, 0), axis=0)
-        equal_before += tl.sum(tl.where(earlier, block_equal, 0), axis=0)
-        above_total += tl.sum(block_above, axis=0)
-        equal_total += tl.sum(block_equal, axis=0)
+        above_before = tl.sum(tl.where(block < program, block_above, 0), axis=0)
+        equal_before = tl.sum(tl.where(block < program, block_equal, 0), axis=0)
+        above_total = tl.sum(block_above, axis=0)
+        equal_total = tl.sum(block_equal, axis=0)
     row = tl.arange(0, ROWS)
     column = tl.arange(0, 8)
     index = program * ROWS * 8 + row[:, None] * 8 + column[None, :]
@@ -350,21 +359,23 @@ def _select(flat: torch.Tensor, seed: torch.Tensor | None, kept: int, sampled: t
                -(-words // blocks), count, step, rank, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, WIDE=wide,
                LAST=last, SAMPLED=sampled is not None, FLAGGED=finite is not None and form != 4, BLOCK=ROWS * 8,
                ZEROES=words > 0, ZERO_BLOCK=_ZERO_BLOCK)
-        launch(_write_kernel, (blocks,), bits, seed, histograms, counts, integers, mask, high, low, flag, count,
-               rank, kept, blocks, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, WIDE=wide, LAST=last,
+        cumulative = torch.cumsum(counts, 0, dtype=torch.int32) if blocks > _SCAN else counts
+        launch(_write_kernel, (blocks,), bits, seed, histograms, counts, cumulative, integers, mask, high, low, flag,
+               count, rank, kept, blocks, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, WIDE=wide, LAST=last,
                SAMPLED=sampled is not None, FORM=form, LOW_BITS=low_bits, FLAGGED=finite is not None,
-               INFINITY=_INFINITY[flat.dtype], NAN=_NAN[flat.dtype], ROWS=ROWS, SCAN=_SCAN)
+               INFINITY=_INFINITY[flat.dtype], NAN=_NAN[flat.dtype], ROWS=ROWS, SCAN=_SCAN, PREFIXED=blocks > _SCAN)
 
 
 @triton.jit
-def _blocks_before(counts_ptr, program, blocks, SCAN: tl.constexpr):
-    """The sum of the first ``program`` of ``blocks`` int32 counts: a block's offset, read
-    whole by each program (no prefix-sum launch)."""
-    total = tl.zeros((), tl.int32)
-    for first in range(0, blocks, SCAN):
-        block = first + tl.arange(0, SCAN)
-        total += tl.sum(tl.load(counts_ptr + block, mask=block < program, other=0), axis=0)
-    return total
+def _blocks_before(counts_ptr, cumulative_ptr, program, SCAN: tl.constexpr, PREFIXED: tl.constexpr):
+    """The sum of the first ``program`` int32 counts, a block's offset: summed here from at most
+    ``SCAN`` counts, or (``PREFIXED``) read off their prefix sums."""
+    if PREFIXED:
+        before = tl.load(cumulative_ptr + program) - tl.load(counts_ptr + program)
+    else:
+        block = tl.arange(0, SCAN)
+        before = tl.sum(tl.load(counts_ptr + block, mask=block < program, other=0), axis=0)
+    return before
 
 
 @triton.jit
@@ -403,8 +414,9 @@ def _popcount_kernel(packed_ptr, counts_ptr, out_ptr, finite_ptr, length, count,
 
 
 @triton.jit
-def _expand_kernel(packed_ptr, counts_ptr, values_ptr, out_ptr, finite_ptr, count, kept, blocks,
-                   FLAGGED: tl.constexpr, NAN: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr):
+def _expand_kernel(packed_ptr, counts_ptr, cumulative_ptr, values_ptr, out_ptr, finite_ptr, count, kept,
+                   FLAGGED: tl.constexpr, NAN: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr,
+                   PREFIXED: tl.constexpr):
     """Bitmask: each element its slot's value where its bit is set, else +0 (``FLAGGED``: NaN
     everywhere where the finite flag is false)."""
     program = tl.program_id(0)
@@ -414,7 +426,7 @@ def _expand_kernel(packed_ptr, counts_ptr, values_ptr, out_ptr, finite_ptr, coun
     valid = index < count
     byte = tl.load(packed_ptr + program * ROWS + row, mask=(program * ROWS + row) * 8 < count, other=0)
     is_kept = valid & (((byte.to(tl.int32)[:, None] >> column[None, :]) & 1) != 0)
-    slot = _blocks_before(counts_ptr, program, blocks, SCAN) + _rank_within(is_kept)
+    slot = _blocks_before(counts_ptr, cumulative_ptr, program, SCAN, PREFIXED) + _rank_within(is_kept)
     picked = tl.load(values_ptr + slot, mask=is_kept & (slot < kept), other=0)
     if FLAGGED:
         picked = tl.where(tl.load(finite_ptr).to(tl.int32) != 0, picked, NAN)
@@ -422,9 +434,9 @@ def _expand_kernel(packed_ptr, counts_ptr, values_ptr, out_ptr, finite_ptr, coun
 
 
 @triton.jit
-def _elias_fano_kernel(high_ptr, low_ptr, counts_ptr, values_ptr, out_ptr, finite_ptr, count, kept, length,
-                       low_length, blocks, LOW_BITS: tl.constexpr, FLAGGED: tl.constexpr, ROWS: tl.constexpr,
-                       SCAN: tl.constexpr):
+def _elias_fano_kernel(high_ptr, low_ptr, counts_ptr, cumulative_ptr, values_ptr, out_ptr, finite_ptr, count, kept,
+                       length, low_length, LOW_BITS: tl.constexpr, FLAGGED: tl.constexpr, ROWS: tl.constexpr,
+                       SCAN: tl.constexpr, PREFIXED: tl.constexpr):
     """Elias-Fano: set bit ``i`` of the high stream is slot ``j``'s (its rank among the set
     bits); its value goes to ``((i - j) << LOW_BITS) | low code j`` (``count``: an empty slot),
     over the output the popcount pass filled (none where the finite flag is false: NaN there)."""
@@ -434,7 +446,7 @@ def _elias_fano_kernel(high_ptr, low_ptr, counts_ptr, values_ptr, out_ptr, finit
     bit = program * ROWS * 8 + row[:, None] * 8 + column[None, :]
     byte = tl.load(high_ptr + program * ROWS + row, mask=(program * ROWS + row) * 8 < length, other=0)
     is_set = (bit < length) & (((byte.to(tl.int32)[:, None] >> column[None, :]) & 1) != 0)
-    slot = _blocks_before(counts_ptr, program, blocks, SCAN) + _rank_within(is_set)
+    slot = _blocks_before(counts_ptr, cumulative_ptr, program, SCAN, PREFIXED) + _rank_within(is_set)
     is_set = is_set & (slot < kept)
     if FLAGGED:
         is_set = is_set & (tl.load(finite_ptr).to(tl.int32) != 0)
@@ -495,11 +507,12 @@ def decode(values: torch.Tensor, saved: tuple[torch.Tensor, ...], count: int, lo
         launch(_popcount_kernel, (blocks,), packed, counts, out.view(integers.dtype), flag, length, count,
                -(-count // blocks), FILLS=low_bits is not None, FLAGGED=flagged, NAN=_NAN[values.dtype],
                ROWS=DECODE_ROWS, FILL_BLOCK=_ZERO_BLOCK)
+        cumulative = torch.cumsum(counts, 0, dtype=torch.int32) if blocks > _SCAN else counts
         if low_bits is None:
-            launch(_expand_kernel, (blocks,), packed, counts, integers, out.view(integers.dtype), flag, count, kept,
-                   blocks, FLAGGED=flagged, NAN=_NAN[values.dtype], ROWS=DECODE_ROWS, SCAN=_SCAN)
+            launch(_expand_kernel, (blocks,), packed, counts, cumulative, integers, out.view(integers.dtype), flag, count,
+                   kept, FLAGGED=flagged, NAN=_NAN[values.dtype], ROWS=DECODE_ROWS, SCAN=_SCAN, PREFIXED=blocks > _SCAN)
         else:
-            launch(_elias_fano_kernel, (blocks,), packed, low, counts, integers, out.view(integers.dtype), flag,
-                   count, kept, length, low.numel(), blocks, LOW_BITS=low_bits, FLAGGED=flagged, ROWS=DECODE_ROWS,
-                   SCAN=_SCAN)
+            launch(_elias_fano_kernel, (blocks,), packed, low, counts, cumulative, integers, out.view(integers.dtype),
+                   flag, count, kept, length, low.numel(), LOW_BITS=low_bits, FLAGGED=flagged, ROWS=DECODE_ROWS,
+                   SCAN=_SCAN, PREFIXED=blocks > _SCAN)
     return out

@@ -97,6 +97,16 @@ def recorded_launches() -> list[dict]:
                     if name == "pool-offsets":
                         continue  # needs a pooling's settings: below
                     codec.decompress(codec.compress(value))
+            # The sparsifiers past one vector of blocks (their offsets from a torch.cumsum).
+            from actcomp.kernels import triton_select
+
+            scan, triton_select._SCAN = triton_select._SCAN, 2
+            try:
+                for spec in ("mink0.9", "mink0.5", "smink0.9", "random0.9"):
+                    pipeline = actcomp.parse(spec)
+                    pipeline.decompress(pipeline.compress(torch.randn(20000, generator=generator)))  # Elias-Fano: 3 blocks
+            finally:
+                triton_select._SCAN = scan
             pool = actcomp.core.registry.codec_class("pool-offsets")(
                 kernel=(2, 2), stride=(2, 2), padding=(0, 0), dilation=(1, 1), width=8, out_size=(4, 4))
             pool.decompress(pool.compress(torch.randint(0, 64, (2, 3, 4, 4))))

@@ -156,6 +156,17 @@ def test_random_encodes_and_decodes_in_three_launches_each():
         assert sum(triton_runtime.LAUNCHES.values()) == 3  # the same passes, the write gathering instead
 
 
+def test_past_one_vector_of_blocks_the_offsets_come_from_prefix_sums(monkeypatch):
+    # Past _SCAN blocks a torch.cumsum sums the blocks' counts (each program would read them all).
+    monkeypatch.setattr(triton_select, "_SCAN", 2)
+    x = values(4099, torch.float32, "ties")  # 3 blocks
+    x[5] = float("nan")
+    for codec in (MinK(0.9), MinK(0.5), SampledMinK(0.9, sample=256), DropITReference(0.9), RandomDrop(0.9)):
+        assert_same(codec, x)
+        assert_same(codec, x.bfloat16())
+    assert_same(MinK(0.9), values(20000, torch.float32, "random"))  # Elias-Fano's high stream in 3 blocks
+
+
 def test_smink_drops_the_last_when_more_than_its_slots_lie_above_a_missed_threshold():
     x = torch.full((4099,), 5.0)
     x[1::7] = -7.0
