@@ -13,7 +13,8 @@ All of them select a chunk at a time (:mod:`~actcomp.kernels.chunks`): a bool ma
 of the tensor, the kept values and positions written from it while the slice is in cache. The
 min-k stages first find their threshold without sorting (:mod:`~actcomp.kernels.thresholds`).
 On CUDA, ``mink``, ``smink``, ``dropit`` and ``random`` run as Triton kernels instead
-(:mod:`~actcomp.kernels.triton_select`: a radix select and two passes, the same codes).
+(:mod:`~actcomp.kernels.triton_select`: a radix select and two passes, the same codes,
+the chain's finite flag written and applied in those launches).
 
 Bytes and round-trip time of each form, the static ones beside ``rice=1``, are measured by
 ``python benchmarks/bench_compressors.py`` (its results file, and the README's table): on
@@ -211,10 +212,11 @@ class SampledMinK(_ElementSparsifier):
         return sampled_kept_positions(flat, kept, self.sample)
 
 
-def _triton_encode(codec: MinK | SampledMinK | DropITReference, x: torch.Tensor, hints: Hints) -> Encoded:
+def _triton_encode(codec: MinK | SampledMinK | DropITReference, x: torch.Tensor, hints: Hints,
+                   finite: torch.Tensor | None = None) -> Encoded:
     """:meth:`_ElementSparsifier.encode` of ``mink``, ``smink`` and ``dropit`` by
     :mod:`~actcomp.kernels.triton_select`: a radix select (of ``smink``'s sample where it samples),
-    then a count and a write pass."""
+    then a count and a write pass, which write ``finite`` (the chain's flag) where given."""
     from actcomp.kernels import triton_select
 
     flat = x.reshape(-1).contiguous()
@@ -222,27 +224,39 @@ def _triton_encode(codec: MinK | SampledMinK | DropITReference, x: torch.Tensor,
     kept = codec.kept_count(count)
     form = codec.position_form(count, kept, codec.chunk_length(flat.device, count))
     if isinstance(form, Dense):
-        return Encoded(flat, (), form)
+        return Encoded(flat, (), form) if finite is None else _dense_flagged(flat, form, finite)
     sampled = None
     if isinstance(codec, SampledMinK) and count > codec.sample:
         step = sample_step(count, codec.sample)
         sampled = (step, sampled_rank(count, kept, -(-count // step)))
     low_bits = form.low_bits if isinstance(form, EliasFano) else None
-    values, saved = triton_select.encode(flat, kept, low_bits, sampled, indices=isinstance(form, Indices))
+    values, saved = triton_select.encode(flat, kept, low_bits, sampled, indices=isinstance(form, Indices),
+                                         finite=finite)
     return Encoded(values, saved, form)
 
 
+def _dense_flagged(flat: torch.Tensor, form: Dense, finite: torch.Tensor) -> Encoded:
+    """A stage that keeps everything (a tensor too small to drop from) with the chain's flag
+    written into ``finite``: the chain's own reduction, copied."""
+    from actcomp.core.chain import finite_flag
+
+    finite.copy_(finite_flag(flat))
+    return Encoded(flat, (), form)
+
+
 def _triton_decode(codec: MinK | SampledMinK | DropITReference, payload: torch.Tensor,
-                   saved: tuple[torch.Tensor, ...], meta: Dense | Bitmask | EliasFano | Indices) -> torch.Tensor:
-    """:meth:`_ElementSparsifier.decode`: two launches (and a ``torch.cumsum``), one for indices."""
+                   saved: tuple[torch.Tensor, ...], meta: Dense | Bitmask | EliasFano | Indices,
+                   finite: torch.Tensor | None = None) -> torch.Tensor:
+    """:meth:`_ElementSparsifier.decode`: two launches (NaN everywhere where ``finite`` is given
+    and false, in the same launches)."""
     from actcomp.kernels import triton_select
 
     if isinstance(meta, Dense):
-        return payload
+        return payload if finite is None else backends.nan_unless_finite(payload, finite)
     if isinstance(meta, Indices):
-        return triton_select.decode_indices(payload, saved[0], meta.count)
+        return triton_select.decode_indices(payload, saved[0], meta.count, finite)
     low_bits = meta.low_bits if isinstance(meta, EliasFano) else None
-    return triton_select.decode(payload, saved, meta.count, low_bits)
+    return triton_select.decode(payload, saved, meta.count, low_bits, finite)
 
 
 def _triton_takes(codec: _ElementSparsifier, device: torch.device, dtype: torch.dtype,
@@ -395,35 +409,39 @@ for _klass in (MinK, SampledMinK, DropITReference):
     register_implementation(
         _klass, "triton", encode=_triton_encode,
         encodes=lambda codec, x, hints: _triton_takes(codec, x.device, x.dtype, x.numel()),
-        decode=_triton_decode,
+        decode=_triton_decode, applies_finite_flag=True, writes_finite_flag=True,
         decodes=lambda codec, payload, saved, meta: isinstance(meta, (Dense, Bitmask, EliasFano, Indices))
         and _triton_takes(codec, payload.device, payload.dtype, meta.count))
 
 
-def _triton_random_encode(codec: RandomDrop, x: torch.Tensor, hints: Hints) -> Encoded:
+def _triton_random_encode(codec: RandomDrop, x: torch.Tensor, hints: Hints,
+                          finite: torch.Tensor | None = None) -> Encoded:
     """:meth:`RandomDrop.encode` by :mod:`~actcomp.kernels.triton_select`: the keys hashed in
-    registers, two histogram passes over them, a count and a write pass."""
+    registers, a histogram pass over them, a count and a write pass (which write ``finite``)."""
     from actcomp.kernels import triton_select
 
     flat = x.reshape(-1).contiguous()
     count = flat.numel()
     kept = codec.kept_count(count)
     if kept == count:
-        return Encoded(flat, (), static_form(count, kept))
+        form = static_form(count, kept)
+        return Encoded(flat, (), form) if finite is None else _dense_flagged(flat, form, finite)
     seed = torch.randint(0, 2**31, (1,), device=flat.device)
-    return Encoded(triton_select.encode_random(flat, kept, seed), (seed,), Seeded(count, kept))
+    return Encoded(triton_select.encode_random(flat, kept, seed, finite), (seed,), Seeded(count, kept))
 
 
 def _triton_random_decode(codec: RandomDrop, payload: torch.Tensor, saved: tuple[torch.Tensor, ...],
-                          meta: Seeded | Dense) -> torch.Tensor:
+                          meta: Seeded | Dense, finite: torch.Tensor | None = None) -> torch.Tensor:
     from actcomp.kernels import triton_select
 
-    return payload if isinstance(meta, Dense) else triton_select.decode_random(payload, saved[0], meta.count)
+    if isinstance(meta, Dense):
+        return payload if finite is None else backends.nan_unless_finite(payload, finite)
+    return triton_select.decode_random(payload, saved[0], meta.count, finite)
 
 
 # The same kernels for random: its encode and decode are its own, so its own entry.
 register_implementation(
     RandomDrop, "triton", encode=_triton_random_encode,
     encodes=lambda codec, x, hints: _triton_takes(codec, x.device, x.dtype, x.numel()),
-    decode=_triton_random_decode,
+    decode=_triton_random_decode, applies_finite_flag=True, writes_finite_flag=True,
     decodes=lambda codec, payload, saved, meta: _triton_takes(codec, payload.device, payload.dtype, meta.count))

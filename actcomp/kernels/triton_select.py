@@ -8,30 +8,39 @@ values' bit patterns only (no float arithmetic), so non-finite values select as 
 integer keys do:
 
 - :func:`encode`: the threshold is the ``rank``-th largest magnitude key (sign bit cleared) of
-  the tensor, or of its evenly spaced sample for ``smink``, found by radix select over 8-bit
-  digits: a launch per byte of the dtype, each program counting the digits of the keys that
-  share the prefix found so far into its own histogram and adding it to the global one with
-  atomics; every later program resolves the digits from those histograms itself (256 bins a
-  pass), so no launch is spent on that. A count launch then writes, per block, how many keys lie
-  above the threshold and how many equal it (and zeroes Elias-Fano's streams), ``torch.cumsum``
-  turns those into offsets, and a write launch keeps the keys above the threshold and the first
-  ``ties`` equal ones, puts each kept value in its slot (block offset plus the block's own
-  ``tl.cumsum``) and writes the bitmask bytes, the int32 indices, or Elias-Fano's bits with
-  ``atomic_or`` into int32 words. Where the select runs over all the keys (not ``smink``'s
-  sample), the count launch is the last digit's pass: each block writes its own histogram of
-  that digit, and the write pass reads the digit and its block's counts off their prefix sums.
+  the tensor, or of its evenly spaced sample for ``smink``, found by radix select: fp32's 31-bit
+  keys in digits of 11, 11 and 9 bits, fp16's and bf16's 15-bit ones in 8 and 8. A launch per
+  digit but the last, each program counting the digits of the keys that share the prefix found
+  so far into its own histogram and adding it to the global one with atomics; every later
+  program resolves the digits from those histograms itself (at most 2048 bins a pass), so no
+  launch is spent on that. A count launch takes the last digit: per block, for every value it may
+  take, how many keys lie at or above it and how many above the prefix (and its histogram of the
+  digit, of ``smink``'s sample where it samples, added to the global one); it also zeroes
+  Elias-Fano's streams. A write launch reads the digit off the histograms and its block's
+  offsets off the rows of the blocks before its own (each program sums them itself, up to
+  :data:`_SCAN` blocks; beyond, a ``torch.cumsum`` launch sums them), keeps the
+  keys above the threshold and the first ``ties`` equal ones, puts each kept value in its slot
+  (the block's offset plus its own ``tl.cumsum``) and writes the bitmask bytes, the int32
+  indices, or Elias-Fano's bits with ``atomic_or`` into int32 words.
 - :func:`decode`: a launch counts the set bits of each block of the bitmask (Elias-Fano's high
-  stream), ``torch.cumsum`` turns those into ranks, and a launch writes each element (scatters
-  each slot's value to its position); indices scatter in one launch.
+  stream; it also fills Elias-Fano's output, which the next scatters into), and a launch writes
+  each element (scatters each slot's value to its position), its rank the counts of the blocks
+  before its own (summed as the encode's are) plus its rank within; indices fill and scatter in
+  two launches.
 
 ``random`` (:func:`encode_random`, :func:`decode_random`) selects on 16-bit hashes of (position,
 seed) computed in registers instead of magnitudes, and its decode runs the same passes again,
 the write pass gathering each element's value from its slot.
 
-Triton launches per encode: 5 (fp32) or 3 (fp16, bf16) for ``mink`` and ``dropit``, 6 or 4 for
-``smink`` where it samples, 3 for ``random``, plus a ``torch.zeros`` (the histograms) and a
-``torch.cumsum``; per decode: 2 and a ``torch.cumsum`` (and a ``torch.zeros`` of the output for
-Elias-Fano), 1 and a ``torch.zeros`` for indices, 3 for ``random``.
+The chain's finite flag (:mod:`~actcomp.core.chain`) costs no launch: where an encode is given
+``finite``, the count launch sets it true and the write launch (after it on the same stream)
+clears it where its block holds a magnitude key at or above infinity's; a decode given it
+writes NaN everywhere in the launches that write the output.
+
+Triton launches per encode: 4 (fp32) or 3 (fp16, bf16) for ``mink``, ``smink`` and ``dropit``,
+3 for ``random``, plus a ``torch.zeros`` (the histograms); per decode: 2, and 3 and a
+``torch.zeros`` for ``random``. Past :data:`_SCAN` blocks of 2048 elements (bits of a decode's
+stream), a ``torch.cumsum`` more each.
 
 >>> import torch
 >>> from actcomp.kernels import triton_runtime
@@ -49,14 +58,25 @@ from actcomp.kernels.bitpack import packed_size
 from actcomp.kernels.triton_affine import _lowbias32
 from actcomp.kernels.triton_runtime import device_guard, launch
 
-_BINS = 256  # a radix pass's histogram: 8-bit digits
+# A radix select's digits, from the top: ``wide`` bits each but the last, which takes what is left
+# of the key's bits (as ``(passes, wide, last)``): three passes over fp32's 31-bit magnitudes with
+# at most 2048 bins, two over the 15-bit ones of fp16 and bf16 and random's 16-bit hashes.
+_DIGITS = {4: (3, 11, 9), 2: (2, 8, 8)}  # by the keys' bytes
 # Keys a program of a histogram pass counts; rows of 8 elements (a bitmask byte) a program of
 # the count and write passes takes, and bitmask (or high-stream) bytes a decode program takes.
 HISTOGRAM_BLOCK = 4096
 ROWS = 256
 DECODE_ROWS = 256
 _ZERO_BLOCK = 1024
+# Up to this many blocks, each program of a write or decode pass sums the counts of the blocks
+# before its own in one vector load (no prefix-sum launch); beyond, its reads would grow with the
+# square of the blocks (for all programs), and a torch.cumsum makes the offsets instead.
+_SCAN = 1024
 _BITS = {2: torch.int16, 4: torch.int32}
+# A magnitude's bits (sign cleared) at or above these are inf or NaN.
+_INFINITY = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+# The NaN ``torch.where(finite, x, math.nan)`` writes (backends.nan_unless_finite), as bits.
+_NAN = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
 
 
 def takes(dtype: torch.dtype, count: int) -> bool:
@@ -66,22 +86,26 @@ def takes(dtype: torch.dtype, count: int) -> bool:
 
 
 @triton.jit
-def _resolve(hist_ptr, rank, DONE: tl.constexpr):
-    """The key's digits found by the first ``DONE`` histogram passes, as one prefix, and the rank
-    from the top, among the keys sharing it, of the key sought (``rank`` before any pass)."""
-    bins = tl.arange(0, 256)
+def _resolve(hist_ptr, rank, DONE: tl.constexpr, PASSES: tl.constexpr, WIDE: tl.constexpr, LAST: tl.constexpr):
+    """The key's digits found by the first ``DONE`` of ``PASSES`` histogram passes (``WIDE`` bits
+    each, the last ``LAST``; rows of ``2**WIDE`` bins), as one prefix, and the rank from the top,
+    among the keys sharing it, of the key sought (``rank`` before any pass)."""
     # A sum, not rank.to(): a GPU launch passes an int argument equal to 1 as a constant.
     wanted = rank + tl.zeros((), tl.int64)
     prefix = tl.zeros((), tl.int64)
     for done in tl.static_range(DONE):
-        digit, wanted = _digit(tl.load(hist_ptr + done * 256 + bins), wanted)
-        prefix = (prefix << 8) | digit
+        if done < PASSES - 1:
+            digit, wanted = _digit(tl.load(hist_ptr + done * (1 << WIDE) + tl.arange(0, 1 << WIDE)), wanted)
+            prefix = (prefix << WIDE) | digit
+        else:
+            digit, wanted = _digit(tl.load(hist_ptr + done * (1 << WIDE) + tl.arange(0, 1 << LAST)), wanted)
+            prefix = (prefix << LAST) | digit
     return prefix, wanted
 
 
 @triton.jit
 def _digit(counts, wanted):
-    """The digit of the key of rank ``wanted`` from the top, from the 256 ``counts`` of the digit
+    """The digit of the key of rank ``wanted`` from the top, from the ``counts`` of the digit's values
     among the keys sharing the prefix, and its rank among the keys sharing that digit too."""
     counts = counts.to(tl.int64)
     at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # non-increasing
@@ -101,19 +125,20 @@ def _keys(bits_ptr, seed_ptr, index, valid, KEY_MASK: tl.constexpr, RANDOM: tl.c
 
 @triton.jit
 def _histogram_kernel(bits_ptr, seed_ptr, hist_ptr, count, stride, rank, KEY_MASK: tl.constexpr,
-                      RANDOM: tl.constexpr, PASS: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr):
-    """Pass ``PASS``: the digit below the prefix found so far, of the keys sharing it, among
-    every ``stride``-th of ``count`` values."""
-    prefix, wanted = _resolve(hist_ptr, rank, PASS)
-    shift: tl.constexpr = 8 * (PASSES - 1 - PASS)
+                      RANDOM: tl.constexpr, PASS: tl.constexpr, PASSES: tl.constexpr, WIDE: tl.constexpr,
+                      LAST: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass ``PASS`` (one of the first ``PASSES - 1``; the count pass takes the last digit): the
+    ``WIDE``-bit digit below the prefix found so far, of the keys sharing it, among every
+    ``stride``-th of ``count`` values."""
+    prefix, wanted = _resolve(hist_ptr, rank, PASS, PASSES, WIDE, LAST)
+    shift: tl.constexpr = LAST + WIDE * (PASSES - 2 - PASS)
     index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = index < count
     keys = _keys(bits_ptr, seed_ptr, index.to(tl.int64) * stride, valid, KEY_MASK, RANDOM)
     if PASS > 0:
-        valid = valid & ((keys >> (shift + 8)) == prefix)
-    local = tl.histogram((keys >> shift) & 255, 256, mask=valid)
-    bins = tl.arange(0, 256)
-    tl.atomic_add(hist_ptr + PASS * 256 + bins, local, mask=local > 0)
+        valid = valid & ((keys >> (shift + WIDE)) == prefix)
+    local = tl.histogram((keys >> shift) & ((1 << WIDE) - 1), 1 << WIDE, mask=valid)
+    tl.atomic_add(hist_ptr + PASS * (1 << WIDE) + tl.arange(0, 1 << WIDE), local, mask=local > 0)
 
 
 @triton.jit
@@ -126,27 +151,37 @@ def _rank_within(flags):
 
 
 @triton.jit
-def _count_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, high_ptr, low_ptr, high_words, low_words, zero_span,
-                  count, rank, KEY_MASK: tl.constexpr, RANDOM: tl.constexpr, PASSES: tl.constexpr,
-                  FUSED: tl.constexpr, BLOCK: tl.constexpr, ZEROES: tl.constexpr, ZERO_BLOCK: tl.constexpr):
-    """Per block, the keys above the threshold and those equal to it (two counts); or, ``FUSED``
-    (the threshold's last digit is this pass's, over all the keys), the block's own histogram of
-    the last digit among the keys sharing the prefix found so far, and how many keys lie above
-    that prefix (257 counts), from which the write pass reads both. The program's share of
-    Elias-Fano's word streams zeroed for the write's ``atomic_or``."""
+def _count_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, high_ptr, low_ptr, finite_ptr, high_words, low_words,
+                  zero_span, count, step, rank, KEY_MASK: tl.constexpr, RANDOM: tl.constexpr, PASSES: tl.constexpr,
+                  WIDE: tl.constexpr, LAST: tl.constexpr, SAMPLED: tl.constexpr, FLAGGED: tl.constexpr,
+                  BLOCK: tl.constexpr, ZEROES: tl.constexpr, ZERO_BLOCK: tl.constexpr):
+    """The threshold's last digit's pass: per block, for each value the last digit may take, how
+    many keys sharing the prefix found so far lie at or above it (``2**LAST`` counts), then how
+    many keys lie above the prefix (1), from which the write pass reads its offsets; and the
+    block's histogram of the last digit (``SAMPLED``: of the sample's keys, every ``step``-th)
+    added to the global one, from which it reads the digit. The program's share of Elias-Fano's
+    word streams zeroed for the write's ``atomic_or``; ``FLAGGED``, the finite flag set true, for
+    the write pass (launched after it on the same stream) to clear."""
     program = tl.program_id(0)
+    if FLAGGED:
+        if program == 0:
+            tl.store(finite_ptr, 1)
     index = program * BLOCK + tl.arange(0, BLOCK)
     valid = index < count
     keys = _keys(bits_ptr, seed_ptr, index, valid, KEY_MASK, RANDOM)
-    if FUSED:
-        prefix, wanted = _resolve(hist_ptr, rank, PASSES - 1)
-        local = tl.histogram(keys & 255, 256, mask=valid & ((keys >> 8) == prefix))
-        tl.store(counts_ptr + program * 257 + tl.arange(0, 256), local)
-        tl.store(counts_ptr + program * 257 + 256, tl.sum((valid & ((keys >> 8) > prefix)).to(tl.int32), axis=0))
+    prefix, wanted = _resolve(hist_ptr, rank, PASSES - 1, PASSES, WIDE, LAST)
+    sharing = valid & ((keys >> LAST) == prefix)
+    local = tl.histogram(keys & ((1 << LAST) - 1), 1 << LAST, mask=sharing)
+    above = tl.sum((valid & ((keys >> LAST) > prefix)).to(tl.int32), axis=0)
+    bins = tl.arange(0, 1 << LAST)
+    row = counts_ptr + program * ((1 << LAST) + 1)
+    tl.store(row + bins, above + tl.sum(local, axis=0) - tl.cumsum(local, axis=0) + local)
+    tl.store(row + (1 << LAST), above)
+    if SAMPLED:
+        sampled = tl.histogram(keys & ((1 << LAST) - 1), 1 << LAST, mask=sharing & (index % step == 0))
+        tl.atomic_add(hist_ptr + (PASSES - 1) * (1 << WIDE) + bins, sampled, mask=sampled > 0)
     else:
-        key, wanted = _resolve(hist_ptr, rank, PASSES)
-        tl.store(counts_ptr + program * 2, tl.sum((valid & (keys > key)).to(tl.int32), axis=0))
-        tl.store(counts_ptr + program * 2 + 1, tl.sum((valid & (keys == key)).to(tl.int32), axis=0))
+        tl.atomic_add(hist_ptr + (PASSES - 1) * (1 << WIDE) + bins, local, mask=local > 0)
     if ZEROES:
         for offset in range(0, zero_span, ZERO_BLOCK):
             word = program * zero_span + offset + tl.arange(0, ZERO_BLOCK)
@@ -166,33 +201,40 @@ def _set_code(words_ptr, code, first_bit, BITS: tl.constexpr, mask):
 
 
 @triton.jit
-def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, cumulative_ptr, values_ptr, mask_ptr, high_ptr, low_ptr,
+def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, cumulative_ptr, values_ptr, mask_ptr, high_ptr, low_ptr, finite_ptr,
                   count, rank, kept, blocks, KEY_MASK: tl.constexpr, RANDOM: tl.constexpr, PASSES: tl.constexpr,
-                  SAMPLED: tl.constexpr, FUSED: tl.constexpr, FORM: tl.constexpr, LOW_BITS: tl.constexpr,
-                  ROWS: tl.constexpr):
+                  WIDE: tl.constexpr, LAST: tl.constexpr, SAMPLED: tl.constexpr, FORM: tl.constexpr,
+                  LOW_BITS: tl.constexpr, FLAGGED: tl.constexpr, INFINITY: tl.constexpr, NAN: tl.constexpr,
+                  ROWS: tl.constexpr, SCAN: tl.constexpr, PREFIXED: tl.constexpr):
     """The kept values to their slots, and their positions in the form ``FORM`` (0: a bitmask
     at ``mask_ptr``, 1: Elias-Fano's int32 word streams, 2: int32 indices at ``mask_ptr``, 3:
-    none); or, with ``FORM`` 4 (``random``'s decode), each element its slot's value at ``mask_ptr``."""
+    none); or, with ``FORM`` 4 (``random``'s decode), each element its slot's value at ``mask_ptr``.
+    ``FLAGGED``: an encode clears the finite flag where its block holds a magnitude at or above
+    ``INFINITY`` (inf or NaN); ``random``'s decode writes ``NAN`` everywhere where it is false."""
     program = tl.program_id(0)
-    if FUSED:  # the last digit from the blocks' histograms summed, the counts from the prefix sums
-        prefix, wanted = _resolve(hist_ptr, rank, PASSES - 1)
-        bins = tl.arange(0, 256)
-        totals = tl.load(cumulative_ptr + (blocks - 1) * 257 + bins)
-        digit, wanted = _digit(totals, wanted)
-        key = (prefix << 8) | digit
-        above_total = tl.load(cumulative_ptr + (blocks - 1) * 257 + 256) + tl.sum(tl.where(bins > digit, totals, 0))
-        equal_total = tl.sum(tl.where(bins == digit, totals, 0))
-        first = program * 257
-        before = tl.load(cumulative_ptr + first + bins) - tl.load(counts_ptr + first + bins)
-        above_before = tl.load(cumulative_ptr + first + 256) - tl.load(counts_ptr + first + 256) \
-            + tl.sum(tl.where(bins > digit, before, 0))
-        equal_before = tl.sum(tl.where(bins == digit, before, 0))
+    # The threshold from the histograms (the last digit's added by the count pass), then the
+    # block's offsets from each block's two counts at the threshold's last digit: those of the
+    # blocks before it summed here, or (``PREFIXED``, more than ``SCAN`` blocks) read off their
+    # prefix sums.
+    key, wanted = _resolve(hist_ptr, rank, PASSES, PASSES, WIDE, LAST)
+    at = key & ((1 << LAST) - 1)  # its column in the rows of 2**LAST + 1
+    if PREFIXED:
+        final = cumulative_ptr + (blocks - 1) * ((1 << LAST) + 1) + at
+        above_total = tl.load(final + 1)
+        equal_total = tl.load(final) - above_total
+        through = cumulative_ptr + program * ((1 << LAST) + 1) + at
+        own = counts_ptr + program * ((1 << LAST) + 1) + at
+        above_before = tl.load(through + 1) - tl.load(own + 1)
+        equal_before = tl.load(through) - tl.load(own) - above_before
     else:
-        key, wanted = _resolve(hist_ptr, rank, PASSES)
-        above_total = tl.load(cumulative_ptr + (blocks - 1) * 2)
-        equal_total = tl.load(cumulative_ptr + (blocks - 1) * 2 + 1)
-        above_before = tl.load(cumulative_ptr + program * 2) - tl.load(counts_ptr + program * 2)
-        equal_before = tl.load(cumulative_ptr + program * 2 + 1) - tl.load(counts_ptr + program * 2 + 1)
+        block = tl.arange(0, SCAN)
+        present = block < blocks
+        block_above = tl.load(counts_ptr + block * ((1 << LAST) + 1) + at + 1, mask=present, other=0)
+        block_equal = tl.load(counts_ptr + block * ((1 << LAST) + 1) + at, mask=present, other=0) - block_above
+        above_before = tl.sum(tl.where(block < program, block_above, 0), axis=0)
+        equal_before = tl.sum(tl.where(block < program, block_equal, 0), axis=0)
+        above_total = tl.sum(block_above, axis=0)
+        equal_total = tl.sum(block_equal, axis=0)
     row = tl.arange(0, ROWS)
     column = tl.arange(0, 8)
     index = program * ROWS * 8 + row[:, None] * 8 + column[None, :]
@@ -208,8 +250,18 @@ def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, cumulative_ptr, valu
     slot = above_before + tl.minimum(equal_before, ties) + _rank_within(keep)
     stored = keep & (slot < kept)  # past ``kept`` (smink's rare overflow) the last are dropped
     if FORM == 4:
-        tl.store(mask_ptr + index, tl.load(values_ptr + slot, mask=stored, other=0), mask=valid)
+        picked = tl.load(values_ptr + slot, mask=stored, other=0)
+        if FLAGGED:
+            picked = tl.where(tl.load(finite_ptr).to(tl.int32) != 0, picked, NAN)
+        tl.store(mask_ptr + index, picked, mask=valid)
     else:
+        if FLAGGED:
+            if RANDOM:  # the keys are hashes: the magnitudes read for the flag alone
+                magnitudes = tl.load(bits_ptr + index, mask=valid, other=0).to(tl.int32) & KEY_MASK
+            else:
+                magnitudes = keys
+            if tl.max(tl.max((valid & (magnitudes >= INFINITY)).to(tl.int32), axis=1), axis=0) > 0:
+                tl.store(finite_ptr, 0)  # every program that stores, stores the same byte
         tl.store(values_ptr + slot, tl.load(bits_ptr + index, mask=stored), mask=stored)
         # Slots no element took (smink): a zero value, and in Elias-Fano the position ``count``.
         taken = tl.minimum(above_total + tl.minimum(equal_total, ties), kept)
@@ -231,13 +283,14 @@ def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, cumulative_ptr, valu
             tl.store(mask_ptr + program * ROWS + row, byte.to(tl.uint8), mask=(program * ROWS + row) * 8 < count)
 
 
-def encode(flat: torch.Tensor, kept: int, low_bits: int | None,
-           sampled: tuple[int, int] | None = None, indices: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+def encode(flat: torch.Tensor, kept: int, low_bits: int | None, sampled: tuple[int, int] | None = None,
+           indices: bool = False, finite: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The kept values of contiguous 1-D ``flat`` (``kept`` of its ``count`` values, ``0 < kept
     < count``, see :func:`takes`) in position order, and their positions: int32 indices where
     ``indices``, a bitmask where ``low_bits`` is None, else Elias-Fano's high and low streams with
     ``low_bits`` low bits. The threshold is the ``kept``-th largest key (``mink``), or with
-    ``sampled = (step, rank)`` the ``rank``-th largest of every ``step``-th key (``smink``)."""
+    ``sampled = (step, rank)`` the ``rank``-th largest of every ``step``-th key (``smink``).
+    Where ``finite`` (a 0-d bool) is given, it is written: whether every value of ``flat`` is finite."""
     count = flat.numel()
     device = flat.device
     values = torch.empty(kept, dtype=flat.dtype, device=device)
@@ -253,65 +306,100 @@ def encode(flat: torch.Tensor, kept: int, low_bits: int | None,
         mask = high = torch.empty(-(-high_bytes // 4), dtype=torch.int32, device=device)
         low = torch.empty(-(-low_bytes // 4), dtype=torch.int32, device=device)
         form, saved = 1, (high.view(torch.uint8)[:high_bytes], low.view(torch.uint8)[:low_bytes])
-    _select(flat, None, kept, sampled, form, values, mask, high, low, low_bits or 1)
+    _select(flat, None, kept, sampled, form, values, mask, high, low, low_bits or 1, finite)
     return values, saved
 
 
-def encode_random(flat: torch.Tensor, kept: int, seed: torch.Tensor) -> torch.Tensor:
+def encode_random(flat: torch.Tensor, kept: int, seed: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
     """``random``'s kept values of contiguous 1-D ``flat`` (``0 < kept < count``): those with the
-    ``kept`` largest 16-bit keys of (position, ``seed``), ties by position, in position order."""
+    ``kept`` largest 16-bit keys of (position, ``seed``), ties by position, in position order;
+    ``finite`` written as :func:`encode` writes it."""
     values = torch.empty(kept, dtype=flat.dtype, device=flat.device)
-    _select(flat, seed, kept, None, 3, values, values, values, values, 1)
+    _select(flat, seed, kept, None, 3, values, values, values, values, 1, finite)
     return values
 
 
-def decode_random(values: torch.Tensor, seed: torch.Tensor, count: int) -> torch.Tensor:
-    """The ``count`` values :func:`encode_random` kept, +0 elsewhere: the keys and their
-    threshold recomputed from ``seed``."""
+def decode_random(values: torch.Tensor, seed: torch.Tensor, count: int, finite: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``count`` values :func:`encode_random` kept, +0 elsewhere (NaN everywhere where
+    ``finite`` is given and false): the keys and their threshold recomputed from ``seed``."""
     out = torch.empty(count, dtype=values.dtype, device=values.device)
-    _select(out, seed, values.numel(), None, 4, values, out, out, out, 1)
+    _select(out, seed, values.numel(), None, 4, values, out, out, out, 1, finite)
     return out
 
 
 def _select(flat: torch.Tensor, seed: torch.Tensor | None, kept: int, sampled: tuple[int, int] | None, form: int,
-            values: torch.Tensor, mask: torch.Tensor, high: torch.Tensor, low: torch.Tensor, low_bits: int) -> None:
+            values: torch.Tensor, mask: torch.Tensor, high: torch.Tensor, low: torch.Tensor, low_bits: int,
+            finite: torch.Tensor | None) -> None:
     """The launches of a selection (see :func:`_write_kernel` for ``form``): a histogram pass per
-    byte of the keys, a count pass (which zeroes Elias-Fano's ``high`` and ``low``), offsets by
-    ``torch.cumsum``, and the write pass."""
+    digit of the keys but the last (:data:`_DIGITS`), a count pass, which takes the last digit
+    (zeroes Elias-Fano's ``high`` and ``low`` and sets ``finite`` true), and the write pass
+    (which clears ``finite`` on inf or NaN, or in ``random``'s decode applies it)."""
     count = flat.numel()
     device = flat.device
     bits = flat.view(_BITS[flat.element_size()])
     integers = values.view(bits.dtype)
     random = seed is not None
-    passes = 2 if random else flat.element_size()
     key_mask = 2 ** (8 * flat.element_size() - 1) - 1
+    passes, wide, last = _DIGITS[2 if random else flat.element_size()]
     step, rank = sampled or (1, kept)
     selected = -(-count // step)
-    histograms = torch.zeros(passes, _BINS, dtype=torch.int32, device=device)
+    histograms = torch.zeros(passes, 2**wide, dtype=torch.int32, device=device)
     blocks = triton.cdiv(count, ROWS * 8)
-    # Exact selections take the last digit in the count pass (see _count_kernel), sampled ones
-    # (the histograms are the sample's) count above and at the threshold there.
-    fused = sampled is None
-    counts = torch.empty(blocks, 257 if fused else 2, dtype=torch.int32, device=device)
+    counts = torch.empty(blocks, 2**last + 1, dtype=torch.int32, device=device)
     words = high.numel() + low.numel() if form == 1 else 0
     seed = bits if seed is None else seed
     mask = mask.view(integers.dtype) if form == 4 else mask
+    flag = bits if finite is None else finite
     with device_guard(flat):
-        for index in range(passes - fused):
+        for index in range(passes - 1):
             launch(_histogram_kernel, (triton.cdiv(selected, HISTOGRAM_BLOCK),), bits, seed, histograms, selected,
-                   step, rank, KEY_MASK=key_mask, RANDOM=random, PASS=index, PASSES=passes, BLOCK=HISTOGRAM_BLOCK)
-        launch(_count_kernel, (blocks,), bits, seed, histograms, counts, high, low, high.numel(), low.numel(),
-               -(-words // blocks), count, rank, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, FUSED=fused, BLOCK=ROWS * 8,
+                   step, rank, KEY_MASK=key_mask, RANDOM=random, PASS=index, PASSES=passes, WIDE=wide, LAST=last,
+                   BLOCK=HISTOGRAM_BLOCK)
+        launch(_count_kernel, (blocks,), bits, seed, histograms, counts, high, low, flag, high.numel(), low.numel(),
+               -(-words // blocks), count, step, rank, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, WIDE=wide,
+               LAST=last, SAMPLED=sampled is not None, FLAGGED=finite is not None and form != 4, BLOCK=ROWS * 8,
                ZEROES=words > 0, ZERO_BLOCK=_ZERO_BLOCK)
-        cumulative = torch.cumsum(counts, 0, dtype=torch.int32)
-        launch(_write_kernel, (blocks,), bits, seed, histograms, counts, cumulative, integers, mask, high, low, count,
-               rank, kept, blocks, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, SAMPLED=not fused, FUSED=fused,
-               FORM=form, LOW_BITS=low_bits, ROWS=ROWS)
+        cumulative = torch.cumsum(counts, 0, dtype=torch.int32) if blocks > _SCAN else counts
+        launch(_write_kernel, (blocks,), bits, seed, histograms, counts, cumulative, integers, mask, high, low, flag,
+               count, rank, kept, blocks, KEY_MASK=key_mask, RANDOM=random, PASSES=passes, WIDE=wide, LAST=last,
+               SAMPLED=sampled is not None, FORM=form, LOW_BITS=low_bits, FLAGGED=finite is not None,
+               INFINITY=_INFINITY[flat.dtype], NAN=_NAN[flat.dtype], ROWS=ROWS, SCAN=_SCAN, PREFIXED=blocks > _SCAN)
 
 
 @triton.jit
-def _popcount_kernel(packed_ptr, counts_ptr, length, ROWS: tl.constexpr):
-    """The set bits of each block of ``ROWS`` bytes of a bit stream of ``length`` bits."""
+def _blocks_before(counts_ptr, cumulative_ptr, program, SCAN: tl.constexpr, PREFIXED: tl.constexpr):
+    """The sum of the first ``program`` int32 counts, a block's offset: summed here from at most
+    ``SCAN`` counts, or (``PREFIXED``) read off their prefix sums."""
+    if PREFIXED:
+        before = tl.load(cumulative_ptr + program) - tl.load(counts_ptr + program)
+    else:
+        block = tl.arange(0, SCAN)
+        before = tl.sum(tl.load(counts_ptr + block, mask=block < program, other=0), axis=0)
+    return before
+
+
+@triton.jit
+def _fill(out_ptr, index, mask, finite_ptr, FLAGGED: tl.constexpr, NAN: tl.constexpr):
+    """+0 at ``index`` of the int view ``out_ptr`` (``mask``), or ``NAN`` where the finite flag is false."""
+    fill = tl.zeros(index.shape, out_ptr.dtype.element_ty)
+    if FLAGGED:
+        fill = tl.where(tl.load(finite_ptr).to(tl.int32) != 0, fill, NAN).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + index, fill, mask=mask)
+
+
+@triton.jit
+def _fill_kernel(out_ptr, finite_ptr, count, FLAGGED: tl.constexpr, NAN: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`_fill` of ``count`` elements, a block a program."""
+    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _fill(out_ptr, index, index < count, finite_ptr, FLAGGED, NAN)
+
+
+@triton.jit
+def _popcount_kernel(packed_ptr, counts_ptr, out_ptr, finite_ptr, length, count, fill_span, FILLS: tl.constexpr,
+                     FLAGGED: tl.constexpr, NAN: tl.constexpr, ROWS: tl.constexpr, FILL_BLOCK: tl.constexpr):
+    """The set bits of each block of ``ROWS`` bytes of a bit stream of ``length`` bits; ``FILLS``
+    (Elias-Fano, which scatters), the program's ``fill_span`` of the ``count`` outputs filled
+    (:func:`_fill`) for the scatter launched after it."""
     program = tl.program_id(0)
     row = tl.arange(0, ROWS)
     column = tl.arange(0, 8)
@@ -319,11 +407,18 @@ def _popcount_kernel(packed_ptr, counts_ptr, length, ROWS: tl.constexpr):
     byte = tl.load(packed_ptr + program * ROWS + row, mask=(program * ROWS + row) * 8 < length, other=0)
     set_bits = (byte.to(tl.int32)[:, None] >> column[None, :]) & 1
     tl.store(counts_ptr + program, tl.sum(tl.sum(tl.where(bit < length, set_bits, 0), axis=1), axis=0))
+    if FILLS:
+        for offset in range(0, fill_span, FILL_BLOCK):
+            index = program * fill_span + offset + tl.arange(0, FILL_BLOCK)
+            _fill(out_ptr, index, (index < program * fill_span + fill_span) & (index < count), finite_ptr, FLAGGED, NAN)
 
 
 @triton.jit
-def _expand_kernel(packed_ptr, counts_ptr, cumulative_ptr, values_ptr, out_ptr, count, kept, ROWS: tl.constexpr):
-    """Bitmask: each element its slot's value where its bit is set, else +0."""
+def _expand_kernel(packed_ptr, counts_ptr, cumulative_ptr, values_ptr, out_ptr, finite_ptr, count, kept,
+                   FLAGGED: tl.constexpr, NAN: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr,
+                   PREFIXED: tl.constexpr):
+    """Bitmask: each element its slot's value where its bit is set, else +0 (``FLAGGED``: NaN
+    everywhere where the finite flag is false)."""
     program = tl.program_id(0)
     row = tl.arange(0, ROWS)
     column = tl.arange(0, 8)
@@ -331,24 +426,30 @@ def _expand_kernel(packed_ptr, counts_ptr, cumulative_ptr, values_ptr, out_ptr, 
     valid = index < count
     byte = tl.load(packed_ptr + program * ROWS + row, mask=(program * ROWS + row) * 8 < count, other=0)
     is_kept = valid & (((byte.to(tl.int32)[:, None] >> column[None, :]) & 1) != 0)
-    slot = tl.load(cumulative_ptr + program) - tl.load(counts_ptr + program) + _rank_within(is_kept)
+    slot = _blocks_before(counts_ptr, cumulative_ptr, program, SCAN, PREFIXED) + _rank_within(is_kept)
     picked = tl.load(values_ptr + slot, mask=is_kept & (slot < kept), other=0)
+    if FLAGGED:
+        picked = tl.where(tl.load(finite_ptr).to(tl.int32) != 0, picked, NAN)
     tl.store(out_ptr + index, picked, mask=valid)
 
 
 @triton.jit
-def _elias_fano_kernel(high_ptr, low_ptr, counts_ptr, cumulative_ptr, values_ptr, out_ptr, count, kept, length,
-                       low_length, LOW_BITS: tl.constexpr, ROWS: tl.constexpr):
+def _elias_fano_kernel(high_ptr, low_ptr, counts_ptr, cumulative_ptr, values_ptr, out_ptr, finite_ptr, count, kept,
+                       length, low_length, LOW_BITS: tl.constexpr, FLAGGED: tl.constexpr, ROWS: tl.constexpr,
+                       SCAN: tl.constexpr, PREFIXED: tl.constexpr):
     """Elias-Fano: set bit ``i`` of the high stream is slot ``j``'s (its rank among the set
-    bits); its value goes to ``((i - j) << LOW_BITS) | low code j`` (``count``: an empty slot)."""
+    bits); its value goes to ``((i - j) << LOW_BITS) | low code j`` (``count``: an empty slot),
+    over the output the popcount pass filled (none where the finite flag is false: NaN there)."""
     program = tl.program_id(0)
     row = tl.arange(0, ROWS)
     column = tl.arange(0, 8)
     bit = program * ROWS * 8 + row[:, None] * 8 + column[None, :]
     byte = tl.load(high_ptr + program * ROWS + row, mask=(program * ROWS + row) * 8 < length, other=0)
     is_set = (bit < length) & (((byte.to(tl.int32)[:, None] >> column[None, :]) & 1) != 0)
-    slot = tl.load(cumulative_ptr + program) - tl.load(counts_ptr + program) + _rank_within(is_set)
+    slot = _blocks_before(counts_ptr, cumulative_ptr, program, SCAN, PREFIXED) + _rank_within(is_set)
     is_set = is_set & (slot < kept)
+    if FLAGGED:
+        is_set = is_set & (tl.load(finite_ptr).to(tl.int32) != 0)
     first = slot * LOW_BITS
     pair = tl.load(low_ptr + (first >> 3), mask=is_set, other=0).to(tl.int32)
     pair = pair | (tl.load(low_ptr + (first >> 3) + 1, mask=is_set & ((first >> 3) + 1 < low_length),
@@ -359,47 +460,59 @@ def _elias_fano_kernel(high_ptr, low_ptr, counts_ptr, cumulative_ptr, values_ptr
 
 
 @triton.jit
-def _indices_kernel(index_ptr, values_ptr, out_ptr, kept, BLOCK: tl.constexpr):
-    """Indices: each slot's value to its position."""
+def _indices_kernel(index_ptr, values_ptr, out_ptr, finite_ptr, kept, FLAGGED: tl.constexpr, BLOCK: tl.constexpr):
+    """Indices: each slot's value to its position (none where the finite flag is false)."""
     slot = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = slot < kept
+    if FLAGGED:
+        valid = valid & (tl.load(finite_ptr).to(tl.int32) != 0)
     position = tl.load(index_ptr + slot, mask=valid, other=0)
     tl.store(out_ptr + position, tl.load(values_ptr + slot, mask=valid, other=0), mask=valid)
 
 
-def decode_indices(values: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
-    """The ``count`` values :func:`encode` kept with ``indices``, +0 elsewhere: one launch (and a
-    ``torch.zeros``)."""
-    out = torch.zeros(count, dtype=values.dtype, device=values.device)
+def decode_indices(values: torch.Tensor, index: torch.Tensor, count: int,
+                   finite: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``count`` values :func:`encode` kept with ``indices``, +0 elsewhere (NaN everywhere
+    where ``finite`` is given and false): two launches, a fill and a scatter."""
+    out = torch.empty(count, dtype=values.dtype, device=values.device)
     integers = values.view(_BITS[values.element_size()])
+    flagged = finite is not None
     with device_guard(values):
+        launch(_fill_kernel, (triton.cdiv(count, DECODE_ROWS * 8),), out.view(integers.dtype),
+               finite if flagged else out, count, FLAGGED=flagged, NAN=_NAN[values.dtype], BLOCK=DECODE_ROWS * 8)
         launch(_indices_kernel, (triton.cdiv(values.numel(), DECODE_ROWS * 8),), index, integers,
-               out.view(integers.dtype), values.numel(), BLOCK=DECODE_ROWS * 8)
+               out.view(integers.dtype), finite if flagged else out, values.numel(), FLAGGED=flagged,
+               BLOCK=DECODE_ROWS * 8)
     return out
 
 
-def decode(values: torch.Tensor, saved: tuple[torch.Tensor, ...], count: int, low_bits: int | None) -> torch.Tensor:
-    """The ``count`` values :func:`encode` kept, +0 elsewhere, as a 1-D tensor of the values' dtype."""
-    device = values.device
+def decode(values: torch.Tensor, saved: tuple[torch.Tensor, ...], count: int, low_bits: int | None,
+           finite: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``count`` values :func:`encode` kept, +0 elsewhere, as a 1-D tensor of the values'
+    dtype; NaN everywhere where ``finite`` (a 0-d bool) is given and false. Two launches."""
     kept = values.numel()
     integers = values.view(_BITS[values.element_size()])
+    out = torch.empty(count, dtype=values.dtype, device=values.device)
     if low_bits is None:
         (packed,) = saved
         length = count
-        out = torch.empty(count, dtype=values.dtype, device=device)
     else:
         packed, low = saved
         length = kept + (count >> low_bits) + 1
-        out = torch.zeros(count, dtype=values.dtype, device=device)
     blocks = triton.cdiv(length, DECODE_ROWS * 8)
-    counts = torch.empty(blocks, dtype=torch.int32, device=device)
+    counts = torch.empty(blocks, dtype=torch.int32, device=values.device)
+    flagged = finite is not None
+    flag = finite if flagged else counts
     with device_guard(values):
-        launch(_popcount_kernel, (blocks,), packed, counts, length, ROWS=DECODE_ROWS)
-        cumulative = torch.cumsum(counts, 0, dtype=torch.int32)
+        launch(_popcount_kernel, (blocks,), packed, counts, out.view(integers.dtype), flag, length, count,
+               -(-count // blocks), FILLS=low_bits is not None, FLAGGED=flagged, NAN=_NAN[values.dtype],
+               ROWS=DECODE_ROWS, FILL_BLOCK=_ZERO_BLOCK)
+        cumulative = torch.cumsum(counts, 0, dtype=torch.int32) if blocks > _SCAN else counts
         if low_bits is None:
-            launch(_expand_kernel, (blocks,), packed, counts, cumulative, integers, out.view(integers.dtype), count,
-                   kept, ROWS=DECODE_ROWS)
+            launch(_expand_kernel, (blocks,), packed, counts, cumulative, integers, out.view(integers.dtype), flag, count,
+                   kept, FLAGGED=flagged, NAN=_NAN[values.dtype], ROWS=DECODE_ROWS, SCAN=_SCAN, PREFIXED=blocks > _SCAN)
         else:
             launch(_elias_fano_kernel, (blocks,), packed, low, counts, cumulative, integers, out.view(integers.dtype),
-                   count, kept, length, low.numel(), LOW_BITS=low_bits, ROWS=DECODE_ROWS)
+                   flag, count, kept, length, low.numel(), LOW_BITS=low_bits, FLAGGED=flagged, ROWS=DECODE_ROWS,
+                   SCAN=_SCAN, PREFIXED=blocks > _SCAN)
     return out

@@ -4,10 +4,11 @@ without one.
 Triton's interpreter, which the other kernel tests run under, accepts code a GPU compile refuses:
 the H100 run of stop 42 found a module global read inside a kernel and a constexpr reassigned in
 an unrolled loop, both of which passed every interpreter test. So this test runs every codec with
-a Triton kernel (fp32, bf16 and fp16; odd sizes; the finite flag) under the interpreter, records
-each launch's kernel, argument types and constexprs, and compiles each distinct one in a fresh
-process without the interpreter with ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``:
-Triton's own front end, optimizer and the ptxas it ships, down to a cubin. Nothing runs.
+a Triton kernel (fp32, bf16 and fp16; odd sizes; with the finite flag and without) under the
+interpreter, records each launch's kernel, argument types and constexprs, and compiles each
+distinct one in a fresh process without the interpreter with
+``triton.compile(..., target=GPUTarget("cuda", 90, 32))``: Triton's own front end, optimizer and
+the ptxas it ships, down to a cubin. Nothing runs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 import actcomp
+from actcomp.core import chain
 from actcomp.core.backends import use_backend
 from actcomp.kernels import triton_runtime
 
@@ -86,12 +88,25 @@ def recorded_launches() -> list[dict]:
                 for spec in SPECS:
                     pipeline = actcomp.parse(spec)
                     pipeline.decompress(pipeline.compress(x, channel_dim=-1))
+                    # Without the finite flag: the kernels that write or apply it, specialized without.
+                    stages = pipeline.stages
+                    chain.unpack(stages, spec, chain.pack(stages, spec, x, channel_dim=-1, flag_non_finite=False))
                 for name in CODECS:
                     codec = actcomp.core.registry.codec_class(name)()
                     value = (x > 0).to(x.dtype) * 2 if name == "dropout-mask" else x
                     if name == "pool-offsets":
                         continue  # needs a pooling's settings: below
                     codec.decompress(codec.compress(value))
+            # The sparsifiers past one vector of blocks (their offsets from a torch.cumsum).
+            from actcomp.kernels import triton_select
+
+            scan, triton_select._SCAN = triton_select._SCAN, 2
+            try:
+                for spec in ("mink0.9", "mink0.5", "smink0.9", "random0.9"):
+                    pipeline = actcomp.parse(spec)
+                    pipeline.decompress(pipeline.compress(torch.randn(20000, generator=generator)))  # Elias-Fano: 3 blocks
+            finally:
+                triton_select._SCAN = scan
             pool = actcomp.core.registry.codec_class("pool-offsets")(
                 kernel=(2, 2), stride=(2, 2), padding=(0, 0), dilation=(1, 1), width=8, out_size=(4, 4))
             pool.decompress(pool.compress(torch.randint(0, 64, (2, 3, 4, 4))))

@@ -1,8 +1,9 @@
 """The Triton selection kernels of mink, smink, dropit and random (actcomp.kernels.triton_select)
 under Triton's interpreter: codes and decoded values bit for bit those of the eager reference,
 over sizes that are not multiples of a block, dtypes, ties, all-equal values, mostly zeros
-(smink's empty slots) and a strided input; the launches each encode and decode takes; no read
-back to the host outside the kernels."""
+(smink's empty slots), a strided input, and NaN and inf with the chain's finite flag (which the
+kernels write and apply) or without it; the launches each encode and decode takes; no read back
+to the host outside the kernels."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 import torch
 from models import HostReads
 
+import actcomp
 from actcomp.compressors.elements import DropITReference, MinK, RandomDrop, SampledMinK
-from actcomp.core import backends
+from actcomp.core import backends, chain
 from actcomp.core.backends import use_backend
 from actcomp.core.codec import Hints
 from actcomp.kernels import triton_runtime
@@ -50,6 +52,10 @@ def values(count: int, dtype: torch.dtype, kind: str) -> torch.Tensor:
         x = torch.full((count,), -1.5)
     elif kind == "zeros":
         x[: count * 19 // 20] = 0.0  # more zeros than the drop rate: smink keeps only the non-zero ones
+    elif kind == "narrow":
+        x = 1 + x * 1e-5  # the keys share their upper digits: the threshold is found in the last
+    elif kind == "wide":
+        x = x * torch.logspace(-30, 30, count)  # the keys spread over the upper digits
     return x.to(dtype)
 
 
@@ -64,7 +70,7 @@ def test_each_selection_gives_the_reference_codes(count, dtype):
         assert_same(codec, x)
 
 
-@pytest.mark.parametrize("kind", ["ties", "equal", "zeros"])
+@pytest.mark.parametrize("kind", ["ties", "equal", "zeros", "narrow", "wide"])
 @pytest.mark.parametrize("rate", [0.5, 0.9])
 def test_ties_equal_values_and_zeros_give_the_reference_codes(kind, rate):
     for dtype in (torch.float32, torch.bfloat16):
@@ -80,29 +86,62 @@ def test_a_strided_input_gives_the_reference_codes():
         assert_same(codec, x.t())
 
 
-@pytest.mark.parametrize("codec, dtype, encode_launches", [(MinK(0.9), torch.float32, 5), (MinK(0.9), torch.bfloat16, 3),
-                                                           (SampledMinK(0.9, sample=256), torch.float32, 6)])
+def packed_and_decoded(codec, x, backend, flag_non_finite):
+    torch.manual_seed(0)
+    with use_backend(backend):
+        packed = chain.pack([codec], "x", x, flag_non_finite=flag_non_finite)
+        return packed.tensors, chain.unpack([codec], "x", packed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("count", [7, 4099])
+def test_nan_and_inf_give_the_reference_codes_flagged_or_not(dtype, count):
+    x = values(count, dtype, "random")
+    x[[1, count // 2, count - 1]] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    only_inf = values(count, dtype, "random")
+    only_inf[count - 1] = float("inf")  # met by the last block alone: its program clears the flag
+    for case in (x, only_inf, values(count, dtype, "random")):
+        for codec in (MinK(0.9), MinK(0.5), SampledMinK(0.9, sample=256), DropITReference(0.9), RandomDrop(0.9)):
+            for flag_non_finite in (True, False):
+                tensors, decoded = packed_and_decoded(codec, case, "triton", flag_non_finite)
+                want_tensors, want = packed_and_decoded(codec, case, "eager", flag_non_finite)
+                assert len(tensors) == len(want_tensors)
+                for got, expected in zip(tensors, want_tensors):
+                    assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8))
+                assert torch.equal(decoded.view(torch.uint8), want.view(torch.uint8)), (codec, flag_non_finite)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # int8's group arithmetic on -inf, in the interpreter's numpy
+def test_a_flagged_pipeline_decodes_to_nan_everywhere():
+    pipeline = actcomp.parse("mink0.9+int8")
+    for dtype in (torch.float32, torch.bfloat16):
+        x = values(4099, dtype, "random")
+        x[3000] = -float("inf")
+        with use_backend("triton"):
+            packed = pipeline.compress(x)
+            assert not bool(packed.tensors[0])
+            assert bool(pipeline.decompress(packed).isnan().all())
+
+
+@pytest.mark.parametrize("codec, dtype, encode_launches", [(MinK(0.9), torch.float32, 4), (MinK(0.9), torch.bfloat16, 3),
+                                                           (SampledMinK(0.9, sample=256), torch.float32, 4),
+                                                           (SampledMinK(0.9, sample=256), torch.bfloat16, 3),
+                                                           (DropITReference(0.9), torch.float32, 4)])
 def test_launches_per_encode_and_decode(codec, dtype, encode_launches):
     x = values(4099, dtype, "random")
     with use_backend("triton"):
         triton_runtime.LAUNCHES.clear()
         packed = codec.compress(x)
-        # A histogram pass a byte (an exact selection's last in the count pass), count, write;
-        # and the chain's finite flag.
-        assert sum(triton_runtime.LAUNCHES.values()) == encode_launches + 1
-        assert triton_runtime.LAUNCHES["_finite_kernel"] == 1
+        # A histogram pass a digit but the last (11, 11 and 9 bits of fp32's keys, 8 and 8 of
+        # bf16's), then count (the last digit's pass, of smink's sample too) and write: the count
+        # pass sets the chain's finite flag and the write pass clears it, no launch of its own.
+        assert sum(triton_runtime.LAUNCHES.values()) == encode_launches
+        assert "_finite_kernel" not in triton_runtime.LAUNCHES
         triton_runtime.LAUNCHES.clear()
         codec.decompress(packed)
-        assert sum(triton_runtime.LAUNCHES.values()) == 2  # popcount, expand or scatter
-
-
-def test_dropit_decodes_its_indices_in_one_launch():
-    codec, x = DropITReference(0.9), values(4099, torch.float32, "random")
-    with use_backend("triton"):
-        packed = codec.compress(x)
-        triton_runtime.LAUNCHES.clear()
-        codec.decompress(packed)
-        assert sum(triton_runtime.LAUNCHES.values()) == 1
+        # Popcount (Elias-Fano's fills the output) and expand or scatter; indices: fill and
+        # scatter; each applying the flag.
+        assert sum(triton_runtime.LAUNCHES.values()) == 2
 
 
 def test_random_encodes_and_decodes_in_three_launches_each():
@@ -110,11 +149,22 @@ def test_random_encodes_and_decodes_in_three_launches_each():
     with use_backend("triton"):
         triton_runtime.LAUNCHES.clear()
         packed = codec.compress(x)
-        # An 8-bit pass over the 16-bit keys, count, write; and the chain's finite flag.
-        assert sum(triton_runtime.LAUNCHES.values()) == 3 + 1
+        # An 8-bit pass over the 16-bit keys, count, write (which also writes the finite flag).
+        assert sum(triton_runtime.LAUNCHES.values()) == 3
         triton_runtime.LAUNCHES.clear()
         codec.decompress(packed)
         assert sum(triton_runtime.LAUNCHES.values()) == 3  # the same passes, the write gathering instead
+
+
+def test_past_one_vector_of_blocks_the_offsets_come_from_prefix_sums(monkeypatch):
+    # Past _SCAN blocks a torch.cumsum sums the blocks' counts (each program would read them all).
+    monkeypatch.setattr(triton_select, "_SCAN", 2)
+    x = values(4099, torch.float32, "ties")  # 3 blocks
+    x[5] = float("nan")
+    for codec in (MinK(0.9), MinK(0.5), SampledMinK(0.9, sample=256), DropITReference(0.9), RandomDrop(0.9)):
+        assert_same(codec, x)
+        assert_same(codec, x.bfloat16())
+    assert_same(MinK(0.9), values(20000, torch.float32, "random"))  # Elias-Fano's high stream in 3 blocks
 
 
 def test_smink_drops_the_last_when_more_than_its_slots_lie_above_a_missed_threshold():
