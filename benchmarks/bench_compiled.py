@@ -15,7 +15,9 @@ compile; Inductor's caches are warm after the first round).
 - ``fp8-pass``: Inductor's ``activation_quantization_aten_pass`` (saved fp32 activations of at
   least 1 MiB as scaled fp8 e5m2);
 - ``actcomp-8bit`` / ``actcomp-4bit`` / ``actcomp-exact``: ``actcomp.compress_in_graph("int8",
-  rest="8bit")``, ``("int4", rest="4bit")``, ``(None, rest="exact")`` around the forward.
+  rest="8bit")``, ``("int4", rest="4bit")``, ``(None, rest="exact")`` around the forward;
+- ``converted-8bit``: ``torch.compile(actcomp.to_compressed(model, "int8", rest="8bit"))``, as users
+  write it (the model's forward compiles under compress_in_graph's hooks with its rest policy).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from common import REPO_ROOT, benchmark_parser, header_lines, load_average, writ
 from actcomp.tools.probe import run_probe
 
 PROBE = Path(__file__).with_name("compiled_probe.py")
-CONFIGS = ["plain", "fp8-pass", "actcomp-8bit", "actcomp-4bit", "actcomp-exact"]
+CONFIGS = ["plain", "fp8-pass", "actcomp-8bit", "actcomp-4bit", "actcomp-exact", "converted-8bit"]
 
 
 def main() -> None:

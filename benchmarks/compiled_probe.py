@@ -31,7 +31,8 @@ def reset_high_water_mark() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--config", required=True, choices=["plain", "fp8-pass", "actcomp-8bit", "actcomp-4bit", "actcomp-exact"])
+    parser.add_argument("--config", required=True, choices=["plain", "fp8-pass", "actcomp-8bit", "actcomp-4bit", "actcomp-exact",
+                                                            "converted-8bit"])
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--img-size", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
@@ -48,6 +49,8 @@ def main() -> None:
             "quant_type": "torch.float8_e5m2"}}
     kwargs = {"img_size": args.img_size} if "vit" in args.model else {}
     model = timm.create_model(args.model, pretrained=False, num_classes=10, **kwargs).train().to(device)
+    if args.config == "converted-8bit":  # as users write it: torch.compile(to_compressed(...))
+        model = actcomp.to_compressed(model, "int8", rest="8bit")
     compiled = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(args.batch, 3, args.img_size, args.img_size, device=device)
