@@ -36,6 +36,7 @@ LAUNCHES: Counter[str] = Counter()
 # (benchmarks/bench_step_costs.py counts launches per saved tensor, and leaves out the ATen ops
 # Triton's interpreter runs inside one).
 _observers: list[Callable[[str], contextlib.AbstractContextManager]] = []
+_recorders: list[Callable[[Any, tuple, tuple, dict], Any]] = []
 
 
 def interpreting() -> bool:
@@ -84,10 +85,23 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     fused multiply-add would round once and change a code."""
     name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
     LAUNCHES[name] += 1
+    for recorder in _recorders:
+        recorder(kernel, grid, args, meta)
     with contextlib.ExitStack() as observing:
         for observer in _observers:
             observing.enter_context(observer(name))
         kernel[grid](*args, enable_fp_fusion=False, **meta)
+
+
+@contextlib.contextmanager
+def recording(recorder: Callable[[Any, tuple, tuple, dict], Any]) -> Iterator[None]:
+    """Call ``recorder(kernel, grid, args, meta)`` at each launch inside the block (what
+    ``tests/kernels/test_triton_compiles.py`` compiles for a GPU)."""
+    _recorders.append(recorder)
+    try:
+        yield
+    finally:
+        _recorders.remove(recorder)
 
 
 @contextlib.contextmanager

@@ -86,7 +86,6 @@ from actcomp.graph.saved_tensors import (
     tracking_scopes,
 )
 from actcomp.torch_compat import called_from_compiled_code, in_backward_pass, not_compiled_frame
-from actcomp.whole_model.in_graph import compress_in_graph
 from actcomp.whole_model.policy import RestPolicy
 from actcomp.whole_model.session import _Session, _unpack
 
@@ -166,6 +165,9 @@ _IN_GRAPH = _InGraph()
 @not_compiled
 def _enter_in_graph(policy: RestPolicy) -> contextlib.AbstractContextManager:
     """compress_in_graph's hooks for ``policy`` entered (eagerly: Dynamo must not trace this)."""
+    # Imported here: in_graph imports Inductor (2 s), which `import actcomp` must not pay.
+    from actcomp.whole_model.in_graph import compress_in_graph
+
     hooks = compress_in_graph(None, rest=policy)
     hooks.__enter__()
     _IN_GRAPH.active = True

@@ -60,9 +60,8 @@ def argument_type(value) -> tuple[str, object]:
 
 def recorded_launches() -> list[dict]:
     launches: dict[str, dict] = {}
-    original = triton_runtime.launch
 
-    def recording(kernel, grid, *args, **meta):
+    def recording(kernel, grid, args, meta):
         function = kernel.fn
         names = list(inspect.signature(function).parameters)
         signature, constexprs = {}, {}
@@ -75,43 +74,38 @@ def recorded_launches() -> list[dict]:
         entry = {"module": function.__module__, "kernel": function.__name__, "signature": signature,
                  "constexprs": constexprs}
         launches[json.dumps(entry, sort_keys=True)] = entry
-        return original(kernel, grid, *args, **meta)
 
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn(37, 131, generator=generator) * 3]
     inputs += [inputs[0].bfloat16(), inputs[0].half(), inputs[0][:3, :7].contiguous()]
-    triton_runtime.launch = recording
-    try:
-        with use_backend("triton"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a stage without a Triton kernel says so once
-            for x in inputs:
-                for spec in SPECS:
-                    pipeline = actcomp.parse(spec)
-                    pipeline.decompress(pipeline.compress(x, channel_dim=-1))
-                    # Without the finite flag: the kernels that write or apply it, specialized without.
-                    stages = pipeline.stages
-                    chain.unpack(stages, spec, chain.pack(stages, spec, x, channel_dim=-1, flag_non_finite=False))
-                for name in CODECS:
-                    codec = actcomp.core.registry.codec_class(name)()
-                    value = (x > 0).to(x.dtype) * 2 if name == "dropout-mask" else x
-                    if name == "pool-offsets":
-                        continue  # needs a pooling's settings: below
-                    codec.decompress(codec.compress(value))
-            # The sparsifiers past one vector of blocks (their offsets from a torch.cumsum).
-            from actcomp.kernels import triton_select
+    with triton_runtime.recording(recording), use_backend("triton"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a stage without a Triton kernel says so once
+        for x in inputs:
+            for spec in SPECS:
+                pipeline = actcomp.parse(spec)
+                pipeline.decompress(pipeline.compress(x, channel_dim=-1))
+                # Without the finite flag: the kernels that write or apply it, specialized without.
+                stages = pipeline.stages
+                chain.unpack(stages, spec, chain.pack(stages, spec, x, channel_dim=-1, flag_non_finite=False))
+            for name in CODECS:
+                codec = actcomp.core.registry.codec_class(name)()
+                value = (x > 0).to(x.dtype) * 2 if name == "dropout-mask" else x
+                if name == "pool-offsets":
+                    continue  # needs a pooling's settings: below
+                codec.decompress(codec.compress(value))
+        # The sparsifiers past one vector of blocks (their offsets from a torch.cumsum).
+        from actcomp.kernels import triton_select
 
-            scan, triton_select._SCAN = triton_select._SCAN, 2
-            try:
-                for spec in ("mink0.9", "mink0.5", "smink0.9", "random0.9"):
-                    pipeline = actcomp.parse(spec)
-                    pipeline.decompress(pipeline.compress(torch.randn(20000, generator=generator)))  # Elias-Fano: 3 blocks
-            finally:
-                triton_select._SCAN = scan
-            pool = actcomp.core.registry.codec_class("pool-offsets")(
-                kernel=(2, 2), stride=(2, 2), padding=(0, 0), dilation=(1, 1), width=8, out_size=(4, 4))
-            pool.decompress(pool.compress(torch.randint(0, 64, (2, 3, 4, 4))))
-    finally:
-        triton_runtime.launch = original
+        scan, triton_select._SCAN = triton_select._SCAN, 2
+        try:
+            for spec in ("mink0.9", "mink0.5", "smink0.9", "random0.9"):
+                pipeline = actcomp.parse(spec)
+                pipeline.decompress(pipeline.compress(torch.randn(20000, generator=generator)))  # Elias-Fano: 3 blocks
+        finally:
+            triton_select._SCAN = scan
+        pool = actcomp.core.registry.codec_class("pool-offsets")(
+            kernel=(2, 2), stride=(2, 2), padding=(0, 0), dilation=(1, 1), width=8, out_size=(4, 4))
+        pool.decompress(pool.compress(torch.randint(0, 64, (2, 3, 4, 4))))
     return list(launches.values())
 
 
