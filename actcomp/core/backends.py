@@ -266,14 +266,16 @@ def encode_flagged(codec: Any, x: torch.Tensor, hints: Any, finite_flag: Callabl
     """``(codec.encode(x, hints), flag)``: the encoding and a 0-d bool, whether every value of
     ``x`` is finite; written by the kernel as it encodes where it can (``writes_finite_flag``),
     else ``finite_flag(x)``, one reduction more."""
-    if not tracing(x):
-        name, function = _chosen_implementation(codec, "encode", (x, hints), _asked(backend))
-        kernel = next((kernel for kernel in _resolved(type(codec), "encode") if kernel.name == name), None)
-        if kernel is not None and kernel.applies_finite_flag:
-            flag = torch.empty((), dtype=torch.bool, device=x.device)
-            return function(x, hints, finite=flag), flag
+    if tracing(x):
+        flag = finite_flag(x)
+        return _run(codec, "encode", (x, hints), backend), flag
+    name, function = _chosen_implementation(codec, "encode", (x, hints), _asked(backend))
+    if _applies_finite_flag(codec, "encode", name):
+        flag = torch.empty((), dtype=torch.bool, device=x.device)
+        return function(x, hints, finite=flag), flag
+    # The flag first, then the encode chosen above (not chosen a second time).
     flag = finite_flag(x)
-    return _run(codec, "encode", (x, hints), backend), flag
+    return function(x, hints), flag
 
 
 def decode(codec: Any, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any, *,
@@ -285,11 +287,16 @@ def decode(codec: Any, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], m
         return _run(codec, "decode", (payload, saved, meta), backend)
     if not tracing(payload):
         name, function = _chosen_implementation(codec, "decode", (payload, saved, meta), _asked(backend))
-        kernel = next((kernel for kernel in _resolved(type(codec), "decode") if kernel.name == name), None)
-        if kernel is not None and kernel.applies_finite_flag:
+        if _applies_finite_flag(codec, "decode", name):
             return function(payload, saved, meta, finite=finite)
         return nan_unless_finite(function(payload, saved, meta), finite)
     return nan_unless_finite(_run(codec, "decode", (payload, saved, meta), backend), finite)
+
+
+def _applies_finite_flag(codec: Any, method: str, name: str) -> bool:
+    """Whether ``codec``'s implementation ``name`` of ``method`` writes (encode) or applies
+    (decode) the chain's finite flag itself."""
+    return any(kernel.name == name and kernel.applies_finite_flag for kernel in _resolved(type(codec), method))
 
 
 def nan_unless_finite(payload: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
