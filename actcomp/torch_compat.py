@@ -244,6 +244,14 @@ def is_inlined_unpack_input(node: torch.fx.Node) -> bool:
     return node.op == "placeholder" and "_hook_" in node.name
 
 
+def is_inlined_pack_output(node: torch.fx.Node) -> bool:
+    """Whether a forward graph's node is a saved tensor's packed form, the output of a pack hook
+    AOTAutograd inlined (named ``<saved>_hook_<i>`` like the backward's input it becomes).
+    Checked on 2.13.0 and 2.14.1; if the naming changes, packing is not moved next to the
+    tensor it codes (a higher forward peak where Inductor's reordering does not move it)."""
+    return node.op == "call_function" and "_hook_" in node.name
+
+
 def mark_as_wrapped_call(node: torch.fx.Node, cache_hash: str) -> None:
     """Mark ``node`` as ``torch.fx.wrap`` would, with a hash under which compiled graphs holding
     it may be cached. Checked on 2.13.0 and 2.14.1 (meta ``is_wrapped``, ``user_cache_hash``);

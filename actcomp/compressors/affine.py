@@ -33,6 +33,7 @@ import torch
 
 from actcomp.core import backends
 from actcomp.core.backends import register_implementation
+from actcomp.core.chain import finite_flag
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
 from actcomp.kernels import native_cpu
@@ -252,48 +253,68 @@ register_implementation(
 # dozen loops of generated code (its C++ code generation dominated compress_in_graph's first call:
 # benchmarks/profile_first_compiled_call.py).
 @torch.library.custom_op("actcomp::group_quant_encode", mutates_args=())
-def _encode_op(x: torch.Tensor, bits: int, group: int, scale: str,
-               channel_dim: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _encode_op(x: torch.Tensor, bits: int, group: int, scale: str, channel_dim: int | None,
+               flagged: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     codec = _WIDTHS[bits](group=group, scale=scale)
-    codes, (offset, step, *exponents), _ = backends.encode(codec, x, Hints(channel_dim=channel_dim))
-    return codes, offset, step, exponents[0] if exponents else torch.empty(0, dtype=torch.int8, device=x.device)
+    hints = Hints(channel_dim=channel_dim)
+    if flagged:  # the chain's finite flag too, written by the kernel where it can
+        (codes, (offset, step, *exponents), _), finite = backends.encode_flagged(codec, x, hints, finite_flag)
+    else:
+        (codes, (offset, step, *exponents), _), finite = backends.encode(codec, x, hints), _NO_FLAG(x.device)
+    return codes, offset, step, exponents[0] if exponents else _NO_EXPONENTS(x.device), finite
+
+
+def _NO_FLAG(device: torch.device) -> torch.Tensor:  # noqa: N802 - a constant's shape
+    return torch.ones((0,), dtype=torch.bool, device=device)
+
+
+def _NO_EXPONENTS(device: torch.device) -> torch.Tensor:  # noqa: N802 - a constant's shape
+    return torch.empty(0, dtype=torch.int8, device=device)
 
 
 @_encode_op.register_fake
-def _(x, bits, group, scale, channel_dim):
+def _(x, bits, group, scale, channel_dim, flagged):
     codec = _WIDTHS[bits](group=group, scale=scale)
     count = x.numel()
     groups = (count + group - 1) // group
     channels = codec._channels(x, Hints(channel_dim=channel_dim))
     return (x.new_empty(((count * bits + 7) // 8,), dtype=torch.uint8), x.new_empty((groups,)),
-            x.new_empty((groups,), dtype=torch.bfloat16), x.new_empty((channels or 0,), dtype=torch.int8))
+            x.new_empty((groups,), dtype=torch.bfloat16), x.new_empty((channels or 0,), dtype=torch.int8),
+            x.new_empty(() if flagged else (0,), dtype=torch.bool))
 
 
 @torch.library.custom_op("actcomp::group_quant_decode", mutates_args=())
 def _decode_op(codes: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, exponents: torch.Tensor, bits: int,
-               group: int, scale: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+               group: int, scale: str, shape: list[int], dtype: torch.dtype,
+               finite: torch.Tensor | None) -> torch.Tensor:
     codec = _WIDTHS[bits](group=group, scale=scale)
     saved = (offset, step, exponents) if exponents.numel() else (offset, step)
-    return backends.decode(codec, codes, saved, (torch.Size(shape), dtype))
+    return backends.decode(codec, codes, saved, (torch.Size(shape), dtype), finite=finite)
 
 
 @_decode_op.register_fake
-def _(codes, offset, step, exponents, bits, group, scale, shape, dtype):
+def _(codes, offset, step, exponents, bits, group, scale, shape, dtype, finite):
     return codes.new_empty(shape, dtype=dtype)
 
 
-def _graph_encode(codec: GroupQuant, x: torch.Tensor, hints: Hints) -> Encoded:
-    codes, offset, step, exponents = _encode_op(x, codec.bits, codec.group, codec.scale, hints.channel_dim)
+def _graph_encode(codec: GroupQuant, x: torch.Tensor, hints: Hints, *, flagged: bool = False):
+    """:meth:`GroupQuant.encode` as one call of ``actcomp::group_quant_encode``; with
+    ``flagged``, ``(encoded, finite flag)`` from the same call."""
+    codes, offset, step, exponents, finite = _encode_op(x, codec.bits, codec.group, codec.scale, hints.channel_dim,
+                                                        flagged)
     channels = codec._channels(x, hints)
-    return Encoded(codes, (offset, step, exponents) if channels else (offset, step), (x.shape, x.dtype))
+    encoded = Encoded(codes, (offset, step, exponents) if channels else (offset, step), (x.shape, x.dtype))
+    return (encoded, finite) if flagged else encoded
 
 
-def _graph_decode(codec: GroupQuant, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta) -> torch.Tensor:
+def _graph_decode(codec: GroupQuant, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta,
+                  finite: torch.Tensor | None = None) -> torch.Tensor:
+    """:meth:`GroupQuant.decode` as one call of ``actcomp::group_quant_decode``, NaN everywhere
+    where ``finite`` is given and false."""
     shape, dtype = meta
     offset, step, *exponents = saved
-    empty = payload.new_empty((0,), dtype=torch.int8)
-    return _decode_op(payload, offset, step, exponents[0] if exponents else empty, codec.bits, codec.group,
-                      codec.scale, list(shape), dtype)
+    return _decode_op(payload, offset, step, exponents[0] if exponents else _NO_EXPONENTS(payload.device),
+                      codec.bits, codec.group, codec.scale, list(shape), dtype, finite)
 
 
 backends.register_graph_op(GroupQuant, encode=_graph_encode, decode=_graph_decode)

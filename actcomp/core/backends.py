@@ -158,11 +158,13 @@ _GRAPH_OPS: dict[tuple[type, str], Callable[..., Any]] = {}
 
 def register_graph_op(klass: type, *, encode: Callable[..., Any], decode: Callable[..., Any]) -> None:
     """What ``klass``'s encode and decode put in a graph being traced (``torch.compile``,
-    ``compress_in_graph``): ``encode(codec, x, hints)`` and ``decode(codec, payload, saved, meta)``
-    calling a ``torch.library`` custom op whose implementations are the codec's own (the kernel
-    the eager path would choose), so a compiled graph gives the eager codes and holds one extern
-    call where the traced reference would be a few dozen generated loops to compile. Subclasses
-    inherit it. ``use_backend("eager")`` and ``"compiled"`` trace the reference instead."""
+    ``compress_in_graph``): ``encode(codec, x, hints, *, flagged=False)`` (with ``flagged``:
+    ``(encoded, the chain's finite flag)``) and ``decode(codec, payload, saved, meta, finite=None)``
+    (NaN everywhere where ``finite`` is given and false), calling a ``torch.library`` custom op
+    whose implementations are the codec's own (the kernel the eager path would choose), so a
+    compiled graph gives the eager codes and holds one extern call where the traced reference
+    would be a few dozen generated loops to compile. Subclasses inherit it.
+    ``use_backend("eager")`` and ``"compiled"`` trace the reference instead."""
     _GRAPH_OPS[(klass, "encode")] = encode
     _GRAPH_OPS[(klass, "decode")] = decode
 
@@ -267,6 +269,9 @@ def encode_flagged(codec: Any, x: torch.Tensor, hints: Any, finite_flag: Callabl
     ``x`` is finite; written by the kernel as it encodes where it can (``writes_finite_flag``),
     else ``finite_flag(x)``, one reduction more."""
     if tracing(x):
+        op = _graph_op(type(codec), "encode")
+        if op is not None and _asked(backend) not in ("eager", "compiled"):
+            return op(codec, x, hints, flagged=True)  # one extern call writes both
         flag = finite_flag(x)
         return _run(codec, "encode", (x, hints), backend), flag
     name, function = _chosen_implementation(codec, "encode", (x, hints), _asked(backend))
@@ -290,6 +295,9 @@ def decode(codec: Any, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], m
         if _applies_finite_flag(codec, "decode", name):
             return function(payload, saved, meta, finite=finite)
         return nan_unless_finite(function(payload, saved, meta), finite)
+    op = _graph_op(type(codec), "decode")
+    if op is not None and _asked(backend) not in ("eager", "compiled"):
+        return op(codec, payload, saved, meta, finite=finite)  # applied inside the extern call
     return nan_unless_finite(_run(codec, "decode", (payload, saved, meta), backend), finite)
 
 

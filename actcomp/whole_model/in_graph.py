@@ -5,9 +5,10 @@ a tensor by watching calls, which a compiled graph never makes. A compiled train
 runs under saved-tensor hooks given as ``torch.fx.GraphModule`` s: AOTAutograd then retraces the
 pack hook once per tensor the forward graph saves, inlines it at the end of the compiled forward
 and the unpack hook at the start of the compiled backward (torch 2.14.1 here,
-``maybe_inline_graph_saved_tensors_hooks``), where Inductor fuses both with their neighbours and
-nothing runs in Python per step. While a hook is retraced, torch names the saved node and both
-graphs; the codec is chosen there, from what the *backward* does with the tensor:
+``maybe_inline_graph_saved_tensors_hooks``), where nothing runs in Python per step: the
+quantizers as one extern call each way (their ``torch.library`` ops, running the kernel eager mode
+would), the other codecs as traced ops Inductor fuses with their neighbours. While a hook is
+retraced, torch names the saved node and both graphs; the codec is chosen there, from what the *backward* does with the tensor:
 
 ============================================  =========================================  ======
 the backward reads it                          kept as                                    exact?
@@ -49,7 +50,6 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from actcomp.core.backends import use_backend
 from actcomp.core.chain import pack
 from actcomp.core.packed import Packed
 from actcomp.core.pipeline import Pipeline, as_pipeline, parse
@@ -60,6 +60,7 @@ from actcomp.torch_compat import (
     backward_compiled_with_forward,
     backward_graph,
     custom_graph_pass_base,
+    is_inlined_pack_output,
     is_inlined_unpack_input,
     mark_as_wrapped_call,
     post_grad_custom_post_pass,
@@ -114,9 +115,11 @@ class _CodecsWhereUsed(custom_graph_pass_base()):
     AOTAutograd inlines every pack hook at the *end* of the forward graph and every unpack hook
     at the *start* of the backward graph: as they stand, every saved tensor would live whole
     until the forward ends, and be decoded whole when the backward starts, and the step's peak
-    would be the uncompressed one. Inductor's peak-memory reordering moves each pack next to the
-    tensor it codes; in a backward graph (one with the ``<saved>_hook_<i>`` inputs the inlining
-    makes) this pass moves each unpack node down to just before its first user, and turns that
+    would be the uncompressed one. In a forward graph (one whose outputs are ``<saved>_hook_<i>``
+    nodes) this pass moves each pack's nodes up to where their inputs are ready (Inductor's
+    peak-memory reordering moves generated loops there, but leaves an extern call at the end:
+    ViT-S's step peak was plain's, 302 MiB); in a backward graph (one with the ``_hook_``
+    inputs) it moves each unpack node down to just before its first user, and turns that
     reordering off for the graph, which would undo it. Graphs without inlined hooks are left as
     they are."""
 
@@ -128,6 +131,8 @@ class _CodecsWhereUsed(custom_graph_pass_base()):
         backward = any(is_inlined_unpack_input(node) for node in graph.find_nodes(op="placeholder"))
         if backward:
             _sink_decoding(graph)
+        else:
+            _hoist_packing(graph)
         if _REORDER.user is not None:
             # Inductor's peak-memory reordering, read when this graph is scheduled next, moves
             # the decoding back to the top of a backward graph (measured on ViT-S: a backward
@@ -141,14 +146,65 @@ class _CodecsWhereUsed(custom_graph_pass_base()):
         return ("actcomp codecs where used", _source_hash(), previous)
 
 
+def _hoist_packing(graph: fx.Graph) -> None:
+    """Each pack hook's nodes as soon as their inputs are there, so that the tensor they code
+    can be freed at its last use in the forward rather than at the forward's end, where the
+    inlining put them. Inductor's peak-memory reordering does this for generated loops but leaves
+    an extern call (a codec's graph op) where it stands."""
+    output = graph.output_node()
+    if not any(is_inlined_pack_output(node) for node in output.all_input_nodes):
+        return  # not a forward graph with inlined hooks
+    # An output of a codec's op nobody reads would keep the op from counting as packing alone.
+    graph.eliminate_dead_code()
+    packing: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op != "call_function" or not node.users or node.is_impure():
+            continue
+        # Only what serves packed outputs alone: every user a pack node, or the output where the
+        # node is itself a packed form.
+        if all(user in packing or (user is output and is_inlined_pack_output(node)) for user in node.users):
+            packing.add(node)
+    if not packing:
+        return
+    # Nodes made from nothing (an empty buffer, an arange) go just before their first user: moved
+    # up, they would live through the whole forward.
+    made_from_nothing = {node for node in packing if not node.all_input_nodes}
+    waiting = {node: len(node.all_input_nodes) - len(made_from_nothing.intersection(node.all_input_nodes))
+               for node in packing if node not in made_from_nothing}
+    placed: dict[fx.Node, None] = {}  # the new order
+
+    def place(node: fx.Node) -> None:
+        for source in node.all_input_nodes:
+            if source in made_from_nothing and source not in placed:
+                place(source)
+        placed[node] = None
+        for user in () if node in made_from_nothing else node.users:
+            if user in waiting and user not in placed:
+                waiting[user] -= 1
+                if waiting[user] == 0:
+                    place(user)  # as soon as its last input is there
+
+    for node in list(graph.nodes):
+        if node not in placed and (node not in packing or waiting.get(node) == 0):
+            place(node)
+    previous = None
+    for node in placed:
+        if previous is not None and previous.next is not node:
+            previous.append(node)
+        previous = node
+
+
 def _sink_decoding(graph: fx.Graph) -> None:
     """Each unpack hook's nodes (computed from the ``_hook_`` inputs alone) right before their first user."""
     decoded = {node for node in graph.find_nodes(op="placeholder") if is_inlined_unpack_input(node)}
     # Views nobody reads would count as a decode's first user and pin it at the top.
     graph.eliminate_dead_code()
+    # Constants (an empty buffer, an arange: nodes made from nothing) may feed a decode too.
+    constants = {node for node in graph.nodes if node.op == "call_function" and not node.all_input_nodes}
     decode = []
     for node in graph.nodes:
-        if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= decoded:
+        if (node.op == "call_function" and node.all_input_nodes and decoded.intersection(node.all_input_nodes)
+                and set(node.all_input_nodes) <= decoded | constants):
             decoded.add(node)
             decode.append(node)
     # Constants made only for the decoding (an arange, an empty buffer) go with it.
@@ -278,12 +334,11 @@ def _pack(saved: torch.Tensor, plan_hash: str):
     pipeline = plan.linear if others and all(user.target in _MATMULS for user in others) else plan.rest
     if pipeline is None or (comparisons and comparison is None):
         return ("keep", saved)
-    # With eager mode's finite flag (a reduction, nothing read back): NaN or inf decodes to NaN.
-    # The reference traced, not the codecs' graph ops: an extern op packing here left every saved
-    # tensor whole to the end of the forward (ViT-S's compiled step peak 302 MiB, plain's, against
-    # 110 MiB traced), though it cut the first compile's time from 5.5x plain's to 1.2x.
-    with use_backend("eager"):
-        packed = pack(pipeline.stages, pipeline.spec, saved)
+    # With eager mode's finite flag (nothing read back): NaN or inf decodes to NaN. The quantizers
+    # go in as their graph ops (one extern call each way, running the kernel eager mode would:
+    # the native one on a CPU, Triton's on CUDA), which :func:`_hoist_packing` moves next to the
+    # tensor; traced instead, their generated loops made ViT-S's first compile 5x as long.
+    packed = pack(pipeline.stages, pipeline.spec, saved)
     # The layout goes to the unpack hook as a string constant: a dataclass in the hook's output
     # would be traced as a call that builds it, which the inlining cannot carry to backward.
     key = f"layout {packed.layout!r}"
@@ -313,12 +368,10 @@ def _unpack(packed, plan_hash: str):
     if form == "packed":
         _, key, *tensors = packed
         layout = _LAYOUTS[key]
-        with use_backend("eager"):  # the reference traced, as the pack hook's
-            return _decoder(layout.spec).decompress(Packed(tuple(tensors), layout))
+        return _decoder(layout.spec).decompress(Packed(tuple(tensors), layout))
     _, name, threshold, key, bits, *tensors = packed
     layout = _LAYOUTS[key]
-    with use_backend("eager"):
-        values = _decoder(layout.spec).decompress(Packed(tuple(tensors), layout))
+    values = _decoder(layout.spec).decompress(Packed(tuple(tensors), layout))
     result = unpack_bits(bits, values.numel()).view(values.shape)
     return _on_side(values, result, name, threshold)
 

@@ -170,3 +170,79 @@ def test_the_layout_table_holds_one_entry_per_distinct_layout(compiled):
         gradients(model, torch.compile(model), x, ("int8", "8bit"))
 
     assert before and in_graph._LAYOUTS.keys() == before.keys()
+
+
+def _node(graph, target, args, name=None):
+    return graph.create_node("call_function", target, args, name=name)
+
+
+def test_packing_moves_next_to_the_tensor_it_codes():
+    # AOTAutograd inlines each pack hook at the end of the forward graph; Inductor's reordering
+    # moves generated loops up but not an extern call, so the pass places them itself.
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    saved = _node(graph, torch.ops.aten.relu.default, (x,))
+    scaled = _node(graph, torch.ops.aten.mul.Tensor, (saved, 2.0))
+    later = _node(graph, torch.ops.aten.sin.default, (scaled,))
+    buffer = _node(graph, torch.ops.aten.empty.memory_format, ([0],))  # made from nothing
+    magnitude = _node(graph, torch.ops.aten.abs.default, (saved,))
+    coded = _node(graph, torch.ops.aten.add.Tensor, (magnitude, buffer))
+    packed = _node(graph, torch.ops.aten.neg.default, (coded,), name="relu_hook_1")
+    unread = _node(graph, torch.ops.aten.cos.default, (coded,))  # read by nobody: dropped
+    output = graph.output((later, packed))
+
+    in_graph._hoist_packing(graph)
+    graph.lint()
+
+    assert unread not in graph.nodes
+    assert list(graph.nodes) == [x, saved, magnitude, buffer, coded, packed, scaled, later, output]
+
+
+def test_a_graph_without_inlined_hooks_keeps_its_order():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    first = _node(graph, torch.ops.aten.relu.default, (x,))
+    graph.output((_node(graph, torch.ops.aten.sin.default, (x,)), _node(graph, torch.ops.aten.abs.default, (first,))))
+    before = [node.name for node in graph.nodes]
+
+    in_graph._hoist_packing(graph)
+
+    assert [node.name for node in graph.nodes] == before
+
+
+def test_decoding_that_reads_a_constant_moves_to_its_first_use():
+    # A codec's decode op reads its packed inputs and an empty buffer made in the graph; it must
+    # still move down to the backward's first use of the decoded tensor.
+    graph = torch.fx.Graph()
+    gradient, packed = graph.placeholder("tangents_1"), graph.placeholder("relu_hook_1")
+    buffer = _node(graph, torch.ops.aten.empty.memory_format, ([0],))
+    decoded = _node(graph, torch.ops.aten.add.Tensor, (packed, buffer))
+    step = _node(graph, torch.ops.aten.mul.Tensor, (gradient, 2.0))
+    product = _node(graph, torch.ops.aten.mul.Tensor, (step, decoded))
+    output = graph.output((product,))
+
+    in_graph._sink_decoding(graph)
+    graph.lint()
+
+    assert list(graph.nodes) == [gradient, packed, step, buffer, decoded, product, output]
+
+
+def test_the_quantizers_pack_inside_the_forward_not_at_its_end(monkeypatch):
+    # The int8 codec goes into the graph as one extern call per saved tensor; each must run as
+    # soon as its tensor is made, before the layers after it, or the tensor lives to the end.
+    torch.manual_seed(0)
+    model = ReluMLP().train()
+    graphs = []
+    hoist = in_graph._hoist_packing
+    monkeypatch.setattr(in_graph, "_hoist_packing", lambda graph: hoist(graph) or graphs.append(list(graph.nodes)))
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        gradients(model, torch.compile(model), torch.randn(512, 64), ("int8", "8bit"))
+
+    forward = [nodes for nodes in graphs if any("_hook_" in node.name for node in nodes)]
+    assert len(forward) == 1
+    targets = [str(node.target) for node in forward[0]]
+    encodes = [index for index, target in enumerate(targets) if "group_quant_encode" in target]
+    matmuls = [index for index, target in enumerate(targets) if "addmm" in target]
+    assert encodes and matmuls
+    assert min(encodes) < max(matmuls)  # the second Linear's input is packed before the last Linear runs
