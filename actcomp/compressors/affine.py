@@ -169,9 +169,11 @@ def _unscaled(out: torch.Tensor, exponents: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def _cpu_encode(codec: GroupQuant, x: torch.Tensor, hints: Hints) -> Encoded:
+def _cpu_encode(codec: GroupQuant, x: torch.Tensor, hints: Hints, finite: torch.Tensor | None = None) -> Encoded:
     """:meth:`GroupQuant.encode` in one pass of :mod:`~actcomp.kernels.native_cpu` (a pass per
-    chunk when channels are scaled: the scaled copy is a chunk's)."""
+    chunk when channels are scaled: the scaled copy is a chunk's), writing the chain's finite
+    flag ``finite`` where given: from the kernel's own group ranges, or with channels scaled one
+    ``aminmax`` of the input (a scaled chunk is not the input)."""
     flat = x.reshape(-1).contiguous()
     count, channels = flat.numel(), codec._channels(x, hints)
     exponents, inverse = _channel_exponents(flat, channels)
@@ -181,8 +183,10 @@ def _cpu_encode(codec: GroupQuant, x: torch.Tensor, hints: Hints) -> Encoded:
     scale = torch.empty(groups, dtype=torch.bfloat16)
     seed = noise_seed(flat)
     if channels is None:
-        native_cpu.quantize(flat, codec.bits, codec.group, seed, codes, offset, scale)
+        native_cpu.quantize(flat, codec.bits, codec.group, seed, codes, offset, scale, finite=finite)
     else:
+        if finite is not None:
+            finite.copy_(finite_flag(flat))
         length = aligned_length(flat.device, count, codec.group, 8, channels)
         for start, stop in spans(count, length):
             first, first_group = start * codec.bits // 8, start // codec.group
@@ -202,7 +206,7 @@ def _cpu_decode(codec: GroupQuant, payload: torch.Tensor, saved: tuple[torch.Ten
 
 # CPU float32 and bfloat16, 1 to 2**31 - 1 values, the kernels built.
 register_implementation(
-    GroupQuant, "native",
+    GroupQuant, "native", writes_finite_flag=True,
     encode=_cpu_encode, encodes=lambda codec, x, hints: native_cpu.quantizes(x.device, x.dtype, x.numel(), codec.bits),
     decode=_cpu_decode,
     decodes=lambda codec, payload, saved, meta: native_cpu.quantizes(payload.device, meta[1], meta[0].numel(), codec.bits))

@@ -147,8 +147,7 @@ def register_implementation(klass: type, name: str, *, encode: Callable[..., Any
             raise ActcompError(f"the {name} {method} of {klass.__name__} needs a capability predicate "
                                f"({method}s=...): which tensors it takes")
         if function is not None:
-            _REGISTRY[(klass, method, name)] = Implementation(name, function, takes,
-                                                              applies_finite_flag and method in flag_methods)
+            _REGISTRY[(klass, method, name)] = Implementation(name, function, takes, method in flag_methods)
     _RESOLVED.clear()
 
 

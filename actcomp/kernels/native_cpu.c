@@ -346,10 +346,12 @@ static inline uint8_t code_of(float value, float low, float inverse, float noise
         switch (bits) { case 8: CALL(8, 1); break; case 4: CALL(4, 1); break; default: CALL(2, 1); } \
     }
 
-/* Groups first to last of quantize(). */
-static inline __attribute__((always_inline)) void quantize_groups(
+/* Groups first to last of quantize(); returns whether every value there is finite (a group's
+ * minimum and maximum are, which is what the chain's finite flag asks of the whole tensor). */
+static inline __attribute__((always_inline)) int quantize_groups(
     const void *x, int64_t count, int64_t group, int64_t first, int64_t last, uint32_t seed, int64_t base,
     uint8_t *codes, void *offset, uint16_t *scale, const int dtype, const int bits) {
+    int finite = 1;
     const float levels = (float)((1 << bits) - 1);
     const int per_byte = 8 / bits;
     if (bits < 8) {
@@ -363,6 +365,7 @@ static inline __attribute__((always_inline)) void quantize_groups(
         const int64_t stop = start + group < count ? start + group : count;
         float low, high;
         group_range(x, start, stop, &low, &high, dtype);
+        finite &= isfinite(low) && isfinite(high);
         /* max/levels - min/levels cannot overflow where (max - min) could. */
         const float step = round_up_to_bf16(high / levels - low / levels);
         const float inverse = 1.0f / (step > 0.0f ? step : 1.0f);
@@ -423,19 +426,27 @@ static inline __attribute__((always_inline)) void quantize_groups(
             }
         }
     }
+    return finite;
 }
 
+/* finite: where not NULL, set to whether every value of x is finite (the chain's finite flag,
+ * from the groups' ranges this pass computes anyway: no second read of x). */
 static void quantize(const void *x, int64_t count, int64_t group, uint32_t seed, int64_t base, uint8_t *codes,
-                     void *offset, uint16_t *scale, int threads, int dtype, int bits) {
+                     void *offset, uint16_t *scale, int threads, int dtype, int bits, uint8_t *finite) {
     const int64_t groups = (count + group - 1) / group;
     const int64_t tasks = (groups + TASK_GROUPS - 1) / TASK_GROUPS;
-#pragma omp parallel for num_threads(threads) schedule(static)
+    int all_finite = 1;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(&& : all_finite)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t first = task * TASK_GROUPS;
         const int64_t last = first + TASK_GROUPS < groups ? first + TASK_GROUPS : groups;
-#define QUANTIZE_GROUPS(B, D) quantize_groups(x, count, group, first, last, seed, base, codes, offset, scale, D, B)
+        int task_finite = 1;
+#define QUANTIZE_GROUPS(B, D) \
+    task_finite = quantize_groups(x, count, group, first, last, seed, base, codes, offset, scale, D, B)
         SPECIALIZED(bits, dtype, QUANTIZE_GROUPS)
+        all_finite = all_finite && task_finite;
     }
+    if (finite != NULL) *finite = (uint8_t)all_finite;
 }
 
 /* One dequantized value: fmaf, as ATen's addcmul is on CPU (an 8-bit code times a bf16 scale is
@@ -564,13 +575,15 @@ static void dequantize(const uint8_t *codes, const void *offset, const uint16_t 
  * that no value goes back to Python. base: the index of x[0] in the whole tensor whose noise
  * this is (a chunk quantized alone rounds as the whole tensor would). */
 void actcomp_quantize_f32(const float *x, int64_t count, int64_t group, int bits, const int64_t *seed,
-                          int64_t base, uint8_t *codes, float *offset, uint16_t *scale, int threads) {
-    quantize(x, count, group, (uint32_t)*seed, base, codes, offset, scale, threads, 0, bits);
+                          int64_t base, uint8_t *codes, float *offset, uint16_t *scale, int threads,
+                          uint8_t *finite) {
+    quantize(x, count, group, (uint32_t)*seed, base, codes, offset, scale, threads, 0, bits, finite);
 }
 
 void actcomp_quantize_bf16(const uint16_t *x, int64_t count, int64_t group, int bits, const int64_t *seed,
-                           int64_t base, uint8_t *codes, uint16_t *offset, uint16_t *scale, int threads) {
-    quantize(x, count, group, (uint32_t)*seed, base, codes, offset, scale, threads, 1, bits);
+                           int64_t base, uint8_t *codes, uint16_t *offset, uint16_t *scale, int threads,
+                           uint8_t *finite) {
+    quantize(x, count, group, (uint32_t)*seed, base, codes, offset, scale, threads, 1, bits, finite);
 }
 
 void actcomp_dequantize_f32(const uint8_t *codes, const float *offset, const uint16_t *scale, int64_t count,

@@ -96,18 +96,21 @@ def quantizes(device: torch.device, dtype: torch.dtype, count: int, bits: int) -
 
 
 def quantize(flat: torch.Tensor, bits: int, group: int, seed: torch.Tensor, codes: torch.Tensor, offset: torch.Tensor,
-             scale: torch.Tensor, base: int = 0) -> None:
+             scale: torch.Tensor, base: int = 0, finite: torch.Tensor | None = None) -> None:
     """:func:`~actcomp.kernels.quantize.quantize_affine` of contiguous ``flat`` into ``codes``
     (packed), ``offset`` and ``scale``, with :class:`~actcomp.kernels.noise.RoundingNoise`'s
     noise of ``seed`` (:func:`~actcomp.kernels.noise.noise_seed`, read by the kernel: no sync).
     ``flat`` is the slice from element ``base`` of a larger tensor (a multiple of ``group``
-    and 8) and draws that slice's noise."""
+    and 8) and draws that slice's noise. ``finite`` (a 0-d bool), where given, is set to whether
+    every value of ``flat`` is finite, from the groups' ranges the pass computes anyway."""
     if seed.dtype != torch.int64 or seed.numel() != 1:
         raise ValueError(f"the noise seed must be one int64 value, got {seed.dtype} of shape {tuple(seed.shape)}")
+    if finite is not None and (finite.dtype != torch.bool or finite.numel() != 1):
+        raise ValueError(f"the finite flag must be one bool, got {finite.dtype} of shape {tuple(finite.shape)}")
     _call(f"actcomp_quantize_{_DTYPES[flat.dtype]}", (flat, codes, offset, scale),
           _pointer(flat), ctypes.c_int64(flat.numel()), ctypes.c_int64(group), ctypes.c_int(bits),
           _pointer(seed), ctypes.c_int64(base), _pointer(codes), _pointer(offset), _pointer(scale),
-          _threads())
+          _threads(), None if finite is None else _pointer(finite))
 
 
 def dequantize(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, bits: int, group: int,

@@ -102,6 +102,28 @@ def test_non_finite_values_not_set_aside_give_the_reference_values(spec, dtype, 
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [7, 256])
+@pytest.mark.parametrize("special", [None, "nan", "inf", "-inf"])
+@pytest.mark.parametrize("at", [0, 1500, 300_000])
+def test_the_quantize_kernel_writes_the_chains_finite_flag(dtype, group, special, at):
+    # The flag comes from the groups' ranges the pass computes anyway; it must be what the
+    # chain's own reduction says, wherever the one non-finite value sits (a thread's last task too).
+    from actcomp.core.chain import finite_flag
+    from actcomp.kernels.bitpack import packed_size
+    from actcomp.kernels.noise import noise_seed
+
+    x = values(300_001, torch.float32, seed=at).to(dtype)
+    if special is not None:
+        x[at] = float(special)
+    groups = -(-x.numel() // group)
+    finite = torch.tensor(not finite_flag(x))  # the opposite of the answer: the kernel must write it
+    native_cpu.quantize(x, 8, group, noise_seed(x), torch.empty(packed_size(x.numel(), 8), dtype=torch.uint8),
+                        torch.empty(groups, dtype=dtype), torch.empty(groups, dtype=torch.bfloat16), finite=finite)
+    assert bool(finite) == bool(finite_flag(x)) == (special is None)
+
+
+@needs_native
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_the_bytes_do_not_depend_on_the_thread_count(threads):
     previous = torch.get_num_threads()
