@@ -39,7 +39,7 @@ from actcomp.core.registry import register_compressor
 from actcomp.kernels import native_cpu
 from actcomp.kernels.bitpack import packed_size
 from actcomp.kernels.chunks import aligned_length, spans
-from actcomp.kernels.noise import RoundingNoise, noise_seed
+from actcomp.kernels.noise import RoundingNoise
 from actcomp.kernels.quantize import dequantize_affine, grouped_shape, quantize_affine
 
 
@@ -181,7 +181,7 @@ def _cpu_encode(codec: GroupQuant, x: torch.Tensor, hints: Hints, finite: torch.
     codes = torch.empty(packed_size(count, codec.bits), dtype=torch.uint8)
     offset = torch.empty(groups, dtype=flat.dtype)
     scale = torch.empty(groups, dtype=torch.bfloat16)
-    seed = noise_seed(flat)
+    seed = native_cpu.noise_seed(flat)
     if channels is None:
         native_cpu.quantize(flat, codec.bits, codec.group, seed, codes, offset, scale, finite=finite)
     else:

@@ -571,6 +571,19 @@ static void dequantize(const uint8_t *codes, const void *offset, const uint16_t 
     }
 }
 
+/* noise.py's noise_seed of contiguous x (count elements of width bytes, 4 or 2): the signed bit
+ * patterns of every step-th element summed exactly (int64), xor-folded to 32 bits, mixed with
+ * mix (torch's seed and the size, from Python) and hashed, into *seed: one call where the
+ * tensor ops took a slice, a view, a sum and a dozen scalar ops (about 45 us on a Zen 4). */
+void actcomp_noise_seed(const void *x, int64_t count, int width, int64_t step, uint32_t mix, int64_t *seed) {
+    int64_t sum = 0;
+    for (int64_t i = 0; i < count; i += step)
+        sum += width == 4 ? (int64_t)((const int32_t *)x)[i] : (int64_t)((const int16_t *)x)[i];
+    /* noise.py's _fold32: (value ^ (value >> 32)) & 0xFFFFFFFF, the shift arithmetic. */
+    const uint32_t folded = (uint32_t)((uint64_t)(sum ^ (sum >> 32)) & 0xFFFFFFFFu);
+    *seed = (int64_t)lowbias32(folded ^ mix);
+}
+
 /* seed: noise.py's noise_seed, an int64 scalar tensor's data holding 32 bits; read here, so
  * that no value goes back to Python. base: the index of x[0] in the whole tensor whose noise
  * this is (a chunk quantized alone rounds as the whole tensor would). */

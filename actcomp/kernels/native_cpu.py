@@ -47,6 +47,7 @@ import torch
 
 from actcomp.errors import ActcompError, warn_once
 from actcomp.kernels.layouts import is_subclass_tensor
+from actcomp.kernels.noise import FINGERPRINT_SAMPLE, _mix_seed_and_size
 
 SOURCE = Path(__file__).with_name("native_cpu.c")
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
@@ -111,6 +112,23 @@ def quantize(flat: torch.Tensor, bits: int, group: int, seed: torch.Tensor, code
           _pointer(flat), ctypes.c_int64(flat.numel()), ctypes.c_int64(group), ctypes.c_int(bits),
           _pointer(seed), ctypes.c_int64(base), _pointer(codes), _pointer(offset), _pointer(scale),
           _threads(), None if finite is None else _pointer(finite))
+
+
+def noise_seed(flat: torch.Tensor) -> torch.Tensor:
+    """:func:`~actcomp.kernels.noise.noise_seed` of contiguous 1-D ``flat`` (float32 or bfloat16,
+    as :func:`quantizes` takes), in one call.
+
+    >>> from actcomp.kernels import noise
+    >>> x = torch.randn(5000)
+    >>> library() is None or bool(noise_seed(x) == noise.noise_seed(x))
+    True
+    """
+    count = flat.numel()
+    seed = torch.empty((), dtype=torch.int64)
+    _call("actcomp_noise_seed", (flat,), _pointer(flat), ctypes.c_int64(count), ctypes.c_int(flat.element_size()),
+          ctypes.c_int64(max(1, count // FINGERPRINT_SAMPLE)), ctypes.c_uint32(_mix_seed_and_size(count)),
+          _pointer(seed))
+    return seed
 
 
 def dequantize(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, bits: int, group: int,
@@ -440,7 +458,8 @@ def _declare(native: ctypes.CDLL) -> None:
     for name in ("actcomp_candidates_32", "actcomp_candidates_16", "actcomp_ef_scatter_16", "actcomp_ef_scatter_32",
                  "actcomp_compact_32", "actcomp_compact_16", "actcomp_select_32", "actcomp_select_16"):
         getattr(native, name).restype = ctypes.c_int64
-    for name in ("actcomp_quantize_f32", "actcomp_quantize_bf16", "actcomp_dequantize_f32", "actcomp_dequantize_bf16",
+    for name in ("actcomp_noise_seed",
+                 "actcomp_quantize_f32", "actcomp_quantize_bf16", "actcomp_dequantize_f32", "actcomp_dequantize_bf16",
                  "actcomp_ef_encode", "actcomp_gather_16", "actcomp_gather_32", "actcomp_fp8_range_f32",
                  "actcomp_fp8_range_bf16", "actcomp_fp8_encode_f32", "actcomp_fp8_encode_bf16", "actcomp_fp8_decode_f32",
                  "actcomp_fp8_decode_bf16", "actcomp_mask_pack_f32", "actcomp_mask_pack_bf16",

@@ -366,3 +366,20 @@ def test_masks_give_the_reference_bytes(name, dtype, count, monkeypatch):
     assert_same(*both_ways(codec, x.to(dtype)))
     # Dropout's mask decodes to its kept scale: it keeps its own (eager) decode.
     assert native_calls == ([] if name == "dropout-mask" else ["mask_pack", "mask_unpack"])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("count", [1, 7, 1023, 1024, 1025, 4099, 300_001])
+def test_the_native_noise_seed_is_the_references(dtype, count):
+    # Equal seeds give equal noise, so the codes stay the reference's; a sum's sign, the fold's
+    # arithmetic shift and NaN/inf bit patterns are all in the sample here.
+    from actcomp.kernels.noise import noise_seed
+
+    x = values(count, torch.float32, seed=count).to(dtype)
+    if count > 100:
+        x[::97] = float("nan")
+        x[::101] = -float("inf")
+    assert int(native_cpu.noise_seed(x)) == int(noise_seed(x))
+    torch.manual_seed(count)  # torch's seed is mixed in: another seed, another value, the same on both sides
+    assert int(native_cpu.noise_seed(x)) == int(noise_seed(x))
