@@ -264,15 +264,17 @@ def _encode_op(x: torch.Tensor, bits: int, group: int, scale: str, channel_dim: 
     if flagged:  # the chain's finite flag too, written by the kernel where it can
         (codes, (offset, step, *exponents), _), finite = backends.encode_flagged(codec, x, hints, finite_flag)
     else:
-        (codes, (offset, step, *exponents), _), finite = backends.encode(codec, x, hints), _NO_FLAG(x.device)
-    return codes, offset, step, exponents[0] if exponents else _NO_EXPONENTS(x.device), finite
+        (codes, (offset, step, *exponents), _), finite = backends.encode(codec, x, hints), _no_flag(x.device)
+    return codes, offset, step, exponents[0] if exponents else _no_exponents(x.device), finite
 
 
-def _NO_FLAG(device: torch.device) -> torch.Tensor:  # noqa: N802 - a constant's shape
+def _no_flag(device: torch.device) -> torch.Tensor:
+    """The op's flag output where none was asked for (an op's outputs are fixed in number)."""
     return torch.ones((0,), dtype=torch.bool, device=device)
 
 
-def _NO_EXPONENTS(device: torch.device) -> torch.Tensor:  # noqa: N802 - a constant's shape
+def _no_exponents(device: torch.device) -> torch.Tensor:
+    """The exponents where channels are not scaled."""
     return torch.empty(0, dtype=torch.int8, device=device)
 
 
@@ -317,7 +319,7 @@ def _graph_decode(codec: GroupQuant, payload: torch.Tensor, saved: tuple[torch.T
     where ``finite`` is given and false."""
     shape, dtype = meta
     offset, step, *exponents = saved
-    return _decode_op(payload, offset, step, exponents[0] if exponents else _NO_EXPONENTS(payload.device),
+    return _decode_op(payload, offset, step, exponents[0] if exponents else _no_exponents(payload.device),
                       codec.bits, codec.group, codec.scale, list(shape), dtype, finite)
 
 

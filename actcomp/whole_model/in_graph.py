@@ -5,10 +5,11 @@ a tensor by watching calls, which a compiled graph never makes. A compiled train
 runs under saved-tensor hooks given as ``torch.fx.GraphModule`` s: AOTAutograd then retraces the
 pack hook once per tensor the forward graph saves, inlines it at the end of the compiled forward
 and the unpack hook at the start of the compiled backward (torch 2.14.1 here,
-``maybe_inline_graph_saved_tensors_hooks``), where nothing runs in Python per step: the
-quantizers as one extern call each way (their ``torch.library`` ops, running the kernel eager mode
-would), the other codecs as traced ops Inductor fuses with their neighbours. While a hook is
-retraced, torch names the saved node and both graphs; the codec is chosen there, from what the *backward* does with the tensor:
+``maybe_inline_graph_saved_tensors_hooks``): the quantizers as one extern call each way (their
+``torch.library`` ops, whose Python body runs the kernel eager mode would, once per tensor and
+step), the other codecs as traced ops Inductor fuses with their neighbours. While a hook is
+retraced, torch names the saved node and both graphs; the codec is chosen there, from what the
+*backward* does with the tensor:
 
 ============================================  =========================================  ======
 the backward reads it                          kept as                                    exact?

@@ -120,3 +120,29 @@ def test_compiled_backend_gives_the_eager_codes_and_compiles_once_over_shapes(sp
     stages = len(pipeline.stages)
     assert first <= 2 * (2 * ranks + 1) * stages, f"{first} graphs for {stages} stage(s) over {FIRST_SHAPES}"
     assert again == 0, f"{again} more graphs for new sizes of the same ranks: {NEW_SHAPES}"
+
+
+def test_a_kernel_that_writes_the_finite_flag_gets_it_without_applying_it():
+    # writes_finite_flag alone (the native quantizers) must reach the encode: it was dropped
+    # unless applies_finite_flag was given too, and the chain then ran its own reduction.
+    from actcomp.compressors.casts import Fp16
+
+    calls = []
+
+    def encode(codec, x, hints, finite=None):
+        calls.append(finite)
+        finite.fill_(True)
+        return codec.encode(x, hints)
+
+    backends.register_implementation(Fp16, "triton", encode=encode, encodes=lambda codec, x, hints: True,
+                                     writes_finite_flag=True)
+    try:
+        assert backends._applies_finite_flag(Fp16(), "encode", "triton")
+        _, flag = backends.encode_flagged(Fp16(), torch.ones(4), None, lambda x: torch.tensor(False),
+                                          backend="triton")
+        assert len(calls) == 1 and calls[0] is flag and bool(flag)  # the kernel's flag, not the reduction's
+    finally:
+        backends.unregister_implementation(Fp16, "triton")
+    from actcomp.compressors.affine import GroupQuant
+    assert backends._applies_finite_flag(GroupQuant(), "encode", "native")
+    assert not backends._applies_finite_flag(GroupQuant(), "decode", "native")
