@@ -50,7 +50,7 @@ def steps(out_dir: Path) -> list[tuple[str, list[str], dict, int]]:
     python, out = sys.executable, str(out_dir)
     pytest = [python, "-m", "pytest", "-q", "-m", "", "-rfxXs", "-p", "no:cacheprovider"]
     return [
-        ("tests on cuda", [*pytest, "tests/core/test_cuda_sync.py", "tests/compressors/test_compressors.py",
+        ("tests on cuda", [*pytest, "-n", "4", "tests/core/test_cuda_sync.py", "tests/compressors/test_compressors.py",
                            "tests/kernels/test_noise.py", "-k", "cuda or sync"], {}, 90),
         ("triton kernels on cuda", [*pytest, "-n", "4", "tests/core/test_dispatch.py", "tests/kernels/test_triton_casts.py",
                                     "tests/kernels/test_triton_flags.py", "-k", "cuda or triton"], {}, 150),
