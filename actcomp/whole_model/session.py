@@ -41,7 +41,7 @@ from actcomp.graph.saved_tensors import (
     unseen_by_scopes,
 )
 from actcomp.kernels.layouts import dense_strides_like, storage_key
-from actcomp.torch_compat import activation_of_node, gelu_node_approximate, version_of
+from actcomp.torch_compat import activation_of_node, gelu_node_approximate, version_of, view_base
 from actcomp.whole_model.derivative_codes import DerivativeCode
 from actcomp.whole_model.exact_codecs import (
     ClampMask,
@@ -422,6 +422,8 @@ def _kind_codec(choice, tensor: torch.Tensor, kind: str, scope: Scope | None) ->
         return None  # a statistic (a norm's mean and rstd, a log-sum-exp)
     pipeline = choice.pipeline
     if kind == "attention" and scope is not None and scope.op == "sdpa":
+        if _is_attention_mask(tensor, scope):
+            return None
         if _is_query_or_key(tensor, scope):
             return _LOGIT_SAFE if tensor.dtype == torch.float32 and not choice.query_key_as_is else None
         if any(getattr(stage, "bits", 8) < 8 for stage in pipeline.stages):
@@ -447,6 +449,32 @@ _LOGIT_SAFE = CodecChoice(parse("bf16"))
 # almost only, two near-equal sums are subtracted, and int4's errors (7% of a group's range)
 # swamp the difference (cosine 0.60; 0.993 with int8). They take the kind's spec, 8 bits at least.
 _SDPA_VALUES = CodecChoice(parse("int8"))
+
+
+def _is_attention_mask(tensor: torch.Tensor, scope: Scope) -> bool:
+    """Whether ``tensor`` is the additive mask or bias an SDPA call was given, as its fused
+    kernel saves it: CUDA's memory-efficient attention keeps it broadcast to the attention
+    weights' shape (an expanded view of the mask, or of a copy padded to aligned rows).
+
+    A mask holds -inf or the dtype's lowest value where attention is off: any finite-range code
+    turns it to NaN (the finite flag) or steps of 1e36 over the unmasked logits, and the
+    backward, which recomputes the probabilities with it, gave NaN gradients (the H200 zoo run
+    of stop 44: gpt2, bert, t5, maxvit). Kept as it is, it costs its storage only, mostly the
+    caller's own small tensor. A tensor in that shape which is neither a view nor the mask's own
+    storage and is on autograd's path (the math path's probabilities) is not the mask."""
+    mask = argument(scope, 3, "attn_mask", None)
+    query, key = argument(scope, 0, "query", None), argument(scope, 1, "key", None)
+    if not isinstance(mask, torch.Tensor) or query is None or key is None:
+        return False
+    if tensor.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr():
+        return True
+    weights_shape = (*query.shape[:-1], key.shape[-2])
+    if tuple(tensor.shape) != weights_shape or _is_query_or_key(tensor, scope):
+        return False
+    value = argument(scope, 2, "value", None)
+    if isinstance(value, torch.Tensor) and tensor.data_ptr() == value.data_ptr():
+        return False
+    return view_base(tensor) is not None or tensor.grad_fn is None
 
 
 def _is_query_or_key(tensor: torch.Tensor, scope: Scope) -> bool:

@@ -241,3 +241,38 @@ def test_a_sliced_norm_input_comes_back_dense_in_its_own_axis_order():
     rebuilt = CodecChoice(parse("int8:group=64"), normalized_unit("batch_norm", x.shape)).encode(x).unpack()
     assert rebuilt.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
     assert (rebuilt - x).abs().max() <= (x.max() - x.min()) / 255
+
+
+def _sdpa_call(mask: torch.Tensor | None):
+    from actcomp.graph.saved_tensors import Scope
+
+    q, k, v = (torch.randn(4, 2, 24, 16, requires_grad=True) for _ in range(3))
+    return Scope("attention", op="sdpa", args=(q, k, v, mask)), q, k, v
+
+
+@pytest.mark.parametrize("rest", ["8bit", "4bit"])
+@pytest.mark.parametrize("saved_as", ["expanded", "padded then expanded", "the mask itself", "a learned bias"])
+def test_an_sdpa_mask_as_a_fused_kernel_saves_it_is_kept_as_it_is(rest, saved_as):
+    # CUDA's memory-efficient attention saves the mask broadcast to the weights' shape, as a view
+    # of the mask or of a copy with padded rows; coded with int8, a -inf or lowest-float mask
+    # gave NaN gradients (the H200 zoo run of stop 44: gpt2, bert, t5, maxvit).
+    from actcomp.whole_model.policy import RestPolicy
+    from actcomp.whole_model.session import choose_codec
+
+    mask = torch.where(torch.rand(4, 1, 1, 24) > 0.3, 0.0, -float("inf"))
+    if saved_as == "a learned bias":
+        mask = torch.randn(1, 2, 24, 24, requires_grad=True) * 1  # position bias: on autograd's path
+    call, q, k, v = _sdpa_call(mask)
+    saved = {"expanded": lambda: mask.expand(4, 2, 24, 24),
+             "padded then expanded": lambda: F.pad(mask, (0, 8))[..., :24].expand(4, 2, 24, 24),
+             "the mask itself": lambda: mask,
+             "a learned bias": lambda: mask.expand(4, 2, 24, 24)}[saved_as]()
+    policy = RestPolicy.parse(rest)
+    assert choose_codec(policy, saved, "attention", call) is None
+    # The same call's value and the math path's probabilities (on autograd's path, not views)
+    # still take the kind's codec: only the mask is spared.
+    probabilities = (q @ k.transpose(-1, -2)).softmax(-1)
+    assert choose_codec(policy, probabilities, "attention", call) is not None
+    assert choose_codec(policy, v, "attention", call) is not None
+    # Without a mask nothing in the weights' shape is one.
+    assert choose_codec(policy, probabilities, "attention", _sdpa_call(None)[0]) is not None
