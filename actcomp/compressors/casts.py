@@ -25,6 +25,7 @@ from actcomp.core.codec import Compressor, Encoded, Hints
 from actcomp.core.registry import register_compressor
 from actcomp.kernels import native_cpu
 from actcomp.kernels.chunks import map_chunks
+from actcomp.kernels.device_constants import true_divide
 
 _FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
@@ -87,7 +88,7 @@ class Fp8(Compressor):
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
         # max(-min, max): two reductions, no |x| temporary.
         amax = torch.maximum(-x.amin(), x.amax()).float() if x.numel() else x.new_zeros((), dtype=torch.float32)
-        scale = amax / _FP8_MAX
+        scale = true_divide(amax, _FP8_MAX)
         # Zero (or an amax so small the division underflows) keeps scale 1: no 0/0.
         scale = torch.where(scale > 0, scale, 1.0)
         codes = map_chunks(x.reshape(-1), torch.float8_e4m3fn, lambda part: (part.float() / scale).clamp(-_FP8_MAX, _FP8_MAX))
@@ -102,7 +103,7 @@ class Fp8(Compressor):
 def _cpu_encode(codec: Fp8, x: torch.Tensor, hints: Hints) -> Encoded:
     """:meth:`Fp8.encode` in two passes of :mod:`~actcomp.kernels.native_cpu` (the range, then the codes)."""
     flat = x.reshape(-1).contiguous()
-    scale = native_cpu.fp8_amax(flat) / _FP8_MAX
+    scale = true_divide(native_cpu.fp8_amax(flat), _FP8_MAX)
     # The scale as encode computes it: zero (or an underflow) keeps 1.
     scale = torch.where(scale > 0, scale, 1.0)
     return Encoded(native_cpu.fp8_encode(flat, scale).view(x.shape), (scale,), x.dtype)

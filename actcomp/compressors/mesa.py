@@ -30,6 +30,7 @@ from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
 from actcomp.errors import ActcompError
 from actcomp.kernels.chunks import aligned_length, spans
+from actcomp.kernels.device_constants import true_divide
 
 _LEVELS = 255
 
@@ -102,7 +103,7 @@ class Mesa8(Compressor):
         batch_low = grouped.amin(dim=(0, 2, 3)).float().nan_to_num_(0.0, 0.0, 0.0)
         batch_high = grouped.amax(dim=(0, 2, 3)).float().nan_to_num_(0.0, 0.0, 0.0)
         low, high = running.update(batch_low, batch_high, self.momentum)
-        scale = (high - low).clamp_(min=0) / _LEVELS
+        scale = true_divide((high - low).clamp_(min=0), _LEVELS)
         safe_scale = torch.where(scale > 0, scale, 1.0)
         low_b, inverse_b = low.view(1, -1, 1, 1), (1 / safe_scale).view(1, -1, 1, 1)
 

@@ -28,3 +28,17 @@ def device_table(values: tuple[float, ...], dtype: torch.dtype, device: torch.de
 @functools.lru_cache(maxsize=1024)  # bounded: codecs' settings, not steps, make new tables
 def _made(hex_values: tuple[str, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor([float.fromhex(value) for value in hex_values], dtype=dtype, device=device)
+
+
+def true_divide(values: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``values / divisor`` rounded once (IEEE division) on every device, ``values`` float32.
+
+    ATen's CUDA kernel divides by a Python number as a multiplication by its reciprocal, which
+    rounds twice: 60000 / 15 came out one float32 step above 4000, and an int4 step one bf16 step
+    above the CPU's and the Triton kernel's (the H200 run of stop 44). A divisor on the device
+    takes the true division there, as it does on the CPU.
+
+    >>> true_divide(torch.tensor([60000.0]), 15)
+    tensor([4000.])
+    """
+    return values / device_table((divisor,), torch.float32, values.device).view(())

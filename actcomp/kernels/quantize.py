@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from actcomp.errors import ActcompError
 from actcomp.kernels.bitpack import pack_codes, packed_size, pad_to_multiple, unpack_codes
+from actcomp.kernels.device_constants import true_divide
 
 _MAX_FINITE_BF16_BITS = 0x7F7F
 
@@ -84,7 +85,7 @@ def quantize_affine(x: torch.Tensor, bits: int, group: int,
         low, high = values.amin(dim=1), values.amax(dim=1)
     levels = 2**bits - 1
     # max/levels - min/levels cannot overflow where (max - min) could.
-    step = round_up_to_bf16(high / levels - low / levels).unsqueeze(1)
+    step = round_up_to_bf16(true_divide(high, levels) - true_divide(low, levels)).unsqueeze(1)
     # Offsets in the input dtype are exact: every value, the minimum too, came from it.
     offset = low.to(x.dtype)
     inverse_step = 1 / torch.where(step > 0, step, 1.0)
