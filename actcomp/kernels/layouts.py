@@ -87,7 +87,10 @@ def unbroadcast(x: torch.Tensor) -> torch.Tensor:
     >>> unbroadcast(torch.randn(3, 1).expand(3, 5)).shape
     torch.Size([3, 1])
     """
-    return x[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in x.stride())]
+    strides = x.stride()
+    if 0 not in strides:
+        return x  # the common case, without the indexing's view (a few µs a layer, per step)
+    return x[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in strides)]
 
 
 def dense_strides_like(x: torch.Tensor) -> tuple[int, ...]:
@@ -112,7 +115,9 @@ def dense_strides_like(x: torch.Tensor) -> tuple[int, ...]:
 def with_layout_of(core: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``core`` (values of ``unbroadcast(like)``, any layout) laid out as ``like``: dense in
     ``like``'s axis order, broadcast where ``like`` is. ``like`` may be a meta tensor."""
-    return restride(core, dense_strides_like(unbroadcast(like))).expand(like.shape)
+    core_like = unbroadcast(like)
+    out = restride(core, dense_strides_like(core_like))
+    return out if core_like is like else out.expand(like.shape)
 
 
 def empty_with_layout_of(like: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -39,8 +39,10 @@ _observers: list[Callable[[str], contextlib.AbstractContextManager]] = []
 _recorders: list[Callable[[Any, tuple, tuple, dict], Any]] = []
 
 
+@functools.cache
 def interpreting() -> bool:
-    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``): on CPU tensors."""
+    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``): on CPU tensors.
+    Read once (every codec call asks): triton reads it once too, when first imported."""
     return os.environ.get(INTERPRETER, "0") not in ("", "0")
 
 

@@ -56,6 +56,25 @@ def _compress_once(pipeline: Pipeline, uncast: torch.Tensor, x: torch.Tensor, ch
     return packed
 
 
+# Meta tensors by (shape, strides, dtype): a layer sees the same few every step, and making one
+# is a dispatcher call. They hold no memory and are only read (shapes, strides, reshapes).
+_META_LIKE: dict[tuple, torch.Tensor] = {}
+_META_LIKE_LIMIT = 4096
+
+
+def _meta_like(x: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with ``x``'s shape, strides and dtype (shared: never write to it)."""
+    if torch.compiler.is_compiling():
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    key = (x.shape, x.stride(), x.dtype)
+    like = _META_LIKE.get(key)
+    if like is None:
+        if len(_META_LIKE) >= _META_LIKE_LIMIT:
+            _META_LIKE.clear()  # shapes that vary without end (variable sequence lengths)
+        like = _META_LIKE[key] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    return like
+
+
 class _Context(FunctionCtx):
     """What the Function keeps on its autograd context (for type checking: autograd makes the
     context, this class only names its attributes)."""
@@ -87,7 +106,7 @@ class CompressedInputFunction(torch.autograd.Function):
             x = x.to(compute_dtype)
         # The input's shape and strides, without its memory: the op's backward follows the
         # path plain autograd takes for this layout.
-        ctx.x_like = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        ctx.x_like = _meta_like(x)
         out = op.forward(x, weight, bias)
         needs_weight = ctx.needs_input_grad[1]
         ctx.layout, ctx.recast = None, False

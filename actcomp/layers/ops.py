@@ -56,11 +56,14 @@ def _mm_second_grad(grad: torch.Tensor, first: torch.Tensor, second_like: torch.
     return first.t().mm(grad)
 
 
-def _flatten(x: torch.Tensor, x_like: torch.Tensor) -> torch.Tensor:
-    """``x`` folded to 2-d, laid out as the fold of the forward's input was."""
+def _flatten(x: torch.Tensor, x_like: torch.Tensor, flat_like: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` folded to 2-d, laid out as the fold of the forward's input was (``flat_like``, that
+    fold of ``x_like``, where the caller has it)."""
     rows = math.prod(x_like.shape[:-1])
-    flat = x.reshape(rows, x_like.shape[-1])
-    if x_like.reshape(rows, x_like.shape[-1]).is_contiguous():
+    flat = x if x.dim() == 2 else x.reshape(rows, x_like.shape[-1])
+    if flat_like is None:
+        flat_like = x_like.reshape(rows, x_like.shape[-1])
+    if flat_like.is_contiguous():
         # Where the forward's fold had to copy (a contiguous copy), x may fold into a view of
         # another order: x is rebuilt dense in the input's axis order, without its gaps.
         flat = flat.contiguous()
@@ -83,14 +86,18 @@ class LinearOp:
             return self._batched_backward(grad, weight_t, x_like, x_dtype, needs)
         # One mm on the input folded to 2-d: F.linear's addmm (2-d or contiguous input) and
         # matmul's folded mm (any other input, when the weight needs a gradient).
-        rows = math.prod(x_like.shape[:-1])
-        flat_like = x_like.reshape(rows, x_like.shape[-1])
-        grad_2d = grad.reshape(rows, outputs)
+        # A 2-d input is its own fold: no reshapes (each a dispatcher call, meta ones included).
+        folded = x_like.dim() == 2
+        rows = x_like.shape[0] if folded else math.prod(x_like.shape[:-1])
+        flat_like = x_like if folded else x_like.reshape(rows, x_like.shape[-1])
+        grad_2d = grad if grad.dim() == 2 else grad.reshape(rows, outputs)
         grad_input = grad_weight = grad_bias = None
         if needs[0]:
-            grad_input = _mm_first_grad(grad_2d, weight_t, flat_like).reshape(x_like.shape).to(x_dtype)
+            grad_input = _mm_first_grad(grad_2d, weight_t, flat_like)
+            grad_input = grad_input if folded else grad_input.reshape(x_like.shape)
+            grad_input = grad_input if grad_input.dtype == x_dtype else grad_input.to(x_dtype)
         if needs[1]:
-            grad_weight = _mm_second_grad(grad_2d, _flatten(x, x_like), weight_t).t()
+            grad_weight = _mm_second_grad(grad_2d, _flatten(x, x_like, flat_like), weight_t).t()
         if needs[2]:
             # addmm adds the bias to the 2-d product; matmul's N-d (or 1-d) result gets it added
             # after. (A 1-d gradient is then the bias gradient itself: no sum, so -0.0 stays.)

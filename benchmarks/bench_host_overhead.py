@@ -1,0 +1,155 @@
+"""The host's time on the GPU path, kernels left out: what keeps a GPU waiting.
+
+    python benchmarks/bench_host_overhead.py                 # results under benchmarks/results/
+    python benchmarks/bench_host_overhead.py --rounds 10     # quicker
+
+On a GPU a converted step costs the codecs' kernels plus the host's time around them (Python, ATen
+calls, Triton's launcher); when the host's time per layer passes the device's, the device waits
+and the step is the host's. The H200 run of stop 44 put `int8` in Linear/Conv mode at 1.86x
+plain's resnet50 step, where its kernels move a few percent of the bytes a step moves: the host's
+share. This measures that share on any machine: the Triton path (``use_backend("triton")``, the
+path CUDA tensors take) on small CPU tensors with every Triton launch replaced by a stub that
+only counts it, so what is timed is everything but the kernels and Triton's own launcher (a few
+µs a launch on a GPU, counted here as launches).
+
+- **layers**: a stack of 12 ``Linear(64, 64)`` + GELU on an (8, 64) input, converted with
+  ``to_compressed(model, spec)``: the extra host µs per layer of a training step (forward and
+  backward) over the plain stack's;
+- **whole model**: ViT-S at 32 px, batch 2, converted with ``rest``: the extra host ms per step,
+  and per saved tensor the whole-model hooks compress;
+- **round trips**: ``compress`` then ``decompress`` of a (64, 384) tensor, host µs.
+
+Each figure is the fastest of ``--rounds`` interleaved rounds (host time is what noise adds to);
+the stubbed kernels leave garbage in the codes, which nothing here reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton path on CPU tensors; set before triton loads
+
+import timm  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from common import RESULTS_DIR, header_lines, load_average, write_results  # noqa: E402
+
+import actcomp  # noqa: E402
+from actcomp.core.backends import use_backend  # noqa: E402
+from actcomp.kernels import triton_runtime  # noqa: E402
+
+KERNEL_MODULES = ("triton_affine", "triton_masks", "triton_select", "triton_casts", "triton_flags",
+                  "triton_channels", "triton_mesa")
+COLUMNS = ["what", "spec", "host_us", "launches"]
+
+
+def stub_launches() -> None:
+    """Every Triton launch only counted (``triton_runtime.LAUNCHES``), not run."""
+    def launch(kernel, grid, *args, **meta):
+        triton_runtime.LAUNCHES[kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__] += 1
+
+    for name in KERNEL_MODULES:
+        importlib.import_module(f"actcomp.kernels.{name}").launch = launch
+
+
+def fastest(calls: dict[str, callable], rounds: int, repeats: int) -> dict[str, float]:
+    """Seconds per call of each, the fastest of ``rounds`` interleaved rounds of ``repeats`` calls."""
+    best = dict.fromkeys(calls, float("inf"))
+    for call in calls.values():
+        for _ in range(3):
+            call()
+    for _ in range(rounds):
+        for label, call in calls.items():
+            started = time.perf_counter()
+            for _ in range(repeats):
+                call()
+            best[label] = min(best[label], (time.perf_counter() - started) / repeats)
+    return best
+
+
+def launches_of(call) -> int:
+    triton_runtime.LAUNCHES.clear()
+    call()
+    return sum(triton_runtime.LAUNCHES.values())
+
+
+def layers(specs: list[str], rounds: int) -> list[dict]:
+    count = 12
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(count)])
+    x = torch.randn(8, 64, requires_grad=True)
+    models = {"plain": plain, **{spec: actcomp.to_compressed(copy.deepcopy(plain), spec, first_layer=None)
+                                 for spec in specs}}
+    calls = {label: (lambda model=model: model(x).sum().backward()) for label, model in models.items()}
+    best = fastest(calls, rounds, 20)
+    return [{"what": "layer", "spec": spec, "host_us": (best[spec] - best["plain"]) / count * 1e6,
+             "launches": launches_of(calls[spec]) / count} for spec in specs]
+
+
+def whole_model(rests: list[str], rounds: int) -> list[dict]:
+    torch.manual_seed(0)
+    plain = timm.create_model("vit_small_patch16_224", num_classes=10, img_size=32)
+    images, labels = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    models = {"plain": plain, **{rest: actcomp.to_compressed(copy.deepcopy(plain), "int8", rest=rest) for rest in rests}}
+    calls = {label: (lambda model=model: F.cross_entropy(model(images), labels).backward())
+             for label, model in models.items()}
+    best = fastest(calls, rounds, 3)
+    rows = []
+    for rest in rests:
+        events = []
+        with actcomp.graph.saved_tensors.listening(events.append):
+            calls[rest]()
+        packed = sum(1 for event in events if event.codec is not None)
+        extra = best[rest] - best["plain"]
+        rows.append({"what": "step (ms)", "spec": f"int8@{rest}", "host_us": extra * 1e3, "launches": launches_of(calls[rest])})
+        rows.append({"what": f"saved tensor ({packed} compressed)", "spec": f"int8@{rest}",
+                     "host_us": extra / max(1, packed) * 1e6, "launches": float("nan")})
+    return rows
+
+
+def round_trips(specs: list[str], rounds: int) -> list[dict]:
+    x = torch.randn(64, 384)
+    pipelines = {spec: actcomp.parse(spec) for spec in specs}
+    calls = {spec: (lambda p=p: p.decompress(p.compress(x, channel_dim=-1))) for spec, p in pipelines.items()}
+    best = fastest(calls, rounds, 50)
+    return [{"what": "round trip", "spec": spec, "host_us": best[spec] * 1e6, "launches": launches_of(calls[spec])}
+            for spec in specs]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--layer-specs", nargs="+", default=["int8", "smink0.9+int8", "bf16", "mink0"])
+    parser.add_argument("--rests", nargs="+", default=["8bit"])
+    parser.add_argument("--codecs", nargs="+", default=["int8", "fp8", "bf16", "smink0.9+int8", "mink0.9+int8"])
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--name", default="host_overhead")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    stub_launches()
+    started, load_before = time.perf_counter(), load_average()
+    import warnings
+
+    with warnings.catch_warnings(), use_backend("triton"):
+        warnings.simplefilter("ignore")  # the backend's one fallback warning (shape-only codecs)
+        rows = layers(args.layer_specs, args.rounds) + whole_model(args.rests, max(3, args.rounds // 5)) \
+            + round_trips(args.codecs, args.rounds)
+    for row in rows:
+        print(f"{row['what']:>34} {row['spec']:>16}: {row['host_us']:8.1f} us  launches {row['launches']}", flush=True)
+    body = ["The host's time on the Triton path (what CUDA tensors take) with every launch stubbed: per layer and "
+            "per saved tensor, the extra over the plain model's step; per round trip, all of it. `launches`: Triton "
+            "launches per layer, per step, per round trip (each a few µs more on a GPU).", "",
+            "| what | spec | host µs (step: ms) | Triton launches |", "|---|---|---:|---:|"]
+    body += [f"| {row['what']} | `{row['spec']}` | {row['host_us']:.1f} | {row['launches']:.1f} |" for row in rows]
+    header = header_lines(torch.device("cpu"), 1, 0, time.perf_counter() - started, {"rounds": args.rounds}, load_before)
+    write_results(args.name, torch.device("cpu"), 1, header, "Host time on the GPU path, kernels stubbed", body,
+                  rows, COLUMNS, args.out_dir)
+
+
+if __name__ == "__main__":
+    main()
