@@ -98,7 +98,7 @@ def whole_model(rests: list[str], rounds: int) -> list[dict]:
     models = {"plain": plain, **{rest: actcomp.to_compressed(copy.deepcopy(plain), "int8", rest=rest) for rest in rests}}
     calls = {label: (lambda model=model: F.cross_entropy(model(images), labels).backward())
              for label, model in models.items()}
-    best = fastest(calls, rounds, 3)
+    best = fastest(calls, rounds, 1)
     rows = []
     for rest in rests:
         events = []
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with warnings.catch_warnings(), use_backend("triton"):
         warnings.simplefilter("ignore")  # the backend's one fallback warning (shape-only codecs)
-        rows = layers(args.layer_specs, args.rounds) + whole_model(args.rests, max(3, args.rounds // 5)) \
+        rows = layers(args.layer_specs, args.rounds) + whole_model(args.rests, args.rounds) \
             + round_trips(args.codecs, args.rounds)
     for row in rows:
         print(f"{row['what']:>34} {row['spec']:>16}: {row['host_us']:8.1f} us  launches {row['launches']}", flush=True)
