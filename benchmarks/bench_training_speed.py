@@ -105,12 +105,16 @@ def create_workload(name: str, args: argparse.Namespace, device: torch.device):
     return model, (images, labels), lambda m, x, y: F.cross_entropy(m(x), y)
 
 
-def step_fn(model: torch.nn.Module, inputs: tuple, loss):
+def step_fn(model: torch.nn.Module, inputs: tuple, loss, autocast: torch.dtype | None = None):
+    """One training step; ``autocast``: the forward and loss under ``torch.autocast`` to that dtype."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    device_type = next(model.parameters()).device.type
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        loss(model, *inputs).backward()
+        with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
+            value = loss(model, *inputs)
+        value.backward()
         optimizer.step()
 
     return step
@@ -125,7 +129,8 @@ def bench_model(name: str, specs: list[str], args: argparse.Namespace, device: t
         # Token ids go to an embedding: no layer reads the raw input, none is left plain.
         first_layer = None if name in TOKEN_MODELS else "auto"
         models[spec] = actcomp.to_compressed(copy.deepcopy(plain), linear, rest=rest or None, first_layer=first_layer)
-    steps = {label: step_fn(model, inputs, loss) for label, model in models.items()}
+    autocast = torch.bfloat16 if args.autocast == "bf16" and name not in TOKEN_MODELS else None
+    steps = {label: step_fn(model, inputs, loss, autocast) for label, model in models.items()}
 
     def progress(index: int, seconds: dict[str, float]) -> None:
         timings = "  ".join(f"{label} {value:.2f}s" for label, value in seconds.items())
@@ -211,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--no-costs", dest="costs", action="store_false",
                         help="skip the profiled step behind the last five columns (minutes on a GPU)")
+    parser.add_argument("--autocast", choices=["none", "bf16"], default="none",
+                        help="the image models' forward under torch.autocast to bf16 (token models keep their dtype)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     if min(args.batch, args.img_size, args.rounds, args.threads) < 1 or args.warmup < 0:
@@ -225,12 +232,14 @@ def main(argv: list[str] | None = None) -> None:
     load_before = load_average()
     started = time.perf_counter()
     rows = [row for name in args.models for row in bench_model(name, args.specs, args, device)]
-    settings = {"batch": args.batch, "img size": args.img_size, "rounds": args.rounds, "warmup": args.warmup}
+    settings = {"batch": args.batch, "img size": args.img_size, "rounds": args.rounds, "warmup": args.warmup,
+                "autocast": args.autocast}
     header = header_lines(device, args.threads, args.seed, time.perf_counter() - started, settings, load_before)
     # The setup is in the name, so a quick run at a small size never overwrites the issue's
     # setting; token models alone (their batch is fixed) are named after themselves.
     name = ("training_speed_" + "+".join(args.models) if all(model in TOKEN_MODELS for model in args.models)
             else f"training_speed_b{args.batch}_img{args.img_size}")
+    name += "_bf16autocast" if args.autocast == "bf16" else ""
     write_results(name, device, args.threads, header,
                   "actcomp training-step time vs the plain model", markdown_body(rows), rows, COLUMNS, args.out_dir)
 

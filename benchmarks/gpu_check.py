@@ -18,7 +18,8 @@ Steps, each a fresh process (with a time limit) whose exit code and output tail 
    bit-identical logits and gradients for lossless conversions and ``rest="exact"``, fp32 and
    bf16 autocast, and the lossy presets' gradient floors;
 3. ``bench_compressors.py --device cuda``: round trips against ``clone()`` and stored bytes;
-4. ``bench_training_speed.py --device cuda``: training steps against the plain model;
+4. ``bench_training_speed.py --device cuda``: training steps against the plain model, in fp32 and
+   under bf16 autocast;
 5. ``gpu_profile.py``: per kernel, its launches and device time in each codec's round trip and
    in whole converted steps, and the share of a step the device sits idle waiting on the host;
 6. ``bench_gpu_peak.py``: each method's step peak (``max_memory_allocated``) and the process's reserved
@@ -63,6 +64,10 @@ def steps(out_dir: Path) -> list[tuple[str, list[str], dict, int]]:
         ("training steps", [python, "benchmarks/bench_training_speed.py", "--device", "cuda", "--models", "resnet50",
                             "vit_small_patch16_224", "llama_bf16", "--batch", "64", "--specs", "smink0.9+int8",
                             "mink0.9+int8@8bit", "int8", "--rounds", "5", "--no-costs", "--out-dir", out], {}, 75),
+        ("training steps, bf16 autocast", [python, "benchmarks/bench_training_speed.py", "--device", "cuda", "--models",
+                                           "resnet50", "vit_small_patch16_224", "--batch", "64", "--specs", "int8",
+                                           "mink0.9+int8@8bit", "--rounds", "5", "--no-costs", "--autocast", "bf16",
+                                           "--out-dir", out], {}, 60),
         ("profile", [python, "benchmarks/gpu_profile.py", "--device", "cuda", "--out-dir", out], {}, 120),
         ("step peaks", [python, "benchmarks/bench_gpu_peak.py", "--out-dir", out], {}, 75),
         # The H200 run of stop 44 compiled plain and the fp8 pass in about 100 s and ran out of

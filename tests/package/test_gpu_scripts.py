@@ -46,3 +46,14 @@ def test_gpu_profile_writes_its_tables_on_a_cpu(tmp_path):
     text = next(tmp_path.glob("gpu_profile_*.md")).read_text()
     assert "### `int8`, 2x8x64 float32" in text and "### `codec:relu-mask`, 2x8x64 bfloat16" in text
     assert "### resnet18, `plain`: wall" in text and "### resnet18, `int8@8bit`: wall" in text
+
+
+def test_training_speed_times_steps_under_bf16_autocast(tmp_path):
+    # gpu_check's bf16 step: the step targets hold in fp32 and under bf16 autocast.
+    import bench_training_speed
+
+    bench_training_speed.main(["--models", "resnet18", "--batch", "2", "--img-size", "32", "--specs", "int8",
+                               "--rounds", "1", "--warmup", "0", "--no-costs", "--autocast", "bf16",
+                               "--out-dir", str(tmp_path)])
+    text = next(tmp_path.glob("training_speed_b2_img32_bf16autocast_*.md")).read_text()
+    assert "autocast: bf16" in text and "| `int8` |" in text
