@@ -37,6 +37,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -255,6 +256,12 @@ def static_form(count: int, capacity: int) -> Dense | Bitmask | EliasFano:
     >>> static_form(1000, 1000), static_form(1000, 500), static_form(1000, 100)
     (Dense(count=1000), Bitmask(count=1000, capacity=500), EliasFano(count=1000, capacity=100, low_bits=3))
     """
+    if torch.compiler.is_compiling():
+        return _static_form(count, capacity)  # sizes may be symbolic there: traced, not cached
+    return _cached_static_form(count, capacity)
+
+
+def _static_form(count: int, capacity: int) -> Dense | Bitmask | EliasFano:
     if capacity >= count:
         return Dense(count)
     best: Dense | Bitmask | EliasFano = Bitmask(count, capacity)
@@ -264,6 +271,11 @@ def static_form(count: int, capacity: int) -> Dense | Bitmask | EliasFano:
         if candidate.nbytes() < size:
             best, size = candidate, candidate.nbytes()
     return best
+
+
+# A layer's sizes repeat every step: the search over low-bit widths (ten forms built and
+# measured) is paid once per size. The forms are frozen, so sharing them is safe.
+_cached_static_form = functools.lru_cache(maxsize=4096)(_static_form)
 
 
 def rice_form(count: int, capacity: int, length: int) -> Dense | Rice:

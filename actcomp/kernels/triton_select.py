@@ -56,7 +56,7 @@ import triton.language as tl
 
 from actcomp.kernels.bitpack import packed_size
 from actcomp.kernels.triton_affine import _lowbias32
-from actcomp.kernels.triton_runtime import device_guard, launch
+from actcomp.kernels.triton_runtime import cdiv, device_guard, launch
 
 # A radix select's digits, from the top: ``wide`` bits each but the last, which takes what is left
 # of the key's bits (as ``(passes, wide, last)``): three passes over fp32's 31-bit magnitudes with
@@ -344,7 +344,7 @@ def _select(flat: torch.Tensor, seed: torch.Tensor | None, kept: int, sampled: t
     step, rank = sampled or (1, kept)
     selected = -(-count // step)
     histograms = torch.zeros(passes, 2**wide, dtype=torch.int32, device=device)
-    blocks = triton.cdiv(count, ROWS * 8)
+    blocks = cdiv(count, ROWS * 8)
     counts = torch.empty(blocks, 2**last + 1, dtype=torch.int32, device=device)
     words = high.numel() + low.numel() if form == 1 else 0
     seed = bits if seed is None else seed
@@ -352,7 +352,7 @@ def _select(flat: torch.Tensor, seed: torch.Tensor | None, kept: int, sampled: t
     flag = bits if finite is None else finite
     with device_guard(flat):
         for index in range(passes - 1):
-            launch(_histogram_kernel, (triton.cdiv(selected, HISTOGRAM_BLOCK),), bits, seed, histograms, selected,
+            launch(_histogram_kernel, (cdiv(selected, HISTOGRAM_BLOCK),), bits, seed, histograms, selected,
                    step, rank, KEY_MASK=key_mask, RANDOM=random, PASS=index, PASSES=passes, WIDE=wide, LAST=last,
                    BLOCK=HISTOGRAM_BLOCK)
         launch(_count_kernel, (blocks,), bits, seed, histograms, counts, high, low, flag, high.numel(), low.numel(),
@@ -478,9 +478,9 @@ def decode_indices(values: torch.Tensor, index: torch.Tensor, count: int,
     integers = values.view(_BITS[values.element_size()])
     flagged = finite is not None
     with device_guard(values):
-        launch(_fill_kernel, (triton.cdiv(count, DECODE_ROWS * 8),), out.view(integers.dtype),
+        launch(_fill_kernel, (cdiv(count, DECODE_ROWS * 8),), out.view(integers.dtype),
                finite if flagged else out, count, FLAGGED=flagged, NAN=_NAN[values.dtype], BLOCK=DECODE_ROWS * 8)
-        launch(_indices_kernel, (triton.cdiv(values.numel(), DECODE_ROWS * 8),), index, integers,
+        launch(_indices_kernel, (cdiv(values.numel(), DECODE_ROWS * 8),), index, integers,
                out.view(integers.dtype), finite if flagged else out, values.numel(), FLAGGED=flagged,
                BLOCK=DECODE_ROWS * 8)
     return out
@@ -499,7 +499,7 @@ def decode(values: torch.Tensor, saved: tuple[torch.Tensor, ...], count: int, lo
     else:
         packed, low = saved
         length = kept + (count >> low_bits) + 1
-    blocks = triton.cdiv(length, DECODE_ROWS * 8)
+    blocks = cdiv(length, DECODE_ROWS * 8)
     counts = torch.empty(blocks, dtype=torch.int32, device=values.device)
     flagged = finite is not None
     flag = finite if flagged else counts
