@@ -325,6 +325,8 @@ def _pack(saved: torch.Tensor, plan_hash: str):
     if not saved.is_floating_point():
         return ("keep", saved)
     users = _backward_users(context)
+    if _read_as_attention_mask(users, saved_node_name(context)):
+        return ("keep", saved)
     comparisons = [user for user in users if user.target in _COMPARISONS]
     comparison = _one_comparison(comparisons)
     if comparison is not None and len(comparisons) == len(users):
@@ -409,6 +411,26 @@ def _backward_users(context: dict) -> list[fx.Node]:
         if node.name == name:
             return list(node.users)
     return []
+
+
+# The arguments attention's backward ops (memory-efficient, cuDNN, CPU flash) read an additive
+# mask or bias from. A mask holds -inf or the lowest float where attention is off: any finite-range
+# code turns it to NaN or to steps of 1e36 over the logits, and the backward recomputes the
+# probabilities with it (the H200 zoo run of stop 44 found it in eager mode's twin of this).
+_MASK_ARGUMENTS = frozenset({"attn_bias", "attn_mask"})
+
+
+def _read_as_attention_mask(users: list[fx.Node], name: str) -> bool:
+    """Whether a user reads the saved node ``name`` as an attention op's mask or bias argument."""
+    for user in users:
+        schema = getattr(user.target, "_schema", None)
+        if schema is None:
+            continue
+        bound = [*zip((argument.name for argument in schema.arguments), user.args), *user.kwargs.items()]
+        if any(argument in _MASK_ARGUMENTS and isinstance(value, fx.Node) and value.name == name
+               for argument, value in bound):
+            return True
+    return False
 
 
 def _one_comparison(users: list[fx.Node]) -> tuple[str, float] | None:

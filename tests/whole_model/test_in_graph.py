@@ -246,3 +246,39 @@ def test_the_quantizers_pack_inside_the_forward_not_at_its_end(monkeypatch):
     matmuls = [index for index, target in enumerate(targets) if "addmm" in target]
     assert encodes and matmuls
     assert min(encodes) < max(matmuls)  # the second Linear's input is packed before the last Linear runs
+
+
+@pytest.mark.parametrize("op, position", [
+    (torch.ops.aten._scaled_dot_product_efficient_attention_backward.default, 4),  # CUDA's memory-efficient
+    (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default, "attn_mask"),
+])
+def test_an_attention_mask_the_backward_reads_is_kept_as_it_is(monkeypatch, op, position):
+    # The H200 zoo run found eager mode's int8 turning SDPA's -inf mask to NaN gradients; the
+    # compiled hooks read the backward graph, where the mask is the attention backward's argument.
+    from torch import fx
+
+    plan = in_graph._plan("int8", "8bit")
+    in_graph._hooks(plan)
+    mask = torch.where(torch.rand(4, 2, 64, 64) > 0.3, 0.0, -float("inf"))
+
+    def context(read_by):
+        graph = fx.Graph()
+        saved = graph.placeholder("mask")
+        graph.output(read_by(graph, saved))
+        return {"_node": saved, "_bw_graph": graph}
+
+    def attention(graph, saved):
+        args = [graph.placeholder(f"arg{i}") for i in range(12)]
+        kwargs = {}
+        if isinstance(position, int):
+            args[position] = saved
+        else:
+            kwargs[position] = saved
+        return graph.call_function(op, tuple(args), kwargs)
+
+    monkeypatch.setattr(in_graph, "aot_saved_tensor_hook_context", lambda: context(attention))
+    assert in_graph._pack(mask, plan.cache_hash)[0] == "keep"
+    # The same tensor read by anything else is packed as before.
+    monkeypatch.setattr(in_graph, "aot_saved_tensor_hook_context",
+                        lambda: context(lambda graph, saved: graph.call_function(torch.ops.aten.mul.Tensor, (saved, saved))))
+    assert in_graph._pack(mask.clamp(min=-1.0), plan.cache_hash)[0] == "packed"
