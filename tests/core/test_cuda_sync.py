@@ -121,3 +121,45 @@ def test_a_whole_training_step_synchronizes_no_more_than_plain(model_id, rest):
         training_step(net, batch)  # lazy CUDA set-up, first-call caches
         counts.append(synchronizations(lambda net=net: training_step(net, batch)))
     assert counts[1] == counts[0], f"plain's step synchronizes {counts[0]} times, the converted one's {counts[1]}"
+
+
+def _issue_model(model_id: str):
+    """(model, batch, step) for the issue's own models, at sizes a test affords: resnet50 and
+    ViT-S from timm (fp32, 64 px), a Llama-shaped model in bf16 (2 layers, 256 tokens)."""
+    import timm
+    import torch.nn.functional as F
+
+    if model_id == "llama_bf16":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+        ids = torch.randint(0, 512, (2, 128))
+        return (lambda: LlamaForCausalLM(config).to(torch.bfloat16)), {"input_ids": ids, "labels": ids}, \
+            (lambda net, batch: net(**batch).loss)
+    kwargs = {"img_size": 64} if "vit" in model_id else {}
+    batch = {"x": torch.randn(4, 3, 64, 64), "targets": torch.randint(0, 10, (4,))}
+    return (lambda: timm.create_model(model_id, num_classes=10, **kwargs)), batch, \
+        (lambda net, batch: F.cross_entropy(net(batch["x"]), batch["targets"]))
+
+
+@needs_cuda
+@pytest.mark.parametrize("rest", ["8bit", "exact"])
+@pytest.mark.parametrize("model_id", ["resnet50", "vit_small_patch16_224", "llama_bf16"])
+def test_the_issues_models_train_a_step_that_synchronizes_no_more_than_plain(model_id, rest):
+    # Issue 37's "done when": resnet50, ViT-S and a Llama block, whole steps, on a lent GPU.
+    build, batch, loss = _issue_model(model_id)
+    torch.manual_seed(0)
+    plain = build().cuda()
+    model = actcomp.to_compressed(build(), "mink0.9+int8", rest=rest, return_freed_memory=False).cuda()
+    batch = {key: value.cuda() for key, value in batch.items()}
+
+    def step(net):
+        torch.manual_seed(1)
+        loss(net, batch).backward()
+
+    counts = []
+    for net in (plain, model):
+        step(net)
+        counts.append(synchronizations(lambda net=net: step(net)))
+    assert counts[1] == counts[0], f"plain's step synchronizes {counts[0]} times, the converted one's {counts[1]}"
