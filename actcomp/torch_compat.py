@@ -237,6 +237,14 @@ def backward_graph(context: dict) -> torch.fx.Graph:
     return context["_bw_graph"]
 
 
+def argument_names(target: Any) -> tuple[str, ...] | None:
+    """The argument names of an ATen op (an ``OpOverload``) in order, or None for any other
+    callable. Checked on 2.13.0 and 2.14.1 (``OpOverload._schema.arguments``). If it moves,
+    compress_in_graph no longer tells an attention mask from other tensors (it codes it)."""
+    schema = getattr(target, "_schema", None)
+    return None if schema is None else tuple(argument.name for argument in schema.arguments)
+
+
 def is_inlined_unpack_input(node: torch.fx.Node) -> bool:
     """Whether a backward graph's placeholder is a saved tensor's packed form, which AOTAutograd
     names ``<saved>_hook_<i>`` when it inlines the hooks. Checked on 2.13.0 and 2.14.1; if the

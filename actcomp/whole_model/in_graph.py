@@ -58,6 +58,7 @@ from actcomp.errors import ActcompError
 from actcomp.kernels.bitpack import pack_bits, unpack_bits
 from actcomp.torch_compat import (
     aot_saved_tensor_hook_context,
+    argument_names,
     backward_compiled_with_forward,
     backward_graph,
     custom_graph_pass_base,
@@ -423,10 +424,10 @@ _MASK_ARGUMENTS = frozenset({"attn_bias", "attn_mask"})
 def _read_as_attention_mask(users: list[fx.Node], name: str) -> bool:
     """Whether a user reads the saved node ``name`` as an attention op's mask or bias argument."""
     for user in users:
-        schema = getattr(user.target, "_schema", None)
-        if schema is None:
+        names = argument_names(user.target)
+        if names is None:
             continue
-        bound = [*zip((argument.name for argument in schema.arguments), user.args), *user.kwargs.items()]
+        bound = [*zip(names, user.args), *user.kwargs.items()]
         if any(argument in _MASK_ARGUMENTS and isinstance(value, fx.Node) and value.name == name
                for argument, value in bound):
             return True
