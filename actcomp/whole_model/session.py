@@ -470,7 +470,8 @@ def _is_attention_mask(tensor: torch.Tensor, scope: Scope) -> bool:
     query, key = argument(scope, 0, "query", None), argument(scope, 1, "key", None)
     if not isinstance(mask, torch.Tensor) or query is None or key is None:
         return False
-    if tensor.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr():
+    shared = storage_key(tensor)
+    if shared is not None and shared == storage_key(mask):  # None for a mask with no storage (a subclass)
         return True
     weights_shape = (*query.shape[:-1], key.shape[-2])
     if tuple(tensor.shape) != weights_shape or _is_query_or_key(tensor, scope):
