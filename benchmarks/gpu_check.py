@@ -4,6 +4,11 @@ speed and memory benchmarks, every results file named after the device.
     python benchmarks/gpu_check.py                      # results under benchmarks/results/gpu_<device>/
     python benchmarks/gpu_check.py --out-dir "$OUT"     # on the device tool's machine
 
+The device tool brings back at most 8 files, and this writes about 20: there, write them into a
+folder and pack it (what stop 44 ran, with ``PYTHONPATH=$PWD ACTCOMP_SOURCE_VERSION=<commit>``)::
+
+    python benchmarks/gpu_check.py --out-dir "$OUT/g"; tar czf "$OUT/g.tgz" -C "$OUT" g && rm -rf "$OUT/g"
+
 Steps, each a fresh process (with a time limit) whose exit code and output tail go into
 ``gpu_check.md``:
 
