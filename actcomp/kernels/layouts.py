@@ -35,6 +35,8 @@ def is_subclass_tensor(tensor: torch.Tensor) -> bool:
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this process holds: a DTensor's local shard (FSDP2 and tensor
     parallel parameters), any other tensor itself. A DTensor has no storage of its own."""
+    if not is_subclass_tensor(tensor):
+        return tensor  # every saved tensor asks: no import statement on the common path
     if torch.distributed.is_available():
         from torch.distributed.tensor import DTensor
 
