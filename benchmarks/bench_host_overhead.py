@@ -15,10 +15,9 @@ only counts it, so what is timed is everything but the kernels and Triton's own 
 - **layers**: a stack of 12 ``Linear(64, 64)`` + GELU on an (8, 64) input, converted with
   ``to_compressed(model, spec)``: the extra host µs per layer of a training step (forward and
   backward) over the plain stack's;
-- **whole model**: ViT-S at 32 px, batch 2, converted with ``rest``: the extra host ms per step
-  (the median over rounds of the step's time less the plain step's beside it), and per saved
-  tensor the whole-model hooks compress. This figure is bimodal across processes on the machine
-  it was written on (7-13 or 30-36 ms, any version): compare it over several runs, never one;
+- **whole model**: ViT-S at 32 px, batch 2, converted with ``rest``: per saved tensor, the
+  host µs of the whole-model hooks (pack and unpack, the codec's time included) for the tensors
+  they compress and for those they keep as they are, timed inside the hooks;
 - **round trips**: ``compress`` then ``decompress`` of a (64, 384) tensor, host µs.
 
 Each other figure is the fastest of ``--rounds`` interleaved rounds (host time is what noise adds to);
@@ -31,7 +30,6 @@ import argparse
 import copy
 import importlib
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -94,36 +92,70 @@ def layers(specs: list[str], rounds: int) -> list[dict]:
              "launches": launches_of(calls[spec]) / count} for spec in specs]
 
 
+class _HookClock:
+    """Times whole-model mode's pack and unpack hooks, apart for the tensors they compress and
+    the ones they keep as they are (benchmark-only wrappers around the session's hooks)."""
+
+    def __init__(self):
+        from actcomp.whole_model import compressed_model, session
+
+        self.session, self.model_module = session, compressed_model
+        self.seconds = {"compressed": 0.0, "kept": 0.0}
+        self.calls = {"compressed": 0, "kept": 0}
+        self.pack, self.unpack = session._Session.pack, compressed_model._unpack
+
+    def __enter__(self):
+        clock, pack, unpack, kept = self, self.pack, self.unpack, self.session._AsIs
+
+        def timed_pack(session, tensor):
+            started = time.perf_counter()
+            holder = pack(session, tensor)
+            clock.add(not isinstance(holder, kept), time.perf_counter() - started, count=True)
+            return holder
+
+        def timed_unpack(holder):
+            started = time.perf_counter()
+            tensor = unpack(holder)
+            clock.add(not isinstance(holder, kept), time.perf_counter() - started, count=False)
+            return tensor
+
+        self.session._Session.pack, self.model_module._unpack = timed_pack, timed_unpack
+        return self
+
+    def add(self, compressed: bool, seconds: float, count: bool) -> None:
+        which = "compressed" if compressed else "kept"
+        self.seconds[which] += seconds
+        self.calls[which] += count
+
+    def __exit__(self, *exc):
+        self.session._Session.pack, self.model_module._unpack = self.pack, self.unpack
+
+
 def whole_model(rests: list[str], rounds: int) -> list[dict]:
+    """Per saved tensor, the hooks' own time (pack and unpack, the codec's included), measured
+    inside them: a step's time less the plain step's is mostly compute here and was bimodal
+    across processes (7-13 or 30-36 ms for one figure)."""
     torch.manual_seed(0)
     plain = timm.create_model("vit_small_patch16_224", num_classes=10, img_size=32)
     images, labels = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
-    models = {"plain": plain, **{rest: actcomp.to_compressed(copy.deepcopy(plain), "int8", rest=rest) for rest in rests}}
-    calls = {label: (lambda model=model: F.cross_entropy(model(images), labels).backward())
-             for label, model in models.items()}
-    # A step here is mostly compute (tens of ms) with a bimodal spread: the median of each round's
-    # difference to the plain step beside it, not a difference of two minima.
-    differences = {rest: [] for rest in rests}
-    for call in calls.values():
-        call()
-    for _ in range(rounds):
-        started = time.perf_counter()
-        calls["plain"]()
-        plain_s = time.perf_counter() - started
-        for rest in rests:
-            started = time.perf_counter()
-            calls[rest]()
-            differences[rest].append(time.perf_counter() - started - plain_s)
     rows = []
     for rest in rests:
-        events = []
-        with actcomp.graph.saved_tensors.listening(events.append):
-            calls[rest]()
-        packed = sum(1 for event in events if event.codec is not None)
-        extra = statistics.median(differences[rest])
-        rows.append({"what": "step (ms)", "spec": f"int8@{rest}", "host_us": extra * 1e3, "launches": launches_of(calls[rest])})
-        rows.append({"what": f"saved tensor ({packed} compressed)", "spec": f"int8@{rest}",
-                     "host_us": extra / max(1, packed) * 1e6, "launches": float("nan")})
+        model = actcomp.to_compressed(copy.deepcopy(plain), "int8", rest=rest)
+
+        def step(model=model):
+            F.cross_entropy(model(images), labels).backward()
+
+        step()
+        per_step = {"compressed": [], "kept": []}
+        for _ in range(rounds):
+            with _HookClock() as clock:
+                step()
+            for which in per_step:
+                per_step[which].append(clock.seconds[which] / max(1, clock.calls[which]))
+        for which in ("compressed", "kept"):
+            rows.append({"what": f"saved tensor {which} ({clock.calls[which]} a step), pack + unpack",
+                         "spec": f"int8@{rest}", "host_us": min(per_step[which]) * 1e6,
+                         "launches": launches_of(step) if which == "compressed" else float("nan")})
     return rows
 
 
@@ -141,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--layer-specs", nargs="+", default=["int8", "smink0.9+int8", "bf16", "mink0"])
     parser.add_argument("--rests", nargs="*", default=["8bit"],
-                        help="whole-model presets to time (none: skip); its figure is bimodal across processes")
+                        help="whole-model presets to time (none: skip)")
     parser.add_argument("--codecs", nargs="+", default=["int8", "fp8", "bf16", "smink0.9+int8", "mink0.9+int8"])
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", default="host_overhead")
@@ -157,10 +189,11 @@ def main(argv: list[str] | None = None) -> None:
             + round_trips(args.codecs, args.rounds)
     for row in rows:
         print(f"{row['what']:>34} {row['spec']:>16}: {row['host_us']:8.1f} us  launches {row['launches']}", flush=True)
-    body = ["The host's time on the Triton path (what CUDA tensors take) with every launch stubbed: per layer and "
-            "per saved tensor, the extra over the plain model's step; per round trip, all of it. `launches`: Triton "
-            "launches per layer, per step, per round trip (each a few µs more on a GPU).", "",
-            "| what | spec | host µs (step: ms) | Triton launches |", "|---|---|---:|---:|"]
+    body = ["The host's time on the Triton path (what CUDA tensors take) with every launch stubbed: per layer, the "
+            "extra over the plain model's step; per saved tensor, the whole-model hooks' own time; per round trip, "
+            "all of it. `launches`: Triton launches per layer, per step, per round trip (each a few µs more on a "
+            "GPU).", "",
+            "| what | spec | host µs | Triton launches |", "|---|---|---:|---:|"]
     body += [f"| {row['what']} | `{row['spec']}` | {row['host_us']:.1f} | {row['launches']:.1f} |" for row in rows]
     header = header_lines(torch.device("cpu"), 1, 0, time.perf_counter() - started, {"rounds": args.rounds}, load_before)
     write_results(args.name, torch.device("cpu"), 1, header, "Host time on the GPU path, kernels stubbed", body,
