@@ -79,6 +79,14 @@ def _wall_ms(call, device: torch.device, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _table(heading: str, rows: list[tuple[str, float, float]], unit: str, divisor: float) -> list[str]:
+    """A ``###`` heading and the first :data:`TOP` rows as a markdown table, µs divided by ``divisor``."""
+    table = [f"### {heading}", "", f"| kernel | launches | {unit} |", "|---|---:|---:|"]
+    table += [f"| `{name[:90]}` | {calls:.0f} | {micros / divisor:.{1 if divisor == 1 else 2}f} |"
+              for name, calls, micros in rows[:TOP]]
+    return [*table, ""]
+
+
 def round_trips(specs: list[str], shape: tuple[int, ...], device: torch.device, repeats: int) -> list[str]:
     lines = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -96,11 +104,9 @@ def round_trips(specs: list[str], shape: tuple[int, ...], device: torch.device, 
             total = sum(row[2] for row in rows)
             launches = sum(row[1] for row in rows)
             wall = _wall_ms(call, device, repeats) * 1e3
-            lines += [f"### `{spec}`, {'x'.join(map(str, shape))} {str(dtype).removeprefix('torch.')}: "
-                      f"{launches:.0f} launches, {total:.0f} µs on the device, {wall:.0f} µs wall per round trip", "",
-                      "| kernel | launches | µs |", "|---|---:|---:|"]
-            lines += [f"| `{name[:90]}` | {calls:.0f} | {micros:.1f} |" for name, calls, micros in rows[:TOP]]
-            lines.append("")
+            lines += _table(f"`{spec}`, {'x'.join(map(str, shape))} {str(dtype).removeprefix('torch.')}: "
+                            f"{launches:.0f} launches, {total:.0f} µs on the device, {wall:.0f} µs wall per round trip",
+                            rows, "µs", 1.0)
             print(f"round trip {spec} {dtype}: {launches:.0f} launches, {total:.0f} us device, {wall:.0f} us wall", flush=True)
     return lines
 
@@ -123,11 +129,8 @@ def steps(models: list[str], specs: list[str], args: argparse.Namespace, device:
             kernel_ms = sum(row[2] for row in rows) / 1e3
             launches = sum(row[1] for row in rows)
             idle = 1 - kernel_ms / wall if device.type == "cuda" else float("nan")
-            lines += [f"### {name}, `{spec}`: wall {wall:.1f} ms, kernels {kernel_ms:.1f} ms in {launches:.0f} "
-                      f"launches, device idle {idle:.0%} of the step", "",
-                      "| kernel | launches | ms per step |", "|---|---:|---:|"]
-            lines += [f"| `{kernel[:90]}` | {calls:.0f} | {micros / 1e3:.2f} |" for kernel, calls, micros in rows[:TOP]]
-            lines.append("")
+            lines += _table(f"{name}, `{spec}`: wall {wall:.1f} ms, kernels {kernel_ms:.1f} ms in {launches:.0f} "
+                            f"launches, device idle {idle:.0%} of the step", rows, "ms per step", 1e3)
             print(f"{name} {spec}: wall {wall:.1f} ms, kernels {kernel_ms:.1f} ms, {launches:.0f} launches", flush=True)
             del model, step
     return lines
