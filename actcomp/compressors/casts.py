@@ -123,6 +123,23 @@ register_implementation(
     and saved[0].dtype == torch.float32)
 
 
+def _native_takes(x: torch.Tensor, storage: torch.dtype) -> bool:
+    # The one cast the reference makes in four passes: float32 to bfloat16 (the others are
+    # a plain .to(), which ATen does in one).
+    return storage == torch.bfloat16 and x.dtype == torch.float32 and native_cpu.casts(x.device, x.dtype, x.numel())
+
+
+register_implementation(
+    Bf16, "native",
+    encode=lambda codec, x, hints: Encoded(native_cpu.saturate_bf16(x.reshape(-1).contiguous()).view(x.shape), (),
+                                           x.dtype),
+    encodes=lambda codec, x, hints: _native_takes(x, codec.storage),
+    decode=lambda codec, payload, saved, meta: native_cpu.widen_bf16(payload.reshape(-1).contiguous()).view(
+        payload.shape),
+    decodes=lambda codec, payload, saved, meta: meta == torch.float32 and native_cpu.casts(
+        payload.device, payload.dtype, payload.numel()))
+
+
 def _triton_cast(codec: _Cast, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """:func:`saturating_cast` in one launch of :mod:`~actcomp.kernels.triton_casts` where it
     clamps; a plain cast (one launch, or none) is left to torch."""

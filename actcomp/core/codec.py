@@ -149,6 +149,10 @@ class Compressor:
     # Whether encode draws from torch's global generator (a random choice of what to keep): then
     # two compressions of one tensor differ, and each must really run.
     draws_global_random: ClassVar[bool] = False
+    # Whether encode reads what an element's place means (a max pool's argmax positions, plane
+    # by plane): whole-model mode then hands it the tensor in its own axis order, never in
+    # memory order.
+    reads_positions: ClassVar[bool] = False
 
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
         raise NotImplementedError

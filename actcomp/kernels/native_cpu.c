@@ -1159,3 +1159,113 @@ void actcomp_mask_pack_bf16(const uint16_t *x, int64_t count, int mode, uint8_t 
 
 MASK_UNPACK(actcomp_mask_unpack_16, uint16_t)
 MASK_UNPACK(actcomp_mask_unpack_32, uint32_t)
+
+/* casts.py's saturating float32 -> bfloat16 cast, one pass where the reference makes four:
+ * finite values beyond bfloat16's largest are clamped to it, infinities stay, the rest round
+ * to nearest even as torch casts; NaN becomes nan_bits (torch's NaN on this CPU, which the
+ * caller reads from torch: ATen's vectorized cast writes 0xFFFF, its scalar one 0x7FC0). */
+void actcomp_saturate_bf16(const float *x, int64_t count, int nan_bits, uint16_t *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < count; i++) {
+        const uint32_t bits = float_to_bits(x[i]);
+        const uint32_t magnitude = bits & 0x7FFFFFFFu;
+        /* 0x7F7F0000 is bfloat16's largest finite value; above it and below infinity, clamp. */
+        const uint32_t clamped = magnitude > 0x7F7F0000u && magnitude < 0x7F800000u
+            ? (bits & 0x80000000u) | 0x7F7F0000u : bits;
+        const uint16_t rounded = (uint16_t)((clamped + 0x7FFFu + ((clamped >> 16) & 1u)) >> 16);
+        out[i] = magnitude > 0x7F800000u ? (uint16_t)nan_bits : rounded;
+    }
+}
+
+/* bfloat16 -> float32, exactly (the bits moved up), NaN payloads kept as torch's cast keeps them. */
+void actcomp_widen_bf16(const uint16_t *x, int64_t count, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < count; i++) out[i] = bits_to_float((uint32_t)x[i] << 16);
+}
+
+/* Python's floor division and modulo on int64 (torch.div(..., rounding_mode="floor"), %). */
+static inline int64_t floor_div(int64_t a, int64_t b) {
+    const int64_t q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+static inline int64_t floor_mod(int64_t a, int64_t b) {
+    const int64_t r = a % b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+
+/* exact_codecs.py's PoolOffsets. geometry: kernel columns, stride (2), padding (2), dilation
+ * (2), the input plane's width, the output plane's rows and columns. Encode: each argmax
+ * position's offset inside its window, as the reference computes it for any int64 (floor
+ * division, the uint8 cast wrapping), packed bits wide little end first as
+ * bitpack.pack_codes packs (1 bit: set where the code is non-zero; else fields summed in a
+ * byte). Decode: the positions back, from a table of each code's place in the window. */
+static inline uint8_t pool_offset(int64_t index, int64_t origin_row, int64_t origin_col, const int64_t *g) {
+    const int64_t width = g[7];
+    int64_t row, col;
+    if (index >= 0 && index <= 0xFFFFFFFFll && width <= 0xFFFFFFFFll) {  /* 32-bit division: several times faster */
+        row = (int64_t)((uint32_t)index / (uint32_t)width);
+        col = index - row * width;
+    } else {
+        row = floor_div(index, width);
+        col = floor_mod(index, width);
+    }
+    const int64_t in_row = floor_div(row - origin_row, g[5]), in_col = floor_div(col - origin_col, g[6]);
+    return (uint8_t)(in_row * g[0] + in_col);
+}
+
+/* Bytes of codes per parallel task in the pool-offsets encode. */
+#define POOL_TASK_BYTES 4096
+
+void actcomp_pool_encode(const int64_t *indices, int64_t count, const int64_t *geometry, int bits, uint8_t *packed,
+                         int threads) {
+    const int64_t out_cols = geometry[9], plane = geometry[8] * out_cols;
+    if (plane <= 0) return;
+    const int per_byte = 8 / bits;
+    const int64_t bytes = (count + per_byte - 1) / per_byte;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t task = 0; task < (bytes + POOL_TASK_BYTES - 1) / POOL_TASK_BYTES; task++) {
+        const int64_t first = task * POOL_TASK_BYTES, stop = first + POOL_TASK_BYTES < bytes ? first + POOL_TASK_BYTES : bytes;
+        /* The output row and column of the task's first element, then stepped along. */
+        const int64_t place = (first * per_byte) % plane;
+        int64_t r = place / out_cols, c = place % out_cols;
+        for (int64_t byte = first; byte < stop; byte++) {
+            uint8_t sum = 0;
+            for (int k = 0; k < per_byte; k++) {
+                const int64_t i = byte * per_byte + k;
+                if (i >= count) break;
+                const uint8_t code = pool_offset(indices[i], r * geometry[1] - geometry[3],
+                                                 c * geometry[2] - geometry[4], geometry);
+                sum = bits == 1 ? (uint8_t)(sum | ((code != 0) << k)) : (uint8_t)(sum + (uint8_t)(code << (k * bits)));
+                if (++c == out_cols) {
+                    c = 0;
+                    if (++r == geometry[8]) r = 0;
+                }
+            }
+            packed[byte] = sum;
+        }
+    }
+}
+
+void actcomp_pool_decode(const uint8_t *packed, int64_t count, const int64_t *geometry, int bits, int64_t *indices,
+                         int threads) {
+    const int64_t out_rows = geometry[8], out_cols = geometry[9], plane = out_rows * out_cols;
+    if (plane <= 0) return;
+    const int64_t width = geometry[7];
+    int64_t place_of[256];
+    for (int code = 0; code < 256; code++)
+        place_of[code] = (code / geometry[0]) * geometry[5] * width + (code % geometry[0]) * geometry[6];
+    const int per_byte = 8 / bits;
+    const int field = (1 << bits) - 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < (count + plane - 1) / plane; p++) {
+        for (int64_t r = 0; r < out_rows; r++) {
+            const int64_t origin = (r * geometry[1] - geometry[3]) * width - geometry[4];
+            for (int64_t c = 0; c < out_cols; c++) {
+                const int64_t i = p * plane + r * out_cols + c;
+                if (i >= count) break;
+                const int code = (packed[i / per_byte] >> ((i % per_byte) * bits)) & field;
+                indices[i] = origin + c * geometry[2] + place_of[code];
+            }
+        }
+    }
+}

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -224,6 +225,55 @@ def mask_unpack(bits: torch.Tensor, count: int, standins: torch.Tensor) -> torch
     _call(f"actcomp_mask_unpack_{width}", (bits, out), _pointer(bits), ctypes.c_int64(count), _pointer(standins),
           _pointer(out), _threads())
     return out
+
+
+def saturate_bf16(flat: torch.Tensor) -> torch.Tensor:
+    """Contiguous float32 ``flat`` cast to bfloat16 with finite values clamped into its range,
+    as :func:`~actcomp.compressors.casts.saturating_cast` casts (NaN as torch casts it here)."""
+    out = torch.empty(flat.numel(), dtype=torch.bfloat16)
+    _call("actcomp_saturate_bf16", (flat, out), _pointer(flat), ctypes.c_int64(flat.numel()),
+          ctypes.c_int(_torch_bf16_nan()), _pointer(out), _threads())
+    return out
+
+
+@functools.cache
+def _torch_bf16_nan() -> int:
+    # Read from torch once: ATen's vectorized cast writes 0xFFFF for every NaN, its scalar one
+    # 0x7FC0, and which one runs depends on ATEN_CPU_CAPABILITY.
+    return int(torch.full((64,), float("nan")).bfloat16().view(torch.int16)[0]) & 0xFFFF
+
+
+def widen_bf16(flat: torch.Tensor) -> torch.Tensor:
+    """Contiguous bfloat16 ``flat`` as float32, exactly."""
+    out = torch.empty(flat.numel(), dtype=torch.float32)
+    _call("actcomp_widen_bf16", (flat, out), _pointer(flat), ctypes.c_int64(flat.numel()), _pointer(out), _threads())
+    return out
+
+
+def takes_pool_indices(device: torch.device, dtype: torch.dtype, count: int) -> bool:
+    """Whether :func:`pool_encode` takes ``count`` argmax positions of ``dtype``: int64 on a
+    CPU, 1 to 2**31 - 1 of them, and the kernels built."""
+    return device.type == "cpu" and dtype == torch.int64 and 0 < count <= MAX_ELEMENTS and library() is not None
+
+
+def pool_encode(indices: torch.Tensor, bits: int, geometry: tuple[int, ...]) -> torch.Tensor:
+    """PoolOffsets' packed codes of contiguous int64 ``indices``. ``geometry``: the kernel's
+    columns, stride, padding and dilation (two each), the input plane's width, the output
+    plane's rows and columns."""
+    per_byte = 8 // bits
+    packed = torch.empty(-(-indices.numel() // per_byte), dtype=torch.uint8)
+    _call("actcomp_pool_encode", (indices, packed), _pointer(indices), ctypes.c_int64(indices.numel()),
+          (ctypes.c_int64 * len(geometry))(*geometry), ctypes.c_int(bits), _pointer(packed), _threads())
+    return packed
+
+
+def pool_decode(packed: torch.Tensor, count: int, bits: int, geometry: tuple[int, ...]) -> torch.Tensor:
+    """The int64 argmax positions :func:`pool_encode` packed."""
+    indices = torch.empty(count, dtype=torch.int64)
+    _call("actcomp_pool_decode", (packed, indices), _pointer(packed), ctypes.c_int64(count),
+          (ctypes.c_int64 * len(geometry))(*geometry),
+          ctypes.c_int(bits), _pointer(indices), _threads())
+    return indices
 
 
 def selects(flat: torch.Tensor) -> bool:
@@ -463,5 +513,6 @@ def _declare(native: ctypes.CDLL) -> None:
                  "actcomp_ef_encode", "actcomp_gather_16", "actcomp_gather_32", "actcomp_fp8_range_f32",
                  "actcomp_fp8_range_bf16", "actcomp_fp8_encode_f32", "actcomp_fp8_encode_bf16", "actcomp_fp8_decode_f32",
                  "actcomp_fp8_decode_bf16", "actcomp_mask_pack_f32", "actcomp_mask_pack_bf16",
-                 "actcomp_mask_unpack_16", "actcomp_mask_unpack_32"):
+                 "actcomp_mask_unpack_16", "actcomp_mask_unpack_32", "actcomp_saturate_bf16", "actcomp_widen_bf16",
+                 "actcomp_pool_encode", "actcomp_pool_decode"):
         getattr(native, name).restype = None

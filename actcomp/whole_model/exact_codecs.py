@@ -411,6 +411,7 @@ class PoolOffsets(Compressor):
     kind = "exact"
     takes = frozenset({"int"})
     flags_non_finite = False
+    reads_positions = True
     kernel: tuple[int, ...] = setting((2, 2), minimum=1)
     stride: tuple[int, ...] = setting((2, 2), minimum=1)
     padding: tuple[int, ...] = setting((0, 0), minimum=0)
@@ -447,6 +448,29 @@ class PoolOffsets(Compressor):
         row = rows + torch.div(offset, self.kernel[1], rounding_mode="floor") * self.dilation[0]
         col = cols + (offset % self.kernel[1]) * self.dilation[1]
         return (row * self.width + col).reshape(-1)
+
+    def geometry(self) -> tuple[int, ...]:
+        """What the native kernels need to place a window: the kernel's columns, stride,
+        padding and dilation (two each), the input plane's width, the output plane's size."""
+        return (self.kernel[1], *self.stride, *self.padding, *self.dilation, self.width, *self.out_size)
+
+
+def _native_pool_takes(codec: PoolOffsets, device: torch.device, dtype: torch.dtype, count: int) -> bool:
+    # Whole output planes of a 2-d pool only, as for the Triton kernels.
+    plane = math.prod(codec.out_size)
+    two_d = all(len(pair) == 2 for pair in (codec.kernel, codec.stride, codec.padding, codec.dilation, codec.out_size))
+    return two_d and plane > 0 and count % plane == 0 and native_cpu.takes_pool_indices(
+        device, dtype, count)
+
+
+register_implementation(
+    PoolOffsets, "native",
+    encode=lambda codec, x, hints: Encoded(native_cpu.pool_encode(x.reshape(-1).contiguous(), codec.bits,
+                                                                  codec.geometry()), (), x.numel()),
+    encodes=lambda codec, x, hints: _native_pool_takes(codec, x.device, x.dtype, x.numel()),
+    decode=lambda codec, payload, saved, meta: native_cpu.pool_decode(payload.contiguous(), meta, codec.bits,
+                                                                      codec.geometry()),
+    decodes=lambda codec, payload, saved, meta: _native_pool_takes(codec, payload.device, torch.int64, meta))
 
 
 def _triton_pool_takes(codec: PoolOffsets, device: torch.device, dtype: torch.dtype, count: int) -> bool:

@@ -15,11 +15,13 @@ import actcomp
 from actcomp import errors
 from actcomp.compressors.affine import GroupQuant
 from actcomp.compressors.casts import Fp8
+from actcomp.core import backends
 from actcomp.core.backends import use_backend
 from actcomp.core.chain import pack, unpack
 from actcomp.core.registry import codec_class
 from actcomp.kernels import eager_select, native_cpu
 from actcomp.kernels.thresholds import magnitude_keys
+from actcomp.whole_model.exact_codecs import PoolOffsets
 
 needs_native = pytest.mark.skipif(native_cpu.library() is None, reason="no C compiler to build the native kernels")
 
@@ -210,6 +212,83 @@ def test_a_failed_build_warns_once_and_the_references_run(monkeypatch, tmp_path)
 
 
 @needs_native
+def bf16_edges(count: int) -> torch.Tensor:
+    """float32 values where a saturating bfloat16 cast can go wrong: around bfloat16's largest
+    value (the clamp, and the halfway point that would round to inf), float32's largest, the
+    infinities, NaNs of both signs and several payloads, subnormals, both zeros, rounding ties."""
+    bits = [0x7F7F0000, 0x7F7F0001, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0x7F800000, 0x7F800001, 0x7FC00000,
+            0x7FFFFFFF, 0x00000001, 0x00008000, 0x00018000, 0x3F808000, 0x3F818000, 0x00000000, 0x7F7EFFFF]
+    bits += [b | 0x80000000 for b in bits]
+    edges = torch.tensor([b - 2**32 if b >= 2**31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+    x = values(count, torch.float32, seed=count)
+    x[:min(count, edges.numel())] = edges[:count]
+    if count > 2 * edges.numel():
+        x[-edges.numel():] = edges  # the vector loop's tail too
+    return x
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("count", [1, 7, 33, 64, 4099, 70_001])
+def test_the_bf16_cast_gives_the_reference_bits(count, threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = bf16_edges(count)
+        for case in (x, x.view(-1, 1)[::2]):  # contiguous, and a strided view
+            assert_same(*both_ways("bf16", case))
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_native
+def test_the_bf16_cast_runs_natively_only_where_the_reference_takes_four_passes():
+    fp32, bf16 = torch.ones(100), torch.ones(100, dtype=torch.bfloat16)
+    codec = actcomp.parse("bf16").stages[0]
+    assert backends.choose(codec, "encode", fp32, None) == "native"
+    assert backends.choose(codec, "encode", fp32.half(), None) == "eager"  # fp16 -> bf16 is one .to()
+    assert backends.choose(codec, "decode", bf16, (), torch.float32) == "native"
+    assert backends.choose(codec, "decode", bf16, (), torch.float16) == "eager"  # saturates on the way back
+    assert backends.choose(actcomp.parse("fp16").stages[0], "encode", fp32, None) == "eager"
+
+
+def pool_indices(size: int, kernel: int, stride: int, padding: int, dilation: int, ceil: bool = False):
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(size))
+    _, indices = torch.ops.aten.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil)
+    codec = PoolOffsets(kernel=(kernel, kernel), stride=(stride, stride), padding=(padding, padding),
+                        dilation=(dilation, dilation), width=size, out_size=tuple(indices.shape[-2:]))
+    return codec, indices
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("size, kernel, stride, padding, dilation, ceil", [
+    (8, 2, 2, 0, 1, False), (112, 3, 2, 1, 1, False), (11, 3, 1, 1, 2, False), (7, 1, 1, 0, 1, False),
+    (20, 16, 4, 0, 1, False), (31, 4, 3, 2, 1, True), (9, 3, 2, 1, 1, True)])
+def test_pool_offsets_give_the_reference_codes_and_positions(size, kernel, stride, padding, dilation, ceil, threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        codec, indices = pool_indices(size, kernel, stride, padding, dilation, ceil)
+        assert backends.choose(codec, "encode", indices, None) == "native"
+        assert_same(*both_ways(codec, indices))
+        # Not an argmax of its window (the transpose), so offsets out of range wrap alike.
+        assert_same(*both_ways(codec, indices.transpose(-1, -2)))
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_native
+def test_pool_offsets_of_positions_no_window_holds_wrap_as_the_reference():
+    garbage = torch.randint(-10**12, 10**12, (4099,), generator=torch.Generator().manual_seed(1))
+    garbage[:3] = torch.tensor([2**40, -(2**40), 0])  # beyond 32 bits: the general division
+    for kernel in (1, 2, 3, 16):
+        codec = PoolOffsets(kernel=(kernel, 2), stride=(2, 3), padding=(1, 0), dilation=(1, 2), width=37,
+                            out_size=(1, 1))
+        assert_same(*both_ways(codec, garbage))
+        assert_same(*both_ways(codec, garbage % 5000))
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the baseline target is x86-64's")
 def test_the_portable_build_gives_the_reference_bytes(monkeypatch, tmp_path):
     # A CPU without AVX-512, FMA or BMI2 runs the kernels' portable loops; this machine's build
@@ -231,6 +310,9 @@ def test_the_portable_build_gives_the_reference_bytes(monkeypatch, tmp_path):
             assert_same(*both_ways(spec, x.to(dtype)))
         for name in ("relu-mask", "leaky-relu-mask"):
             assert_same(*both_ways(codec_class(name)(), x.to(dtype)))
+    assert_same(*both_ways("bf16", bf16_edges(4099)))
+    codec, indices = pool_indices(112, 3, 2, 1, 1)
+    assert_same(*both_ways(codec, indices))
 
 
 def builds_for_avx2() -> bool:
@@ -274,6 +356,9 @@ def test_the_avx2_build_gives_the_reference_bytes(dtype, threads, monkeypatch, a
                 assert_same(*both_ways(spec, x.to(dtype)))
             for name in ("relu-mask", "leaky-relu-mask"):
                 assert_same(*both_ways(codec_class(name)(), x.to(dtype)))
+            assert_same(*both_ways("bf16", bf16_edges(count)))
+        codec, indices = pool_indices(112, 3, 2, 1, 1)
+        assert_same(*both_ways(codec, indices))
         x = values(200_003, dtype)
         floor = magnitude_keys(torch.tensor([2.5], dtype=dtype))[0]
         positions, keys = native_cpu.positions_and_keys(x, floor)
