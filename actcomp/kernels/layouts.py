@@ -76,10 +76,28 @@ def dense_strides(x: torch.Tensor) -> tuple[int, ...] | None:
 def restride(x: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
     """``x`` laid out with the strides of the tensor it was rebuilt from (``dense_strides`` of
     it), so backward picks the same kernels (channels_last, and size-1 dims whose strides
-    decide how a layout is read)."""
+    decide how a layout is read). A view where only size-1 axes' strides differ (the same
+    elements at the same places), else a copy."""
     if stride is None or x.stride() == stride:
         return x
+    if all(size == 1 or have == want for size, have, want in zip(x.shape, x.stride(), stride)):
+        return x.as_strided(x.shape, stride)
     return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
+
+
+def memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
+    """The axis order, outermost first, in which non-contiguous ``x`` lies in memory; None when
+    ``x`` is contiguous. Read in this order, a dense ``x`` is flat without a copy, and a
+    tensor with gaps (a slice of a wider one) needs one copy that closes them; either way, the
+    flat values rebuilt in this order have ``dense_strides_like(x)`` with no second copy.
+
+    >>> memory_order(torch.randn(2, 3, 4).transpose(0, 2)), memory_order(torch.randn(2, 3))
+    ((2, 1, 0), None)
+    """
+    if x.is_contiguous():
+        return None
+    # As dense_strides_like orders axes: of two with equal strides the later one is inner.
+    return tuple(sorted(range(x.dim()), key=lambda axis: (x.stride(axis), -axis), reverse=True))
 
 
 def unbroadcast(x: torch.Tensor) -> torch.Tensor:

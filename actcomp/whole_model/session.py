@@ -40,7 +40,7 @@ from actcomp.graph.saved_tensors import (
     saving_for_a_custom_function,
     unseen_by_scopes,
 )
-from actcomp.kernels.layouts import dense_strides_like, storage_key
+from actcomp.kernels.layouts import dense_strides_like, memory_order, storage_key
 from actcomp.torch_compat import activation_of_node, gelu_node_approximate, version_of, view_base
 from actcomp.whole_model.derivative_codes import DerivativeCode
 from actcomp.whole_model.exact_codecs import (
@@ -378,7 +378,15 @@ class CodecChoice:
         dense strides (backward kernels choose by strides); None when this would not save
         memory (a norm's rows of a few elements, each with a range of its own)."""
         codec = self.codec
-        permutation = None if self.unit is None else self.unit.permutation
+        # A unit's rows (a norm's), else the order the tensor lies in memory: a transposed
+        # tensor (attention's output) then reads flat without a copy, a slice of a wider one
+        # (attention's q, k, v of one qkv projection) with one that closes the gaps, and both
+        # decode straight into their own strides.
+        stages = codec.stages if isinstance(codec, Pipeline) else (codec,)
+        if self.unit is not None:
+            permutation = self.unit.permutation
+        else:
+            permutation = None if any(stage.reads_positions for stage in stages) else memory_order(tensor)
         values = tensor.detach() if permutation is None else tensor.detach().permute(permutation)
         packed = codec.compress(values.reshape(-1))
         if self.unit is not None and packed.nbytes >= tensor.numel() * tensor.element_size():

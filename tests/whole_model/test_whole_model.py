@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 from zoo import HF_ZOO, ZOO, train_step
 
@@ -36,6 +37,7 @@ import actcomp
 from actcomp.errors import WARNED
 from actcomp.graph.not_compiled import WHOLE_MODEL_FALLBACK
 from actcomp.graph.saved_tensors import Scope, listening
+from actcomp.kernels.layouts import dense_strides_like
 from actcomp.whole_model.compressed_model import CompressedModel
 from actcomp.whole_model.derivative_codes import DerivativeCode, derivative_error
 from actcomp.whole_model.exact_codecs import (
@@ -1269,7 +1271,8 @@ def test_large_tensors_are_quantized_in_chunks_with_the_same_groups(monkeypatch)
     monkeypatch.setattr("actcomp.kernels.chunks.CPU_CHUNK", 2**16)
     kept = Kept(actcomp.parse("int8"), x)
     monkeypatch.setattr("actcomp.kernels.chunks.CPU_CHUNK", 2**24)
-    whole = actcomp.parse("int8").compress(x.reshape(-1))
+    # Packed in the order it lies in memory (x.t() is contiguous): read flat without a copy.
+    whole = actcomp.parse("int8").compress(x.t().reshape(-1))
     assert all(map(torch.equal, kept.tensors, whole.tensors))
     rebuilt = kept.unpack()
     assert rebuilt.stride() == x.stride() and rebuilt.shape == x.shape
@@ -1279,6 +1282,38 @@ def test_large_tensors_are_quantized_in_chunks_with_the_same_groups(monkeypatch)
     monkeypatch.setattr(derivative_codes, "CHUNK", 1 << 20)
     assert torch.equal(codes.tensors[0], Kept(DerivativeCode("gelu", bits=3), x).tensors[0])
     assert torch.equal(codes.unpack(), Kept(DerivativeCode("gelu", bits=3), x).unpack())
+
+
+class Copies(TorchDispatchMode):
+    """Counts the ATen copies run inside it (a layout made contiguous, or laid out again)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.copy_, torch.ops.aten.clone):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("spec", ["int8", "bf16", "fp8"])
+def test_a_head_split_tensor_is_packed_and_rebuilt_in_its_memory_order_with_no_layout_copy_but_one_closing_gaps(spec):
+    # Attention's transposed output is read flat in the order it lies in memory, q, k and v (slices
+    # of the qkv projection, heads split) with one copy that closes the gaps; all are rebuilt
+    # straight into the dense strides of their order.
+    qkv = torch.randn(2, 9, 3, 4, 8).permute(2, 0, 3, 1, 4)
+    for tensor, gap_copies in ((qkv[0], 1), (qkv[2], 1), (torch.randn(2, 9, 4, 8).transpose(1, 2), 0)):
+        assert not tensor.is_contiguous()
+        with Copies() as copies:
+            kept = Kept(actcomp.parse(spec), tensor)
+            rebuilt = kept.unpack()
+        assert copies.count == gap_copies, spec
+        assert rebuilt.shape == tensor.shape and rebuilt.stride() == dense_strides_like(tensor)
+        if spec == "bf16":  # element by element: the order cannot matter
+            assert torch.equal(rebuilt, tensor.bfloat16().float())
+        else:
+            assert (rebuilt - tensor).abs().max() <= (tensor.max() - tensor.min()) / 8
 
 
 @pytest.mark.parametrize("rest, message", [
