@@ -31,6 +31,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from actcomp import host_allocator
 from actcomp.core import backends
 from actcomp.core.backends import register_implementation
 from actcomp.core.chain import finite_flag
@@ -199,7 +200,7 @@ def _cpu_decode(codec: GroupQuant, payload: torch.Tensor, saved: tuple[torch.Ten
     """:meth:`GroupQuant.decode` in one pass of :mod:`~actcomp.kernels.native_cpu`."""
     shape, dtype = meta
     offset, scale, *exponents = saved
-    out = torch.empty(shape.numel(), dtype=dtype)
+    out = host_allocator.empty_for_writing(shape.numel(), dtype)
     native_cpu.dequantize(payload.contiguous(), offset.contiguous(), scale.contiguous(), codec.bits, codec.group, out)
     return _unscaled(out, exponents).view(shape)
 

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from actcomp import host_allocator
 from actcomp.errors import ActcompError, warn_once
 from actcomp.kernels.layouts import is_subclass_tensor
 from actcomp.kernels.noise import FINGERPRINT_SAMPLE, _mix_seed_and_size
@@ -192,7 +193,7 @@ def fp8_encode(flat: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def fp8_decode(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``codes * scale`` saturated to ``dtype``'s range, in ``dtype``."""
-    out = torch.empty(codes.numel(), dtype=dtype)
+    out = host_allocator.empty_for_writing(codes.numel(), dtype)
     _call(f"actcomp_fp8_decode_{_DTYPES[dtype]}", (codes, out), _pointer(codes), ctypes.c_int64(codes.numel()),
           _pointer(scale), _pointer(out), _threads())
     return out
@@ -220,7 +221,7 @@ def unpacks_mask(device: torch.device, dtype: torch.dtype) -> bool:
 def mask_unpack(bits: torch.Tensor, count: int, standins: torch.Tensor) -> torch.Tensor:
     """``count`` elements of ``standins``' dtype: ``standins[1]`` where the bit is set,
     ``standins[0]`` where not, bit for bit."""
-    out = torch.empty(count, dtype=standins.dtype)
+    out = host_allocator.empty_for_writing(count, standins.dtype)
     width = _KEY_WIDTHS[standins.element_size()][1]
     _call(f"actcomp_mask_unpack_{width}", (bits, out), _pointer(bits), ctypes.c_int64(count), _pointer(standins),
           _pointer(out), _threads())
@@ -245,7 +246,7 @@ def _torch_bf16_nan() -> int:
 
 def widen_bf16(flat: torch.Tensor) -> torch.Tensor:
     """Contiguous bfloat16 ``flat`` as float32, exactly."""
-    out = torch.empty(flat.numel(), dtype=torch.float32)
+    out = host_allocator.empty_for_writing(flat.numel(), torch.float32)
     _call("actcomp_widen_bf16", (flat, out), _pointer(flat), ctypes.c_int64(flat.numel()), _pointer(out), _threads())
     return out
 
@@ -269,7 +270,7 @@ def pool_encode(indices: torch.Tensor, bits: int, geometry: tuple[int, ...]) -> 
 
 def pool_decode(packed: torch.Tensor, count: int, bits: int, geometry: tuple[int, ...]) -> torch.Tensor:
     """The int64 argmax positions :func:`pool_encode` packed."""
-    indices = torch.empty(count, dtype=torch.int64)
+    indices = host_allocator.empty_for_writing(count, torch.int64)
     _call("actcomp_pool_decode", (packed, indices), _pointer(packed), ctypes.c_int64(count),
           (ctypes.c_int64 * len(geometry))(*geometry),
           ctypes.c_int(bits), _pointer(indices), _threads())
@@ -375,7 +376,7 @@ def elias_fano_scatter(values: torch.Tensor, high: torch.Tensor, low: torch.Tens
                        count: int) -> torch.Tensor:
     """:meth:`EliasFano.scatter <actcomp.kernels.positions.EliasFano.scatter>`: ``count`` zeros
     with each slot's value at its position, from contiguous ``values``, ``high`` and ``low``."""
-    out = values.new_empty(count)
+    out = host_allocator.empty_for_writing(count, values.dtype)
     width = _KEY_WIDTHS[values.element_size()][1]
     status = _call(f"actcomp_ef_scatter_{width}", (values, high, low, out),
                    _pointer(values), ctypes.c_int64(values.numel()), _pointer(high), ctypes.c_int64(high.numel()),

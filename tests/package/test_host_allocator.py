@@ -80,3 +80,34 @@ def test_a_conversion_that_changes_nothing_leaves_the_allocator_alone(monkeypatc
 def test_a_threshold_a_c_int_cannot_hold_is_an_error(threshold):
     with pytest.raises(actcomp.ActcompError, match=r"not in 1 .. 2\*\*31 - 1"):
         host_allocator.return_freed_memory(threshold=threshold)
+
+
+# A fresh process (the threshold is the process's) allocates an 8 MiB buffer for writing and
+# prints the VmFlags of the mapping that holds its middle: "hg" is MADV_HUGEPAGE's mark.
+_ADVISED = r"""
+import sys, torch
+from actcomp import host_allocator
+if sys.argv[1] == "remedy":
+    assert host_allocator.return_freed_memory() == "set"
+out = host_allocator.empty_for_writing(2 << 20, torch.float32)
+middle = out.data_ptr() + out.numel() * 2
+flags, inside = "", False
+for line in open("/proc/self/smaps"):
+    if "-" in line.split()[0] and not line.startswith("VmFlags"):
+        low, high = (int(part, 16) for part in line.split()[0].split("-"))
+        inside = low <= middle < high
+    elif line.startswith("VmFlags") and inside:
+        flags = line.split(":")[1].strip()
+print(out.shape[0], out.dtype, "hg" in flags.split())
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+@pytest.mark.skipif(not host_allocator._huge_pages_on_request(), reason="transparent huge pages not on request here")
+def test_a_buffer_for_writing_is_advised_to_huge_pages_only_where_it_is_its_own_mapping():
+    def flags(mode: str) -> str:
+        return subprocess.run([sys.executable, "-c", _ADVISED, mode], capture_output=True, text=True, check=True,
+                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}).stdout.split()
+    assert flags("remedy") == ["2097152", "torch.float32", "True"]
+    # Without the threshold the buffer may sit in glibc's heap, which advice would split.
+    assert flags("as it comes") == ["2097152", "torch.float32", "False"]
