@@ -44,11 +44,13 @@ import ctypes.util
 import functools
 import os
 import platform
+import threading
 from pathlib import Path
 
 import torch
 
 from actcomp.errors import ActcompError
+from actcomp.torch_compat import in_backward_pass, storage_shared
 
 # Buffers from this size up are mapped one by one. In a one-off probe (not kept in benchmarks/),
 # 64 KiB, 256 KiB and 1 MiB gave ViT-S's batch-32 step the same peak (1580 MiB), 4 MiB 45 MiB
@@ -102,16 +104,49 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def empty_for_writing(count: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(count, dtype=dtype)`` on the CPU, for a kernel to write whole: where this
-    process maps buffers of :data:`ADVISE_FROM` bytes and up on their own (:func:`return_freed_memory`
-    set the threshold) and the kernel offers transparent huge pages on request, the buffer's
-    2 MiB-aligned interior is advised to them first. The values are undefined, as ``empty``'s.
+    """``torch.empty(count, dtype=dtype)`` on the CPU, for a kernel to write whole (a decoded
+    activation). Where this process maps large buffers on their own (:func:`return_freed_memory`
+    set the threshold), so that a fresh buffer faults in page by page:
+
+    - in backward, a buffer of the same size this function handed out before and that nothing
+      references any more is handed out again (at most :data:`REUSED_BUFFERS` are remembered,
+      and none past the backward: the next forward's first call forgets them);
+    - a fresh buffer of :data:`ADVISE_FROM` bytes and up has its 2 MiB-aligned interior advised
+      to transparent huge pages, where the kernel offers them on request.
+
+    The values are undefined, as ``empty``'s.
 
     >>> empty_for_writing(10, torch.float32).shape
     torch.Size([10])
     """
-    out = torch.empty(count, dtype=dtype)
-    nbytes = count * out.element_size()
+    nbytes = count * dtype.itemsize
+    if _threshold_set is None or nbytes < _threshold_set:
+        return torch.empty(count, dtype=dtype)
+    with _reused_lock:
+        if not in_backward_pass():
+            _reused.clear()  # nothing kept past a backward: the forward's peak is plain's
+            return _fresh(nbytes).view(dtype)
+        for index, buffer in enumerate(_reused):
+            if buffer.numel() == nbytes and not storage_shared(buffer):
+                _reused.append(_reused.pop(index))  # the most recently used last
+                return buffer.view(dtype)
+        buffer = _fresh(nbytes)
+        _reused.append(buffer)
+        if len(_reused) > REUSED_BUFFERS:
+            _reused.pop(0)  # whoever still holds it keeps it alive; it is just not reused
+        return buffer.view(dtype)
+
+
+# How many decode buffers a backward remembers for reuse: consecutive layers of a network decode
+# tensors of the same few sizes, each freed once its backward op has run.
+REUSED_BUFFERS = 4
+_reused: list[torch.Tensor] = []
+_reused_lock = threading.Lock()  # backwards may run in several threads
+
+
+def _fresh(nbytes: int) -> torch.Tensor:
+    """A new uint8 buffer of ``nbytes``, its aligned interior advised to huge pages where that helps."""
+    out = torch.empty(nbytes, dtype=torch.uint8)
     if nbytes >= ADVISE_FROM and _threshold_set is not None and _threshold_set <= ADVISE_FROM and _huge_pages_on_request():
         start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
         stop = (out.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE

@@ -49,6 +49,14 @@ def in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def storage_shared(tensor: torch.Tensor) -> bool:
+    """Whether a tensor or storage besides ``tensor`` holds ``tensor``'s storage (a view of it,
+    anything that kept it). Checked on 2.14.1 (``torch._C._storage_Use_Count``, the storage's
+    reference count: ``tensor`` holds one, the wrapper this asks through another). If it moves,
+    actcomp's reuse of the buffers it decodes into in backward stops (each is fresh), nothing else."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) > 2
+
+
 def torch_function_disabled() -> contextlib.AbstractContextManager:
     """A block whose torch calls skip every ``__torch_function__`` handler (modes included).
     Checked on 2.13.0 and 2.14.1 (``torch._C.DisableTorchFunction``). If it moves, the codecs'

@@ -111,3 +111,53 @@ def test_a_buffer_for_writing_is_advised_to_huge_pages_only_where_it_is_its_own_
     assert flags("remedy") == ["2097152", "torch.float32", "True"]
     # Without the threshold the buffer may sit in glibc's heap, which advice would split.
     assert flags("as it comes") == ["2097152", "torch.float32", "False"]
+
+
+class _Decodes(torch.autograd.Function):
+    """Asks for decode buffers in its backward, as a converted layer's unpack does, and records
+    which it got."""
+
+    seen: dict = {}
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        seen, count = _Decodes.seen, 1 << 20  # 4 MiB of float32
+        first = host_allocator.empty_for_writing(count, torch.float32)
+        held = host_allocator.empty_for_writing(count, torch.float32)
+        seen["a held buffer is not handed out twice"] = first.data_ptr() != held.data_ptr()
+        pointer = first.data_ptr()
+        del first
+        again = host_allocator.empty_for_writing(count, torch.float32)
+        reused = host_allocator._reused
+        seen["a free one is reused"] = bool(reused) and again.data_ptr() == pointer == reused[-1].data_ptr()
+        view = again[10:]
+        del again
+        other = host_allocator.empty_for_writing(count, torch.float32)
+        seen["a view keeps it from reuse"] = other.data_ptr() not in (pointer, held.data_ptr()) and view.numel()
+        as_bytes = host_allocator.empty_for_writing(4 * count, torch.uint8)
+        seen["another dtype of the same bytes may reuse it"] = as_bytes.numel() == 4 * count
+        return grad
+
+
+def test_in_backward_a_decode_buffer_is_reused_only_once_nothing_holds_it(monkeypatch):
+    monkeypatch.setattr(host_allocator, "_threshold_set", host_allocator.MMAP_THRESHOLD)
+    monkeypatch.setattr(host_allocator, "_reused", [])
+    _Decodes.seen = {}
+    _Decodes.apply(torch.ones(3, requires_grad=True)).sum().backward()
+    assert _Decodes.seen and all(_Decodes.seen.values()), _Decodes.seen
+    assert 0 < len(host_allocator._reused) <= host_allocator.REUSED_BUFFERS
+    # Outside a backward (the next forward) nothing is reused, and what was kept is let go.
+    fresh = host_allocator.empty_for_writing(1 << 20, torch.float32)
+    assert host_allocator._reused == [] and fresh.numel() == 1 << 20
+
+
+def test_without_the_threshold_every_buffer_is_torchs_own(monkeypatch):
+    monkeypatch.setattr(host_allocator, "_threshold_set", None)
+    monkeypatch.setattr(host_allocator, "_reused", [])
+    _Decodes.seen = {}
+    _Decodes.apply(torch.ones(3, requires_grad=True)).sum().backward()
+    assert _Decodes.seen["a held buffer is not handed out twice"] and host_allocator._reused == []
