@@ -108,11 +108,12 @@ def empty_for_writing(count: int, dtype: torch.dtype) -> torch.Tensor:
     activation). Where this process maps large buffers on their own (:func:`return_freed_memory`
     set the threshold), so that a fresh buffer faults in page by page:
 
-    - in backward, a buffer of the same size this function handed out before and that nothing
-      references any more is handed out again (at most :data:`REUSED_BUFFERS` are remembered,
-      and none past the backward: the next forward's first call forgets them);
-    - a fresh buffer of :data:`ADVISE_FROM` bytes and up has its 2 MiB-aligned interior advised
-      to transparent huge pages, where the kernel offers them on request.
+    - a buffer of :data:`ADVISE_FROM` bytes and up is fresh, its 2 MiB-aligned interior
+      advised to transparent huge pages where the kernel offers them on request;
+    - a smaller one, in backward, is one this function handed out before, of the same size,
+      that nothing references any more, where there is one: at most :data:`REUSED_BUFFERS` are
+      remembered (so at most 16 MiB sit idle), and none past the backward (the next forward's
+      first call forgets them).
 
     The values are undefined, as ``empty``'s.
 
@@ -122,6 +123,10 @@ def empty_for_writing(count: int, dtype: torch.dtype) -> torch.Tensor:
     nbytes = count * dtype.itemsize
     if _threshold_set is None or nbytes < _threshold_set:
         return torch.empty(count, dtype=dtype)
+    if nbytes >= ADVISE_FROM:
+        # Huge pages make these cheap to fault in, and keeping one idle (a ViT-S's 39 MB MLP
+        # input at batch 32) would raise the backward's peak by its size.
+        return _fresh(nbytes).view(dtype)
     with _reused_lock:
         if not in_backward_pass():
             _reused.clear()  # nothing kept past a backward: the forward's peak is plain's

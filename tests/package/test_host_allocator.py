@@ -125,7 +125,7 @@ class _Decodes(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        seen, count = _Decodes.seen, 1 << 20  # 4 MiB of float32
+        seen, count = _Decodes.seen, 1 << 19  # 2 MiB of float32: a size reused
         first = host_allocator.empty_for_writing(count, torch.float32)
         held = host_allocator.empty_for_writing(count, torch.float32)
         seen["a held buffer is not handed out twice"] = first.data_ptr() != held.data_ptr()
@@ -151,8 +151,17 @@ def test_in_backward_a_decode_buffer_is_reused_only_once_nothing_holds_it(monkey
     assert _Decodes.seen and all(_Decodes.seen.values()), _Decodes.seen
     assert 0 < len(host_allocator._reused) <= host_allocator.REUSED_BUFFERS
     # Outside a backward (the next forward) nothing is reused, and what was kept is let go.
-    fresh = host_allocator.empty_for_writing(1 << 20, torch.float32)
-    assert host_allocator._reused == [] and fresh.numel() == 1 << 20
+    fresh = host_allocator.empty_for_writing(1 << 19, torch.float32)
+    assert host_allocator._reused == [] and fresh.numel() == 1 << 19
+
+
+def test_a_buffer_of_huge_pages_is_never_kept_idle(monkeypatch):
+    # Keeping a 39 MB buffer idle through a backward would raise its peak by that much.
+    monkeypatch.setattr(host_allocator, "_threshold_set", host_allocator.MMAP_THRESHOLD)
+    monkeypatch.setattr(host_allocator, "_reused", [])
+    monkeypatch.setattr(host_allocator, "in_backward_pass", lambda: True)
+    large = host_allocator.empty_for_writing(host_allocator.ADVISE_FROM // 4, torch.float32)
+    assert large.numel() * 4 == host_allocator.ADVISE_FROM and host_allocator._reused == []
 
 
 def test_without_the_threshold_every_buffer_is_torchs_own(monkeypatch):
