@@ -50,12 +50,15 @@ from actcomp.core import backends
 from actcomp.core.packed import Hints
 from actcomp.core.registry import codec_class
 from actcomp.kernels import native_cpu
+from actcomp.whole_model.exact_codecs import PoolOffsets
 
 # Each codec with a native kernel: the quantizers, fp8, the ReLU mask (LeakyReLU's is the same
 # kernel), min-k, whose selection (candidates, radix select, compaction, gather) and
 # Elias-Fano positions run natively inside its eager encode and decode, and the saturating
-# bfloat16 cast (of float32 only: from bfloat16 it is no cast at all, and is skipped).
-CODECS = ["int8", "int4", "int2", "fp8", "relu-mask", "mink0.9", "bf16"]
+# bfloat16 cast (of float32 only: from bfloat16 it is no cast at all, and is skipped), and a
+# 3x3 stride-2 max pool's offsets (of the conv shape's pool: ResNet's stem pool; its input is
+# the argmax positions, so its dtype column is the activation's it was pooled from).
+CODECS = ["int8", "int4", "int2", "fp8", "relu-mask", "mink0.9", "bf16", "pool-offsets"]
 # A ViT-S/16 token activation and a ResNet-style conv activation.
 SHAPES = ["32x197x384", "32x64x56x56"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -70,9 +73,16 @@ COLUMNS = ["level", "vector_bits", "aten_capability", "by_default", "shape", "dt
 
 def codec_for(name: str):
     """A registered codec by name (``relu-mask``), or the one stage of a spec (``int8``, ``mink0.9``)."""
-    if name.endswith("-mask"):
+    if name.endswith("-mask") or name == "pool-offsets":
         return codec_class(name)()
     return actcomp.parse(name).stages[0]
+
+
+def pooled(x: torch.Tensor) -> tuple[PoolOffsets, torch.Tensor]:
+    """A 3x3, stride-2, padding-1 max pool's argmax positions of ``x`` and their codec."""
+    _, indices = torch.ops.aten.max_pool2d_with_indices(x, 3, 2, 1)
+    return PoolOffsets(kernel=(3, 3), stride=(2, 2), padding=(1, 1), width=x.shape[-1],
+                       out_size=tuple(indices.shape[-2:])), indices
 
 
 def measure(arguments: argparse.Namespace) -> dict:
@@ -88,13 +98,17 @@ def measure(arguments: argparse.Namespace) -> dict:
         for dtype_name in arguments.dtypes:
             x = (torch.randn(shape, generator=generator) * 3).to(DTYPES[dtype_name])
             for name in arguments.codecs:
-                codec = codec_for(name)
-                if backends.choose(codec, "encode", x, hints) != "native":
+                codec, value = codec_for(name), x
+                if name == "pool-offsets":
+                    if len(shape) != 4:
+                        continue
+                    codec, value = pooled(x.float())
+                if backends.choose(codec, "encode", value, hints) != "native":
                     continue  # no kernel for this dtype: the reference is all there is
                 with backends.use_backend("native"):
-                    encoded = backends.encode(codec, x, hints)
+                    encoded = backends.encode(codec, value, hints)
                 with backends.use_backend("eager"):
-                    reference = backends.encode(codec, x, hints)
+                    reference = backends.encode(codec, value, hints)
                 # Timed on the same bytes: a native kernel that did not run, or gave other codes,
                 # would make these figures meaningless.
                 for got, expected in zip((encoded.payload, *encoded.saved), (reference.payload, *reference.saved),
@@ -102,16 +116,19 @@ def measure(arguments: argparse.Namespace) -> dict:
                     if not torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)):
                         raise SystemExit(f"{name} {shape_text} {dtype_name}: native codes differ from the reference")
 
-                def run(backend: str, direction: str, codec=codec, x=x, hints=hints, encoded=encoded):
+                def run(backend: str, direction: str, codec=codec, value=value, hints=hints, encoded=encoded):
                     with backends.use_backend(backend):
                         if direction == "encode":
-                            return backends.encode(codec, x, hints)
+                            return backends.encode(codec, value, hints)
                         return backends.decode(codec, encoded.payload, encoded.saved, encoded.meta)
 
                 for direction in ("encode", "decode"):
+                    if direction == "decode" and backends.choose(codec, "decode", encoded.payload, encoded.saved,
+                                                                 encoded.meta) != "native":
+                        continue  # an encode-only kernel (bf16's: its decode is one ATen cast)
                     calls = {"native": lambda d=direction: run("native", d),
                              "reference": lambda d=direction: run("eager", d),
-                             "clone": x.clone}
+                             "clone": value.clone}
                     times = time_rounds(calls, arguments.rounds, arguments.warmup, torch.device("cpu"))
                     cases.append({"shape": shape_text, "dtype": dtype_name, "codec": name, "direction": direction,
                                   **times})

@@ -1177,12 +1177,6 @@ void actcomp_saturate_bf16(const float *x, int64_t count, int nan_bits, uint16_t
     }
 }
 
-/* bfloat16 -> float32, exactly (the bits moved up), NaN payloads kept as torch's cast keeps them. */
-void actcomp_widen_bf16(const uint16_t *x, int64_t count, float *out, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < count; i++) out[i] = bits_to_float((uint32_t)x[i] << 16);
-}
-
 /* Python's floor division and modulo on int64 (torch.div(..., rounding_mode="floor"), %). */
 static inline int64_t floor_div(int64_t a, int64_t b) {
     const int64_t q = a / b;

@@ -244,13 +244,6 @@ def _torch_bf16_nan() -> int:
     return int(torch.full((64,), float("nan")).bfloat16().view(torch.int16)[0]) & 0xFFFF
 
 
-def widen_bf16(flat: torch.Tensor) -> torch.Tensor:
-    """Contiguous bfloat16 ``flat`` as float32, exactly."""
-    out = host_allocator.empty_for_writing(flat.numel(), torch.float32)
-    _call("actcomp_widen_bf16", (flat, out), _pointer(flat), ctypes.c_int64(flat.numel()), _pointer(out), _threads())
-    return out
-
-
 def takes_pool_indices(device: torch.device, dtype: torch.dtype, count: int) -> bool:
     """Whether :func:`pool_encode` takes ``count`` argmax positions of ``dtype``: int64 on a
     CPU, 1 to 2**31 - 1 of them, and the kernels built."""
@@ -514,6 +507,6 @@ def _declare(native: ctypes.CDLL) -> None:
                  "actcomp_ef_encode", "actcomp_gather_16", "actcomp_gather_32", "actcomp_fp8_range_f32",
                  "actcomp_fp8_range_bf16", "actcomp_fp8_encode_f32", "actcomp_fp8_encode_bf16", "actcomp_fp8_decode_f32",
                  "actcomp_fp8_decode_bf16", "actcomp_mask_pack_f32", "actcomp_mask_pack_bf16",
-                 "actcomp_mask_unpack_16", "actcomp_mask_unpack_32", "actcomp_saturate_bf16", "actcomp_widen_bf16",
+                 "actcomp_mask_unpack_16", "actcomp_mask_unpack_32", "actcomp_saturate_bf16",
                  "actcomp_pool_encode", "actcomp_pool_decode"):
         getattr(native, name).restype = None
