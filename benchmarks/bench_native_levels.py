@@ -125,7 +125,7 @@ def measure(arguments: argparse.Namespace) -> dict:
                 for direction in ("encode", "decode"):
                     if direction == "decode" and backends.choose(codec, "decode", encoded.payload, encoded.saved,
                                                                  encoded.meta) != "native":
-                        continue  # an encode-only kernel (bf16's: its decode is one ATen cast)
+                        continue  # a codec whose decode has no kernel of its own
                     calls = {"native": lambda d=direction: run("native", d),
                              "reference": lambda d=direction: run("eager", d),
                              "clone": value.clone}

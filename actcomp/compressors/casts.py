@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import torch
 
+from actcomp import host_allocator
 from actcomp.core import backends
 from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints
@@ -129,13 +130,22 @@ def _native_takes(x: torch.Tensor, storage: torch.dtype) -> bool:
     return storage == torch.bfloat16 and x.dtype == torch.float32 and native_cpu.casts(x.device, x.dtype, x.numel())
 
 
-# The encode only: the decode (bfloat16 -> float32) is one ATen cast, which a C loop did not beat
-# (1.06-1.22x its time, benchmarks/results/native_levels_bf16_stop45/).
+def _cpu_widen(payload: torch.Tensor) -> torch.Tensor:
+    """bfloat16 ``payload`` as float32: ATen's own cast (a C loop did not beat it: 1.04-1.22x its
+    time, ``benchmarks/results/native_levels_stop45/``), written into a decode buffer of
+    :func:`~actcomp.host_allocator.empty_for_writing` (reused in backward) instead of a fresh one."""
+    out = host_allocator.empty_for_writing(payload.numel(), torch.float32)
+    return out.copy_(payload.reshape(-1)).view(payload.shape)
+
+
 register_implementation(
     Bf16, "native",
     encode=lambda codec, x, hints: Encoded(native_cpu.saturate_bf16(x.reshape(-1).contiguous()).view(x.shape), (),
                                            x.dtype),
-    encodes=lambda codec, x, hints: _native_takes(x, codec.storage))
+    encodes=lambda codec, x, hints: _native_takes(x, codec.storage),
+    decode=lambda codec, payload, saved, meta: _cpu_widen(payload),
+    decodes=lambda codec, payload, saved, meta: meta == torch.float32 and payload.dtype == torch.bfloat16
+    and native_cpu.casts(payload.device, payload.dtype, payload.numel()))
 
 
 def _triton_cast(codec: _Cast, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
