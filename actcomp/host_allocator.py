@@ -23,10 +23,11 @@ allocated by :func:`empty_for_writing`: where this process maps large buffers on
 kernel offers transparent huge pages on request (``madvise`` in
 ``/sys/kernel/mm/transparent_hugepage/enabled``), the buffer's 2 MiB-aligned interior is advised
 to huge pages before anything touches it, so it faults in once per 2 MiB instead of once per
-4 KiB page. A fresh 4.8 MB buffer took 1.87 ms to fill against 0.05 ms reused and 0.40 ms
-advised (AMD EPYC Zen 4 virtual machine, 1 thread; ``benchmarks/bench_page_faults.py``).
-Buffers torch allocates itself (the model's own activations and gradients) are glibc's and keep
-4 KiB pages.
+4 KiB page; a smaller one, in backward, is a buffer it handed out before that nothing holds any
+more. A fresh 4.8 MB buffer filled 17.7x slower than a reused one, 4.8x when advised (AMD EPYC
+Zen 4 virtual machine, 1 thread: ``benchmarks/bench_page_faults.py``,
+``benchmarks/results/page_faults_torch2.14.1_cpu_t1.md``). Buffers torch allocates itself (the
+model's own activations and gradients) are glibc's and keep 4 KiB pages.
 
 Left alone: a process whose ``MALLOC_MMAP_THRESHOLD_`` is set (the user chose), and every C
 library but glibc (musl, macOS, Windows): there ``mallopt`` does not exist or means something
