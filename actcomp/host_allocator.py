@@ -151,9 +151,10 @@ _reused_lock = threading.Lock()  # backwards may run in several threads
 
 
 def _fresh(nbytes: int) -> torch.Tensor:
-    """A new uint8 buffer of ``nbytes``, its aligned interior advised to huge pages where that helps."""
+    """A new uint8 buffer of ``nbytes`` (at least the threshold: a mapping of its own), its
+    aligned interior advised to huge pages where that helps."""
     out = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes >= ADVISE_FROM and _threshold_set is not None and _threshold_set <= ADVISE_FROM and _huge_pages_on_request():
+    if nbytes >= ADVISE_FROM and _huge_pages_on_request():
         start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
         stop = (out.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
         if stop > start:

@@ -42,6 +42,7 @@ from actcomp.kernels.thresholds import (
     key_bits,
     magnitude_keys,
     sample_of,
+    sample_step,
     sampled_rank,
     sampled_threshold,
     select_threshold,
@@ -64,7 +65,10 @@ def exact_kept_positions(flat: torch.Tensor, kept: int) -> torch.Tensor | None:
     order), as :func:`~actcomp.kernels.thresholds.exact_threshold` selects them; None when the
     sample missed."""
     count = flat.numel()
-    sample = magnitude_keys(flat[::_floor_sample_step(count)])
+    # The floor only bounds the candidates, so the kept positions are exact whatever the sample:
+    # its stride rounds up, to about SAMPLE keys (rounding down read a (4, 197, 384) tensor whole,
+    # and selecting among its 302,592 keys took half the encode).
+    sample = magnitude_keys(flat[::sample_step(count, SAMPLE, round_up=True)])
     share = kept / count
     margin = _MARGIN_SIGMAS * math.sqrt(share * (1 - share) * sample.numel()) + 1
     rank = math.ceil(share * sample.numel() + margin)
@@ -82,23 +86,6 @@ def exact_kept_positions(flat: torch.Tensor, kept: int) -> torch.Tensor | None:
     threshold = select_threshold(lambda start, stop: keys[start:stop], keys.numel(), kept,
                                  key_bits(flat.dtype), flat.device)
     return _kept_among(positions, keys, threshold.key, int(threshold.ties))
-
-
-def _floor_sample_step(count: int) -> int:
-    """The stride of the sample that sets the candidates' floor: about :data:`SAMPLE` elements,
-    the stride rounded *up* to one with no factor 2, 3, 5 or 7 (no aliasing with channel or
-    token periods). :func:`~actcomp.kernels.thresholds.sample_step` rounds down, which for
-    2-11x SAMPLE elements falls to 1: a (4, 197, 384) tensor was read whole, and selecting
-    among its 302,592 keys took half its encode. The floor only bounds the candidates, so the
-    kept positions are exact whatever the sample.
-
-    >>> _floor_sample_step(302_592), _floor_sample_step(100_000), _floor_sample_step(1_210_368)
-    (11, 1, 19)
-    """
-    step = max(1, count // SAMPLE)
-    while step > 1 and any(step % p == 0 for p in (2, 3, 5, 7)):
-        step += 1
-    return step
 
 
 def sampled_kept_positions(flat: torch.Tensor, kept: int, size: int) -> torch.Tensor:

@@ -191,15 +191,18 @@ def sample_of(flat: torch.Tensor, size: int = SAMPLE) -> torch.Tensor:
     return flat[::sample_step(flat.numel(), size)]
 
 
-def sample_step(count: int, size: int = SAMPLE) -> int:
-    """The stride of :func:`sample_of` among ``count`` elements.
+def sample_step(count: int, size: int = SAMPLE, round_up: bool = False) -> int:
+    """The stride of :func:`sample_of` among ``count`` elements: ``count // size`` moved to the
+    nearest stride with no factor 2, 3, 5 or 7, down (the sample's size, smink's codes depend
+    on it), or ``round_up`` (at most about ``size`` elements: rounding down falls to 1, the
+    whole tensor, anywhere below 11 ``size``).
 
-    >>> sample_step(10**6), sample_step(100)
-    (13, 1)
+    >>> sample_step(10**6), sample_step(100), sample_step(302_592), sample_step(302_592, round_up=True)
+    (13, 1, 1, 11)
     """
     step = max(1, count // size)
     while step > 1 and any(step % p == 0 for p in (2, 3, 5, 7)):
-        step -= 1
+        step += 1 if round_up else -1
     return step
 
 

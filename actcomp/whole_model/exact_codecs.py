@@ -455,12 +455,16 @@ class PoolOffsets(Compressor):
         return (self.kernel[1], *self.stride, *self.padding, *self.dilation, self.width, *self.out_size)
 
 
-def _native_pool_takes(codec: PoolOffsets, device: torch.device, dtype: torch.dtype, count: int) -> bool:
-    # Whole output planes of a 2-d pool only, as for the Triton kernels.
+def _whole_planes(codec: PoolOffsets, count: int) -> bool:
+    """Whether ``count`` positions are whole output planes of a 2-d pool: what the kernels take
+    (the reference's reshape raises on anything else)."""
     plane = math.prod(codec.out_size)
     two_d = all(len(pair) == 2 for pair in (codec.kernel, codec.stride, codec.padding, codec.dilation, codec.out_size))
-    return two_d and plane > 0 and count % plane == 0 and native_cpu.takes_pool_indices(
-        device, dtype, count)
+    return two_d and plane > 0 and count % plane == 0
+
+
+def _native_pool_takes(codec: PoolOffsets, device: torch.device, dtype: torch.dtype, count: int) -> bool:
+    return _whole_planes(codec, count) and native_cpu.takes_pool_indices(device, dtype, count)
 
 
 register_implementation(
@@ -474,10 +478,7 @@ register_implementation(
 
 
 def _triton_pool_takes(codec: PoolOffsets, device: torch.device, dtype: torch.dtype, count: int) -> bool:
-    # Whole output planes only: the reference's reshape raises on anything else.
-    plane = math.prod(codec.out_size)
-    return len(codec.out_size) == 2 and plane > 0 and count % plane == 0 and triton_takes(
-        device, dtype, count, (torch.int64, torch.int32))
+    return _whole_planes(codec, count) and triton_takes(device, dtype, count, (torch.int64, torch.int32))
 
 
 def _triton_pool_encode(codec: PoolOffsets, x: torch.Tensor, hints: Hints) -> Encoded:
