@@ -26,7 +26,7 @@ from actcomp.errors import ActcompError
 from actcomp.losses import linear_cross_entropy
 from actcomp.tools.check import CheckReport, check
 from actcomp.tools.memory import MemoryReport, memory_report
-from actcomp.whole_model.session import register_op_codec, unregister_op_codec
+from actcomp.whole_model.choosing import register_op_codec, unregister_op_codec
 
 # The one place the version is written: pyproject.toml reads it, CHANGELOG.md says what changed.
 __version__ = "0.1.0"

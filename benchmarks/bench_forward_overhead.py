@@ -110,12 +110,17 @@ class _Probes:
         from actcomp.graph import op_kinds, saved_tensors
         from actcomp.whole_model import compressed_model, session
 
+        try:
+            from actcomp.whole_model import choosing
+        except ImportError:  # a tree from before stop 46, when the session module held the op table
+            choosing = session
+
         self.mode_calls = self.scopes = self.packs = self.unpacks = 0
         self.pack_s = self.encode_s = 0.0
         self.counting = False
         probes, mode_class = self, saved_tensors._FunctionScopes
         mode_call, pack, unpack, encode = (mode_class.__torch_function__, session._Session.pack,
-                                           compressed_model._unpack, session.CodecChoice.encode)
+                                           compressed_model._unpack, choosing.CodecChoice.encode)
         known = op_kinds.function_kind
 
         def counted_mode_call(self, func, types, args=(), kwargs=None):
@@ -148,7 +153,7 @@ class _Probes:
         self.mode_class = mode_class
         session._Session.pack = timed_pack
         compressed_model._unpack = counted_unpack
-        session.CodecChoice.encode = timed_encode
+        choosing.CodecChoice.encode = timed_encode
 
     def reset(self) -> None:
         self.mode_calls = self.scopes = self.packs = self.unpacks = 0

@@ -99,13 +99,17 @@ class _HookClock:
     def __init__(self):
         from actcomp.whole_model import compressed_model, session
 
-        self.session, self.model_module = session, compressed_model
+        try:
+            from actcomp.whole_model.kept_forms import AsIs
+        except ImportError:  # a tree from before stop 46, when the session module held the forms
+            AsIs = session._AsIs
+        self.session, self.model_module, self.kept_as_is = session, compressed_model, AsIs
         self.seconds = {"compressed": 0.0, "kept": 0.0}
         self.calls = {"compressed": 0, "kept": 0}
         self.pack, self.unpack = session._Session.pack, compressed_model._unpack
 
     def __enter__(self):
-        clock, pack, unpack, kept = self, self.pack, self.unpack, self.session._AsIs
+        clock, pack, unpack, kept = self, self.pack, self.unpack, self.kept_as_is
 
         def timed_pack(session, tensor):
             started = time.perf_counter()

@@ -59,7 +59,7 @@ import actcomp
 from actcomp.core import watchers
 from actcomp.core.backends import use_backend
 from actcomp.kernels import chunks, native_cpu, triton_runtime
-from actcomp.whole_model import compressed_model, session
+from actcomp.whole_model import compressed_model, kept_forms, session
 
 # As tests/integration/test_host_reads.py: ops that read a value back to the host, or whose size depends on the data.
 HOST_READS = {"_local_scalar_dense", "nonzero", "nonzero_static", "bincount", "unique", "_unique", "_unique2",
@@ -192,7 +192,7 @@ class HookTracker:
             finally:
                 counter.in_hook -= 1
             counter.hook_packs += 1
-            counter.hook_compressed += not isinstance(holder, session._AsIs)
+            counter.hook_compressed += not isinstance(holder, kept_forms.AsIs)
             return holder
 
         def unpack(holder):

@@ -1,31 +1,24 @@
-"""One whole-model forward's saved-tensor hooks: which codec each saved tensor gets
-(:func:`choose_codec`: the op table, then the policy), applied once per tensor and codec
-(:class:`_Session`), undone in backward.
+"""The eager engine of whole-model mode: one training forward's saved-tensor hooks
+(:class:`_Session`). It names the op and kind that save each tensor from the scopes
+:mod:`~actcomp.graph.saved_tensors` watches, asks :func:`~actcomp.whole_model.choosing.choose_codec`
+for the codec, encodes each tensor once per choice, and keeps the forms of
+:mod:`~actcomp.whole_model.kept_forms`, undone in backward by :func:`_unpack`.
+The compiled engine (:mod:`~actcomp.whole_model.in_graph`) shares the choosing and the forms.
 
-The op table maps an op name (:mod:`actcomp.graph.op_kinds`) to the registered codecs that serve
-it and how each reads its settings from the op's call. A new exact codec for an op is one
-registered codec plus one :func:`register_op_codec` call, from the library or from a user's code.
-
->>> import torch.nn.functional as F
->>> [entry.codec.name for entry in OP_CODECS["max_pool2d"]]
-['pool-offsets', 'shape-only']
+>>> import torch, actcomp
+>>> net = actcomp.to_compressed(torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU()), "int8", rest="exact")
+>>> net(torch.randn(4, 8)).sum().backward()
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields, replace
-from typing import Any, NamedTuple
+from collections.abc import Iterable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from actcomp.core.codec import Compressor
-from actcomp.core.pipeline import Packed, Pipeline, parse
-from actcomp.core.registry import codec_class
-from actcomp.errors import ActcompError
+from actcomp.core.pipeline import Pipeline
 from actcomp.graph.not_compiled import not_compiled
-from actcomp.graph.op_kinds import register_function, unregister_function
 from actcomp.graph.saved_tensors import (
     SavedEvent,
     Scope,
@@ -40,71 +33,11 @@ from actcomp.graph.saved_tensors import (
     saving_for_a_custom_function,
     unseen_by_scopes,
 )
-from actcomp.kernels.layouts import dense_strides_like, memory_order, storage_key
-from actcomp.torch_compat import activation_of_node, gelu_node_approximate, version_of, view_base
-from actcomp.whole_model.derivative_codes import DerivativeCode
-from actcomp.whole_model.exact_codecs import (
-    ClampMask,
-    DropoutMask,
-    LeakyReluMask,
-    PoolOffsets,
-    ReluMask,
-    ShapeOnly,
-    clamp_middle,
-)
-from actcomp.whole_model.normalized_units import Unit, normalized_unit, row_group
-from actcomp.whole_model.policy import Derivative, Exact, KeepAsIs, Lossy, RestPolicy
-
-
-class _AsIs:
-    """A saved tensor kept as it is; unpacking checks it was not modified in place since."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor):
-        # Detached: a tensor autograd saves is often its op's own output, whose grad_fn holds
-        # this object; holding the tensor itself would close a reference cycle through C++ that
-        # the garbage collector cannot see, leaking the whole graph of a forward that never runs
-        # backward. The detached alias shares the storage and the version counter, and autograd
-        # re-attaches the grad_fn when it unpacks.
-        self.tensor, self.version = tensor.detach(), version_of(tensor)
-
-    def unpack(self) -> torch.Tensor:
-        if version_of(self.tensor) != self.version:
-            raise ActcompError(
-                f"a tensor of shape {tuple(self.tensor.shape)} saved for backward was modified by an in-place "
-                f"operation after it was saved (version {self.version}, now {version_of(self.tensor)}); plain PyTorch "
-                "raises here too: make the in-place op out of place"
-            )
-        return self.tensor
-
-
-class _Compressed(NamedTuple):
-    """A saved tensor in packed form and the codec that decodes it: frozen values only, so it
-    holds no closure and could be pickled or handed to compiled code."""
-
-    codec: Compressor | Pipeline
-    packed: Packed
-
-    def unpack(self) -> torch.Tensor:
-        """The stand-in (or, for lossy codecs, the approximation) the backward reads."""
-        return self.codec.decompress(self.packed)
-
-
-class _Recomputed(NamedTuple):
-    """A gated MLP's ``act(gate)``, saved by the gate product, rebuilt in backward from the
-    compressed form of ``gate`` that the activation saved already, instead of a second code of
-    its own: a third of what a SwiGLU/GeGLU block keeps. ``act(decoded gate)`` errs as the
-    decoded gate does (SiLU's and GELU's slopes stay within [-0.1, 1.1]), no more than a code of
-    ``act(gate)`` would."""
-
-    source: _Compressed
-    op: str  # "silu" or "gelu"
-    approximate: str  # GELU's
-
-    def unpack(self) -> torch.Tensor:
-        gate = self.source.unpack()
-        return F.silu(gate) if self.op == "silu" else F.gelu(gate, approximate=self.approximate)
+from actcomp.kernels.layouts import storage_key
+from actcomp.torch_compat import activation_of_node, gelu_node_approximate
+from actcomp.whole_model.choosing import argument, choose_codec, frees_memory
+from actcomp.whole_model.kept_forms import AsIs, Compressed, Recomputed
+from actcomp.whole_model.policy import RestPolicy
 
 
 class _Session:
@@ -119,8 +52,8 @@ class _Session:
         # choice (RMSNorm's input, by pow and by mul) is compressed once.
         self.cache = TensorCache()
         # (autograd node, output index) of a SiLU/GELU input -> its compressed form and the op's
-        # settings, for the gate product that saves the activation's output (_Recomputed).
-        self.activation_inputs: dict[tuple[Any, int], tuple[_Compressed, str, str]] = {}
+        # settings, for the gate product that saves the activation's output (Recomputed).
+        self.activation_inputs: dict[tuple[Any, int], tuple[Compressed, str, str]] = {}
 
     def close(self) -> None:
         """Forget the forward's tensors: the saved variables alone now decide what stays alive."""
@@ -132,17 +65,17 @@ class _Session:
         if in_compressed_layer() and not listened():
             # Most saves of a converted model are a compressed layer's own packed form, kept as
             # they are: no choosing, not even the scope guard below (a few µs, 5 saves a layer).
-            return _AsIs(tensor)
+            return AsIs(tensor)
         # The hook's operations are not the model's: the scope-tracking mode does not see them.
         with unseen_by_scopes():
             # Most saves of a converted model are a compressed layer's own packed form, kept as
             # they are: they skip choosing (and its grad-mode switch) altogether.
             kind, kept = ("linear", None) if in_compressed_layer() else self.choose(tensor)
-            holder = _AsIs(tensor) if kept is None else kept
+            holder = AsIs(tensor) if kept is None else kept
             if listened():
                 if kept is None:
                     event = SavedEvent(tensor, (tensor,), kind, None)
-                elif isinstance(kept, _Recomputed):
+                elif isinstance(kept, Recomputed):
                     # Its bytes are its source's, counted once where the activation saved them.
                     event = SavedEvent(tensor, kept.source.packed.tensors, kind, f"{kept.op} of a kept input")
                 else:
@@ -150,7 +83,7 @@ class _Session:
                 announce(event)
         return holder
 
-    def choose(self, tensor: torch.Tensor) -> tuple[str, _Compressed | None]:
+    def choose(self, tensor: torch.Tensor) -> tuple[str, Compressed | None]:
         if type(tensor) is not torch.Tensor:
             return "other", None  # tensor subclasses (DTensor activations, ...) keep their own semantics
         if is_parameter(tensor) or storage_key(tensor) in self.excluded or is_parameter_copy(tensor):
@@ -160,7 +93,7 @@ class _Session:
         # user opts in with rest={"other": spec}, whatever module it runs in.
         scope = None if saving_for_a_custom_function() else innermost_kind()
         kind = "other" if scope is None else scope.kind
-        if kind == "linear" or not _frees_memory(tensor):
+        if kind == "linear" or not frees_memory(tensor):
             return kind, None
         if scope is not None and scope.op == "gate":
             recomputed = self.recomputed(tensor)
@@ -171,16 +104,16 @@ class _Session:
             self.note_activation_input(tensor, kept, scope)
         return kind, kept
 
-    def note_activation_input(self, tensor: torch.Tensor, kept: _Compressed | None, scope: Scope) -> None:
+    def note_activation_input(self, tensor: torch.Tensor, kept: Compressed | None, scope: Scope) -> None:
         """Remember a SiLU/GELU input kept in a value code (not as it is: exact modes stay
         bit for bit; not as derivative codes: they cannot give the values back)."""
-        if (isinstance(kept, _Compressed) and isinstance(kept.codec, Pipeline) and tensor.grad_fn is not None
+        if (isinstance(kept, Compressed) and isinstance(kept.codec, Pipeline) and tensor.grad_fn is not None
                 and tensor.numel() == scope.reference):
             approximate = str(argument(scope, 1, "approximate", "none")) if scope.op == "gelu" else "none"
             self.activation_inputs[(tensor.grad_fn, tensor.output_nr)] = (kept, scope.op, approximate)
 
-    def recomputed(self, tensor: torch.Tensor) -> _Recomputed | None:
-        """``tensor`` as :class:`_Recomputed` when it is SiLU/GELU of an input this forward
+    def recomputed(self, tensor: torch.Tensor) -> Recomputed | None:
+        """``tensor`` as :class:`Recomputed` when it is SiLU/GELU of an input this forward
         compressed, of its shape and dtype; else None."""
         node = tensor.grad_fn
         op = activation_of_node(node) if node is not None else None
@@ -195,9 +128,9 @@ class _Session:
         layout = source.packed.layout
         if layout.shape != tensor.shape or layout.dtype != tensor.dtype:
             return None
-        return _Recomputed(source, op, approximate)
+        return Recomputed(source, op, approximate)
 
-    def cached(self, tensor: torch.Tensor, kind: str, scope: Scope | None) -> _Compressed | None:
+    def cached(self, tensor: torch.Tensor, kind: str, scope: Scope | None) -> Compressed | None:
         choice = choose_codec(self.policy, tensor, kind, scope)
         if choice is None:
             return None
@@ -214,342 +147,11 @@ class _Session:
         return kept
 
 
-# ---------------------------------------------------------------------------------------------
-# The op table
-
-
-def argument(call: Scope, index: int, name: str, default: Any) -> Any:
-    """Argument ``index`` (by position) or ``name`` (by keyword) of an op's call, else ``default``.
-
-    >>> argument(Scope("activation", op="hardtanh", args=(None, -2.0)), 1, "min_val", -1.0)
-    -2.0
-    """
-    if len(call.args) > index:
-        return call.args[index]
-    return call.kwargs.get(name, default)
-
-
-def _no_settings(call: Scope, tensor: torch.Tensor) -> dict:
-    return {}
-
-
-@dataclass(frozen=True)
-class OpCodec:
-    """An op-table entry: a registered codec class and ``settings(call, tensor)``, its settings
-    read from the op's call (arguments, and the saved tensor's shape and dtype, never its
-    values) or None where the codec does not apply to this call. Nothing reads values to
-    choose: what depends on them (a NaN, a mask that is not one) is the codec's to encode."""
-
-    codec: type[Compressor]
-    settings: Callable[[Scope, torch.Tensor], dict | None] = _no_settings
-
-
-def _clamp_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
-    low, high = (0.0, 6.0) if call.op == "relu6" else (float(argument(call, 1, "min_val", -1.0)),
-                                                       float(argument(call, 2, "max_val", 1.0)))
-    if clamp_middle(low, high, tensor.dtype) is None:
-        return None  # no value of the dtype lies strictly inside: no stand-in for "inside"
-    return {"low": low, "high": high}
-
-
-def _clamp_settings_on_device(call: Scope, tensor: torch.Tensor) -> dict | None:
-    """:func:`_clamp_settings`, and the mask's states by the device, never by the values: on a
-    CPU, hardtanh's backward answers NaN by code path, so NaN is a third state there (2 bits an
-    element); CUDA's kernel and compiled code pass NaN as inside, which the 1-bit mask says."""
-    settings = _clamp_settings(call, tensor)
-    if settings is not None and tensor.device.type == "cpu":
-        settings["states"] = 3
-    return settings
-
-
-def _pair(value) -> tuple[int, int]:
-    return (int(value), int(value)) if isinstance(value, int) else (int(value[0]), int(value[-1]))
-
-
-def _pool_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
-    kernel = _pair(argument(call, 1, "kernel_size", None))
-    stride = argument(call, 2, "stride", None)
-    if kernel[0] * kernel[1] > 256 or tensor.dim() < 2:
-        return None  # a byte per offset would be no saving
-    return {"kernel": kernel, "stride": _pair(stride if stride else kernel),
-            "padding": _pair(argument(call, 3, "padding", 0)), "dilation": _pair(argument(call, 4, "dilation", 1)),
-            "width": int(argument(call, 0, "input", None).shape[-1]), "out_size": tuple(tensor.shape[-2:])}
-
-
-def _derivative_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
-    if tensor.numel() != call.reference:
-        return None  # not the activation's input
-    approximate = argument(call, 1, "approximate", "none") if call.op == "gelu" else "none"
-    return {"function": call.op, "approximate": approximate}
-
-
-def _sdpa_mask_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
-    """SDPA's math path (CPU) multiplies by a 0-or-1/(1-p) tensor it drew and saves it: with
-    dropout on, a saved tensor off autograd's path (the mask needs no gradient) may be it."""
-    # Only on a CPU, and only in the attention weights' shape: CUDA's fused kernels save no mask
-    # (they redraw it from a Philox seed) but do save tensors off autograd's path, the
-    # logsumexp and an additive bias, which this codec would turn to NaN (the GPU check's zoo run
-    # of stop 41). A mask CUDA's math path saves is then kept as it is: correct, uncompressed.
-    query, key = argument(call, 0, "query", None), argument(call, 1, "key", None)
-    weights_shape = (*query.shape[:-1], key.shape[-2]) if query is not None and key is not None else None
-    if (float(argument(call, 4, "dropout_p", 0.0)) > 0 and tensor.grad_fn is None and not tensor.requires_grad
-            and tensor.device.type == "cpu" and tuple(tensor.shape) == weights_shape):
-        # Checked on the device as it is coded: a tensor not all 0 or one scale decodes to NaN.
-        return {"other_values": "nan"}
-    return None
-
-
-OP_CODECS: dict[str, tuple[OpCodec, ...]] = {
-    "relu": (OpCodec(ReluMask),),
-    "leaky_relu": (OpCodec(LeakyReluMask),),
-    "hardtanh": (OpCodec(ClampMask, _clamp_settings_on_device),),
-    "relu6": (OpCodec(ClampMask, _clamp_settings_on_device),),
-    "gelu": (OpCodec(DerivativeCode, _derivative_settings),),
-    "silu": (OpCodec(DerivativeCode, _derivative_settings),),
-    # Every float tensor a dropout op saves is its 0-or-scale mask (alpha dropout's too).
-    "dropout": (OpCodec(DropoutMask),),
-    "max_pool2d": (OpCodec(PoolOffsets, _pool_settings), OpCodec(ShapeOnly)),
-    "sdpa": (OpCodec(DropoutMask, _sdpa_mask_settings),),
-}
-
-
-def register_op_codec(function: Callable, codec: str | type[Compressor],
-                      settings: Callable[[Scope, torch.Tensor], dict | None] = _no_settings, *,
-                      kind: str = "activation", op: str | None = None, replace: bool = False) -> None:
-    """Keep what ``function`` saves for backward with the registered whole-model ``codec`` (its
-    class or name; kind ``exact`` or ``derivative``) in whole-model mode, where the policy keeps
-    ``kind`` compressed. ``settings(call, tensor)`` reads the codec's settings from the call
-    (``call.args``, ``call.kwargs``; :func:`argument` helps) and the saved tensor's shape and
-    dtype: a dict, or None where the codec does not apply. A whole example is in docs/codecs.md.
-
-    >>> import torch, actcomp
-    >>> actcomp.register_op_codec(torch.nn.functional.threshold, "relu-mask", op="zero_threshold",
-    ...                           settings=lambda call, tensor: {} if argument(call, 1, "threshold", 0) == 0 else None)
-    >>> actcomp.unregister_op_codec(torch.nn.functional.threshold)
-    """
-    klass = codec_class(codec) if isinstance(codec, str) else codec
-    if getattr(klass, "kind", None) not in ("exact", "derivative"):
-        raise ActcompError(f"register_op_codec expects a registered codec of kind 'exact' or 'derivative', got {codec!r}")
-    op = op or getattr(function, "__name__", None)
-    if not op:
-        raise ActcompError(f"name the op of {function!r}: pass op='...'")
-    if op in OP_CODECS and not replace:
-        raise ActcompError(f"op {op!r} has codecs already ({', '.join(e.codec.name for e in OP_CODECS[op])}); "
-                           "pass replace=True to override")
-    register_function(function, kind, op)
-    OP_CODECS[op] = (OpCodec(klass, settings),)
-    _USER_OPS[function] = op
-
-
-_USER_OPS: dict[Callable, str] = {}
-
-
-def unregister_op_codec(function: Callable) -> None:
-    """Undo :func:`register_op_codec` for ``function``."""
-    if function not in _USER_OPS:
-        raise ActcompError(f"no op codec was registered for {function!r}")
-    OP_CODECS.pop(_USER_OPS.pop(function), None)
-    unregister_function(function)
-
-
-# ---------------------------------------------------------------------------------------------
-# Choosing a codec
-
-
-@dataclass(frozen=True)
-class CodecChoice:
-    """What whole-model mode does with one saved tensor: ``codec`` on it, laid out in
-    ``unit``'s rows (a norm's input).
-
-    Frozen and hashable: whole-model mode shares one encoding between saves of one tensor
-    only when their choices are equal.
-
-    >>> CodecChoice(ClampMask(-1.0, 1.0)) == CodecChoice(ClampMask(0.0, 0.5))
-    False
-    >>> CodecChoice(ReluMask()).encode(torch.randn(4, 8)).packed
-    Packed('relu-mask', float32[4, 8] on cpu, 4 of 128 bytes (3.1%): uint8[4])
-    """
-
-    codec: Compressor | Pipeline
-    unit: Unit | None = None
-
-    def encode(self, tensor: torch.Tensor) -> _Compressed | None:
-        """``tensor`` packed flat, in its unit's rows, to be rebuilt in its own axis order and
-        dense strides (backward kernels choose by strides); None when this would not save
-        memory (a norm's rows of a few elements, each with a range of its own)."""
-        codec = self.codec
-        # A unit's rows (a norm's), else the order the tensor lies in memory: a transposed
-        # tensor (attention's output) then reads flat without a copy, a slice of a wider one
-        # (attention's q, k, v of one qkv projection) with one that closes the gaps, and both
-        # decode straight into their own strides.
-        stages = codec.stages if isinstance(codec, Pipeline) else (codec,)
-        if self.unit is not None:
-            permutation = self.unit.permutation
-        else:
-            permutation = None if any(stage.reads_positions for stage in stages) else memory_order(tensor)
-        values = tensor.detach() if permutation is None else tensor.detach().permute(permutation)
-        packed = codec.compress(values.reshape(-1))
-        if self.unit is not None and packed.nbytes >= tensor.numel() * tensor.element_size():
-            return None
-        layout = replace(packed.layout, shape=tensor.shape, permutation=permutation,
-                         strides=dense_strides_like(tensor))
-        return _Compressed(codec, Packed(packed.tensors, layout))
-
-
-def choose_codec(policy: RestPolicy, tensor: torch.Tensor, kind: str, scope: Scope | None) -> CodecChoice | None:
-    """The codec whole-model mode applies to ``tensor``, saved by an op of ``kind`` in
-    ``scope``, under ``policy``; None to keep it as it is. The op's entries in
-    :data:`OP_CODECS` first, then the kind's own choice. Reads the tensor's metadata only (its
-    values are the codec's business), so choosing costs nothing per element."""
-    if tensor.dtype == torch.bool:
-        # Any saved bool tensor is a mask: dropout's on CUDA.
-        return CodecChoice(DropoutMask()) if isinstance(policy.dropout, Exact) else None
-    choice = getattr(policy, kind)
-    if isinstance(choice, KeepAsIs):
-        return None
-    fallback = _kind_codec(choice, tensor, kind, scope)
-    category = "float" if tensor.is_floating_point() else "int"
-    for entry in OP_CODECS.get(scope.op if scope is not None else None, ()):
-        derivative = entry.codec.kind == "derivative"
-        # Derivative codes need a Derivative choice; exact codecs any choice but keeping as is
-        # (rest={"activation": None, "fewbit": 3} keeps ReLU outputs as they are).
-        wanted = isinstance(choice, Derivative) if derivative else not isinstance(
-            choice.fallback if isinstance(choice, Derivative) else choice, KeepAsIs)
-        if category not in entry.codec.takes or not wanted:
-            continue
-        settings = entry.settings(scope, tensor)
-        if settings is not None:
-            codec = entry.codec(**settings, bits=choice.bits) if derivative else entry.codec(**settings)
-            return CodecChoice(codec)
-    return fallback
-
-
-def _kind_codec(choice, tensor: torch.Tensor, kind: str, scope: Scope | None) -> CodecChoice | None:
-    """The kind's own choice for a tensor no op codec takes: its lossy pipeline, if any."""
-    if isinstance(choice, Derivative):
-        choice = choice.fallback
-    if not isinstance(choice, Lossy) or not tensor.is_floating_point():
-        return None
-    if scope is not None and tensor.numel() * 4 < scope.reference:
-        return None  # a statistic (a norm's mean and rstd, a log-sum-exp)
-    pipeline = choice.pipeline
-    if kind == "attention" and scope is not None and scope.op == "sdpa":
-        if _is_attention_mask(tensor, scope):
-            return None
-        if _is_query_or_key(tensor, scope):
-            return _LOGIT_SAFE if tensor.dtype == torch.float32 and not choice.query_key_as_is else None
-        if any(getattr(stage, "bits", 8) < 8 for stage in pipeline.stages):
-            return _SDPA_VALUES
-    unit = _normalized_unit(tensor, scope) if kind == "normalization" else None
-    if unit is not None:
-        grouped = _grouped_by_rows(pipeline, unit.row)
-        if grouped is None:
-            unit = None
-        else:
-            pipeline = grouped
-    return CodecChoice(pipeline, unit)
-
-
-# Fused attention's backward recomputes the probabilities as exp(q.k / sqrt(d) - lse) against the
-# log-sum-exp the forward saved: an error in q or k is multiplied by k or q there, and a trained
-# LLM's sink token (keys 100-1000x the rest) turns int8's range-wide steps into logit errors of
-# whole units, probabilities that no longer sum to 1 (one step's gradient cosine 0.67 with
-# outliers built in; bench_lm_quality.py). A float format errs relative to each element: bf16
-# kept it at 0.999. So query and key get bf16 at most.
-_LOGIT_SAFE = CodecChoice(parse("bf16"))
-# Value and output meet in dS = P * (dO.v - rowsum(dO * out)): on a row that attends to the sink
-# almost only, two near-equal sums are subtracted, and int4's errors (7% of a group's range)
-# swamp the difference (cosine 0.60; 0.993 with int8). They take the kind's spec, 8 bits at least.
-_SDPA_VALUES = CodecChoice(parse("int8"))
-
-
-def _is_attention_mask(tensor: torch.Tensor, scope: Scope) -> bool:
-    """Whether ``tensor`` is the additive mask or bias an SDPA call was given, as its fused
-    kernel saves it: CUDA's memory-efficient attention keeps it broadcast to the attention
-    weights' shape (an expanded view of the mask, or of a copy padded to aligned rows).
-
-    A mask holds -inf or the dtype's lowest value where attention is off: any finite-range code
-    turns it to NaN (the finite flag) or steps of 1e36 over the unmasked logits, and the
-    backward, which recomputes the probabilities with it, gave NaN gradients (the H200 zoo run
-    of stop 44: gpt2, bert, t5, maxvit). Kept as it is, it costs its storage only, mostly the
-    caller's own small tensor. A tensor in that shape which is neither a view nor the mask's own
-    storage and is on autograd's path (the math path's probabilities) is not the mask."""
-    mask = argument(scope, 3, "attn_mask", None)
-    query, key = argument(scope, 0, "query", None), argument(scope, 1, "key", None)
-    if not isinstance(mask, torch.Tensor) or query is None or key is None:
-        return False
-    shared = storage_key(tensor)
-    if shared is not None and shared == storage_key(mask):  # None for a mask with no storage (a subclass)
-        return True
-    weights_shape = (*query.shape[:-1], key.shape[-2])
-    if tuple(tensor.shape) != weights_shape or _is_query_or_key(tensor, scope):
-        return False
-    value = argument(scope, 2, "value", None)
-    if isinstance(value, torch.Tensor) and tensor.data_ptr() == value.data_ptr():
-        return False
-    return view_base(tensor) is not None or tensor.grad_fn is None
-
-
-def _is_query_or_key(tensor: torch.Tensor, scope: Scope) -> bool:
-    return any(isinstance(arg, torch.Tensor) and arg.data_ptr() == tensor.data_ptr() and arg.shape == tensor.shape
-               for arg in (argument(scope, 0, "query", None), argument(scope, 1, "key", None)))
-
-
-def _hashable(value):
-    return tuple(value) if isinstance(value, (list, torch.Size)) else value
-
-
-def _normalized_unit(tensor: torch.Tensor, scope: Scope | None) -> Unit | None:
-    op = scope.op if scope is not None and scope.op is not None else None
-    if scope is None or (op is None and scope.module is None):
-        return None
-    setting = None
-    if op in ("layer_norm", "rms_norm"):
-        setting = _hashable(argument(scope, 1, "normalized_shape", None))
-    elif op == "group_norm":
-        setting = argument(scope, 1, "num_groups", None)
-    return normalized_unit(op, tensor.shape, setting)
-
-
-def _frees_memory(tensor: torch.Tensor) -> bool:
-    """Whether compressing ``tensor`` can free memory: not for an expanded (broadcast) view, whose
-    compressed form at full size can outweigh its small storage. A small slice of a large
-    storage (a head reading ``x[:, 0]``) does qualify: kept as is, it would pin the storage."""
-    strides = tensor.stride()
-    # No zero stride (the usual case) answers without looking at the sizes.
-    return tensor.numel() > 0 and (0 not in strides or all(stride != 0 or size == 1
-                                                           for size, stride in zip(tensor.shape, strides)))
-
-
-_REGROUPED: dict[tuple[Pipeline, int], Pipeline] = {}
-
-
-def _grouped_by_rows(pipeline: Pipeline, row: int) -> Pipeline | None:
-    """``pipeline`` with its quantizer's groups dividing rows of ``row`` elements (cached), or
-    None when rows do not apply: a sparsifier first (its kept values have lost their rows) or
-    a quantizer without groups (fp8, fp16, bf16 scale nothing across elements)."""
-    stages = pipeline.stages
-    if len(stages) != 1 or not any(item.name == "group" for item in fields(stages[0])):
-        return None
-    group = row_group(row, stages[0].group)
-    if group == stages[0].group:
-        return pipeline
-    key = (pipeline, group)
-    if key not in _REGROUPED:
-        _REGROUPED[key] = Pipeline(replace(stages[0], group=group))
-    return _REGROUPED[key]
-
-
-# A backward called inside a torch.compile'd step runs these unpack calls with dynamo's frame
-# hook on: it would compile _unpack once per holder type, closure and size (recompiling until
-# its limit, 110 frames for a resnet18 step) for tensors that are mostly bit operations.
 @not_compiled
 def _unpack(holder) -> torch.Tensor:
-    if isinstance(holder, _AsIs):
+    if isinstance(holder, AsIs):
         return holder.unpack()
     refuse_double_backward("a whole-model compressed tensor",
                            "the saved tensor is rebuilt from its compressed form, without its autograd history",
                            "Convert the model back with actcomp.from_compressed(model) for this computation")
     return holder.unpack()
-
-

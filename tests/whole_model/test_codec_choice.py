@@ -181,7 +181,7 @@ def test_layouts_come_back_with_their_strides():
     # A channels_last BatchNorm input laid out channel-major and back: same values up to int8
     # rounding, same strides (the backward picks its kernel by them).
     from actcomp.core.pipeline import parse
-    from actcomp.whole_model.session import CodecChoice
+    from actcomp.whole_model.choosing import CodecChoice
 
     x = torch.randn(4, 6, 2, 2).contiguous(memory_format=torch.channels_last) * torch.arange(1, 7).view(1, 6, 1, 1)
     kept = CodecChoice(parse("int8:group=16"), normalized_unit("batch_norm", x.shape)).encode(x)
@@ -235,7 +235,7 @@ def test_a_sliced_norm_input_comes_back_dense_in_its_own_axis_order():
     # the gaps, as Linear/Conv inputs do: a contiguous stand-in would steer the backward to other
     # kernels.
     from actcomp.core.pipeline import parse
-    from actcomp.whole_model.session import CodecChoice
+    from actcomp.whole_model.choosing import CodecChoice
 
     x = torch.randn(4, 6, 9, 8).contiguous(memory_format=torch.channels_last)[:, :, 1:]
     rebuilt = CodecChoice(parse("int8:group=64"), normalized_unit("batch_norm", x.shape)).encode(x).unpack()
@@ -256,8 +256,8 @@ def test_an_sdpa_mask_as_a_fused_kernel_saves_it_is_kept_as_it_is(rest, saved_as
     # CUDA's memory-efficient attention saves the mask broadcast to the weights' shape, as a view
     # of the mask or of a copy with padded rows; coded with int8, a -inf or lowest-float mask
     # gave NaN gradients (the H200 zoo run of stop 44: gpt2, bert, t5, maxvit).
+    from actcomp.whole_model.choosing import choose_codec
     from actcomp.whole_model.policy import RestPolicy
-    from actcomp.whole_model.session import choose_codec
 
     mask = torch.where(torch.rand(4, 1, 1, 24) > 0.3, 0.0, -float("inf"))
     if saved_as == "a learned bias":

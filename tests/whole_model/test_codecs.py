@@ -33,7 +33,7 @@ from actcomp.core.packed import Hints
 from actcomp.graph.op_kinds import _FUNCTIONS
 from actcomp.graph.saved_tensors import listening
 from actcomp.kernels.layouts import dense_strides_like
-from actcomp.whole_model.session import OP_CODECS, CodecChoice
+from actcomp.whole_model.choosing import OP_CODECS, CodecChoice
 
 pytestmark = pytest.mark.usefixtures("seeded", "single_thread")
 

@@ -165,14 +165,14 @@ def test_the_activations_output_is_recomputed_from_its_kept_input(block, op):
 def test_the_recomputed_activation_is_that_of_the_decoded_input(block, monkeypatch):
     # The product's backward reads act(decoded gate), with the forward's approximation: its
     # gradient for up equals one computed by hand from the same decoded gate.
-    from actcomp.whole_model import session
+    from actcomp.whole_model import kept_forms
 
     torch.manual_seed(0)
     model, x = Net(block()), torch.randn(16, 24, 32)
     actcomp.to_compressed(model, "mink0", rest="8bit")
     rebuilt = []
-    original = session._Recomputed.unpack
-    monkeypatch.setattr(session._Recomputed, "unpack", lambda self: rebuilt.append((self, original(self))) or
+    original = kept_forms.Recomputed.unpack
+    monkeypatch.setattr(kept_forms.Recomputed, "unpack", lambda self: rebuilt.append((self, original(self))) or
                         rebuilt[-1][1])
     model(x).square().mean().backward()
     (holder, value), = rebuilt

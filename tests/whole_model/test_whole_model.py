@@ -38,6 +38,7 @@ from actcomp.errors import WARNED
 from actcomp.graph.not_compiled import WHOLE_MODEL_FALLBACK
 from actcomp.graph.saved_tensors import Scope, listening
 from actcomp.kernels.layouts import dense_strides_like
+from actcomp.whole_model.choosing import CodecChoice, _clamp_settings_on_device, _pool_settings
 from actcomp.whole_model.compressed_model import CompressedModel
 from actcomp.whole_model.derivative_codes import DerivativeCode, derivative_error
 from actcomp.whole_model.exact_codecs import (
@@ -50,7 +51,6 @@ from actcomp.whole_model.exact_codecs import (
     clamp_middle,
 )
 from actcomp.whole_model.policy import RestPolicy
-from actcomp.whole_model.session import CodecChoice, _clamp_settings_on_device, _pool_settings
 
 pytestmark = [
     pytest.mark.usefixtures("seeded", "single_thread"),
