@@ -31,6 +31,7 @@ from actcomp.torch_compat import view_base
 from actcomp.whole_model.derivative_codes import DerivativeCode
 from actcomp.whole_model.exact_codecs import (
     ClampMask,
+    ComparisonMask,
     DropoutMask,
     LeakyReluMask,
     PoolOffsets,
@@ -124,6 +125,11 @@ def _sdpa_mask_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
     return None
 
 
+def _comparison_settings(call: Scope, tensor: torch.Tensor) -> dict | None:
+    comparison, threshold = call.args
+    return {"comparison": comparison, "threshold": threshold}
+
+
 OP_CODECS: dict[str, tuple[OpCodec, ...]] = {
     "relu": (OpCodec(ReluMask),),
     "leaky_relu": (OpCodec(LeakyReluMask),),
@@ -135,6 +141,9 @@ OP_CODECS: dict[str, tuple[OpCodec, ...]] = {
     "dropout": (OpCodec(DropoutMask),),
     "max_pool2d": (OpCodec(PoolOffsets, _pool_settings), OpCodec(ShapeOnly)),
     "sdpa": (OpCodec(DropoutMask, _sdpa_mask_settings),),
+    # Named by the compiled engine, which sees a tensor the backward only compares with one
+    # constant (ReLU's output, tested ``<= 0``) rather than the op that saved it.
+    "compared": (OpCodec(ComparisonMask, _comparison_settings),),
 }
 
 
@@ -259,9 +268,10 @@ def _kind_codec(choice, tensor: torch.Tensor, kind: str, scope: Scope | None) ->
         return None  # a statistic (a norm's mean and rstd, a log-sum-exp)
     pipeline = choice.pipeline
     if kind == "attention" and scope is not None and scope.op == "sdpa":
-        if _is_attention_mask(tensor, scope):
+        role = attention_role(tensor, scope)
+        if role == "mask":
             return None
-        if _is_query_or_key(tensor, scope):
+        if role == "query or key":
             return _LOGIT_SAFE if tensor.dtype == torch.float32 and not choice.query_key_as_is else None
         if any(getattr(stage, "bits", 8) < 8 for stage in pipeline.stages):
             return _SDPA_VALUES
@@ -286,6 +296,28 @@ _LOGIT_SAFE = CodecChoice(parse("bf16"))
 # almost only, two near-equal sums are subtracted, and int4's errors (7% of a group's range)
 # swamp the difference (cosine 0.60; 0.993 with int8). They take the kind's spec, 8 bits at least.
 _SDPA_VALUES = CodecChoice(parse("int8"))
+
+
+class AttentionScope(Scope):
+    """An attention op's scope that knows which of its arguments the saved tensor is
+    (``role``: ``"query or key"``, ``"mask"``, or None for the others), as the compiled engine
+    reads it off the backward graph; the eager engine's :class:`Scope` finds it by storage."""
+
+    __slots__ = ("role",)
+
+    def __init__(self, role: str | None, reference: int | None) -> None:
+        super().__init__("attention", op="sdpa", reference=reference)
+        self.role = role
+
+
+def attention_role(tensor: torch.Tensor, scope: Scope) -> str | None:
+    """Which of an SDPA call's arguments ``tensor`` is, as far as the codec cares: ``"mask"``
+    (kept as it is), ``"query or key"`` (a float format at most), or None (the kind's spec)."""
+    if isinstance(scope, AttentionScope):
+        return scope.role
+    if _is_attention_mask(tensor, scope):
+        return "mask"
+    return "query or key" if _is_query_or_key(tensor, scope) else None
 
 
 def _is_attention_mask(tensor: torch.Tensor, scope: Scope) -> bool:

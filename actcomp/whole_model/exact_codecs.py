@@ -200,6 +200,45 @@ class LeakyReluMask(BitMask):
         return part > 0
 
 
+@register_codec
+@dataclass(frozen=True)
+class ComparisonMask(BitMask):
+    """A saved tensor its backward reads only through one comparison with a constant,
+    ``x <comparison> threshold``: one bit an element, the comparison's result. Decodes to
+    ``-inf`` or ``+inf``, whichever side the comparison held on, so the backward's own
+    comparison gives its result again for any finite threshold and in any dtype (a stand-in of
+    ``threshold - 1`` would round onto the threshold in bf16 at 256 and up). The compiled engine
+    (:mod:`~actcomp.whole_model.in_graph`) finds such tensors in the backward graph: ReLU's output,
+    which the backward tests ``<= 0``.
+
+    >>> codec = ComparisonMask("le", 0.0)
+    >>> codec.decompress(codec.compress(torch.tensor([-2.0, 0.0, 3.0, float("nan")])))
+    tensor([-inf, -inf, inf, inf])
+    """
+
+    name = "comparison-mask"
+    comparison: Literal["le", "lt", "ge", "gt"] = "le"
+    threshold: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    def predicate(self, part: torch.Tensor) -> torch.Tensor:
+        return getattr(torch, self.comparison)(part, self.threshold)
+
+    def standins(self, dtype: torch.dtype) -> tuple[float, float]:
+        below_holds = self.comparison in ("le", "lt")
+        return (math.inf, -math.inf) if below_holds else (-math.inf, math.inf)
+
+    def decode(self, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+        count, dtype = meta
+        outside, inside = self.standins(dtype)
+        # Python numbers, not a table tensor: this decode runs inlined in compiled backward
+        # graphs, where a tensor constant made while the hook is traced does not survive.
+        return torch.where(unpack_bits(payload, count), inside, outside).to(dtype)
+
+
 def _compare_dtype(dtype: torch.dtype) -> torch.dtype:
     # The CPU kernel compares bf16/fp16 values as float32 against float32 bounds: comparing in
     # bf16 would round the bound (0.7 to 0.69921875) and block the value equal to it.

@@ -8,24 +8,34 @@ and the unpack hook at the start of the compiled backward (torch 2.14.1 here,
 ``maybe_inline_graph_saved_tensors_hooks``): the quantizers as one extern call each way (their
 ``torch.library`` ops, whose Python body runs the kernel eager mode would, once per tensor and
 step), the other codecs as traced ops Inductor fuses with their neighbours. While a hook is
-retraced, torch names the saved node and both graphs; the codec is chosen there, from what the
-*backward* does with the tensor:
+retraced, torch names the saved node and both graphs. This engine's one part of its own is
+reading what the *backward* does with the tensor (:func:`_kept_form`); from that it names the op
+and kind as the eager engine's scopes would, and the rest is shared with eager mode: the op table
+and the policy (:func:`~actcomp.whole_model.choosing.choose_codec`), the codecs, and the kept forms
+(:mod:`~actcomp.whole_model.kept_forms`), handed from hook to hook as their tensors and the key of
+a template:
 
-============================================  =========================================  ======
-the backward reads it                          kept as                                    exact?
-============================================  =========================================  ======
-as a bool (dropout masks, ReLU's ``x <= 0``)   1 bit an element                           yes
-only through one comparison with a constant    1 bit an element, the comparison's result  yes
+============================================  ==========================================  ======
+the backward reads it                          kept as                                     exact?
+============================================  ==========================================  ======
+as a bool (dropout masks, ReLU's ``x <= 0``)   ``dropout-mask``: 1 bit an element          yes
+only through one comparison with a constant    ``comparison-mask``: 1 bit an element       yes
   (a ReLU output the backward tests ``<= 0``)
-only as a matrix product's operand (a Linear   ``spec`` (a layer's weight gradient)       no
+as an attention op's query or key              ``bf16`` at most (the attention kind's      no
+                                               rule); its mask as it is
+only as a matrix product's operand (a Linear   ``spec`` (a layer's weight gradient)        no
   layer's input)
-through a comparison and a matrix product      the comparison's bits and ``spec``: the    the
-  (a ReLU output that is the next Linear's     decoded values clamped to the side the     mask:
-  input)                                       bits say                                   yes
-any other way, floating point                  ``rest``'s lossy pipeline (and the bits    no
-                                               of a comparison as above)
-============================================  =========================================  ======
+through a comparison and otherwise (a ReLU     the comparison's bits beside the values'    the
+  output that is the next Linear's input)      code, decoded values moved to the side the  mask:
+                                               bits say (:class:`~.kept_forms.Sided`)      yes
+any other way, floating point                  the ``"activation"`` kind's choice; a       no
+                                               statistic (a quarter of its readers'
+                                               largest input or less) as it is
+============================================  ==========================================  ======
 
+Inductor's decompositions leave norms and GELU/SiLU as arithmetic in the backward graph, so the
+``"normalization"`` kind's choice, rows per norm and derivative codes are eager-mode's alone here;
+max-pooling's indices reach the hooks already as Inductor's int8 offsets and are kept as they are.
 Tensors of fewer than :data:`MIN_ELEMENTS` elements, integer tensors and what torch does not
 hand to the hooks (parameters, the step's inputs and outputs: ``saved_tensors_hooks_filtering_mode
 = "donated"``) are kept as they are; so is everything under ``rest="exact"`` except the 1-bit
@@ -46,16 +56,14 @@ import functools
 import hashlib
 import math
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import fx
 
-from actcomp.core.chain import pack
-from actcomp.core.packed import Packed
-from actcomp.core.pipeline import Pipeline, as_pipeline, parse
+from actcomp.core.pipeline import Pipeline, as_pipeline
 from actcomp.errors import ActcompError
-from actcomp.kernels.bitpack import pack_bits, unpack_bits
+from actcomp.graph.saved_tensors import Scope
 from actcomp.torch_compat import (
     aot_saved_tensor_hook_context,
     argument_names,
@@ -71,6 +79,8 @@ from actcomp.torch_compat import (
     set_post_grad_custom_post_pass,
     set_reorder_for_peak_memory,
 )
+from actcomp.whole_model.choosing import AttentionScope, CodecChoice, choose_codec
+from actcomp.whole_model.kept_forms import Compressed, Sided
 from actcomp.whole_model.policy import Lossy, RestPolicy
 
 # Below this, a saved tensor costs less than the code that would compress it.
@@ -99,15 +109,16 @@ def _source_hash() -> str:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What the in-graph hooks do: the Linear inputs' pipeline and the others' (None: as is)."""
+    """What the in-graph hooks do: the Linear inputs' pipeline (None: as they are) and the
+    whole-model policy for the others."""
 
     linear: Pipeline | None
-    rest: Pipeline | None
+    policy: RestPolicy
 
     @property
     def cache_hash(self) -> str:
         """Stable across processes, so AOTAutograd's cache keeps the compiled graphs."""
-        text = f"actcomp in-graph {_source_hash()} {self.linear and self.linear.spec} {self.rest and self.rest.spec}"
+        text = f"actcomp in-graph {_source_hash()} {self.linear and self.linear.spec} {self.policy}"
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -272,28 +283,32 @@ def _install_decode_where_used() -> None:
 
 def _plan(spec, rest) -> _Plan:
     linear = None if spec is None else as_pipeline(spec, "compress_in_graph's spec")
-    if rest is None or rest == "exact":
-        other = None
-    else:
-        choice = RestPolicy.parse(rest).activation
-        choice = getattr(choice, "fallback", choice)  # derivative codes are an eager-mode codec
-        other = choice.pipeline if isinstance(choice, Lossy) else None  # Exact, KeepAsIs: nothing lossy
-    for pipeline, where in ((linear, "spec"), (other, "rest")):
+    # None keeps only the exact forms, as "exact" does.
+    policy = RestPolicy.parse("exact" if rest is None else rest)
+    lossy = [(linear, "spec")] + [(choice.pipeline, "rest") for choice in _choices(policy) if isinstance(choice, Lossy)]
+    for pipeline, where in lossy:
         if pipeline is not None and not all(stage.compiles() for stage in pipeline.stages):
             raise ActcompError(
                 f"compress_in_graph's {where} {pipeline.spec!r} has a stage that cannot run inside a compiled graph "
                 "(Rice-coded positions, running ranges); use a static form such as 'int8', 'fp8' or 'smink0.9+int8'"
             )
-    return _Plan(linear, other)
+    return _Plan(linear, policy)
+
+
+def _choices(policy: RestPolicy) -> list:
+    """The policy's choices, a derivative code's fallback in its place (the graph never names
+    GELU or SiLU: Inductor's decompositions leave their backward as arithmetic)."""
+    return [getattr(choice, "fallback", choice) for choice in (getattr(policy, item.name) for item in fields(policy))]
 
 
 # The plans hooks were made for, by cache hash: the graph's node names its plan by that string.
 _PLANS: dict[str, _Plan] = {}
-# The layouts of the tensors packed while compiling, named by their own text (the string the pack
-# hook hands the unpack hook): one entry per distinct layout, however often graphs recompile. A
-# layout's sizes may be a compile's symbols, so the latest one of a text is kept: the unpack hook
-# is traced in the same compile as its pack.
-_LAYOUTS: dict[str, object] = {}
+# The templates of the forms packed while compiling (the kept form less its tensors: codecs and
+# layouts, which a compiled graph cannot carry), named by their own text (the string the pack
+# hook hands the unpack hook): one entry per distinct form, however often graphs recompile. A
+# layout's sizes may be a compile's symbols, so the latest template of a text is kept: the
+# unpack hook is traced in the same compile as its pack.
+_TEMPLATES: dict[str, Compressed | Sided] = {}
 
 
 @functools.cache
@@ -314,95 +329,80 @@ def _one_call_module(function, plan: _Plan) -> fx.GraphModule:
 
 
 def _pack(saved: torch.Tensor, plan_hash: str):
-    plan = _PLANS[plan_hash]
-    context = aot_saved_tensor_hook_context()
+    """The saved tensor as it is, or ``(template key, *packed tensors)``."""
     # Outside a compiled graph's tracing (eager code: a loss computed outside the compiled model,
     # a graph break) nothing says which op saves the tensor: kept as it is, and quietly, since a
     # loss outside the model is the usual way to train a compiled one.
+    context = aot_saved_tensor_hook_context()
     if context is None or saved.numel() < MIN_ELEMENTS:
-        return ("keep", saved)
-    if saved.dtype == torch.bool:
-        return ("bits", saved.shape, pack_bits(saved.reshape(-1)))
-    if not saved.is_floating_point():
-        return ("keep", saved)
-    users = _backward_users(context)
-    if _read_as_attention_mask(users, saved_node_name(context)):
-        return ("keep", saved)
+        return saved
+    kept = _kept_form(_PLANS[plan_hash], saved, _backward_users(context), saved_node_name(context))
+    if kept is None:
+        return saved
+    key = kept.key()
+    _TEMPLATES[key] = kept.template()
+    return (key, *kept.packed_tensors())
+
+
+def _unpack(packed, plan_hash: str) -> torch.Tensor:
+    if isinstance(packed, torch.Tensor):
+        return packed
+    key, *tensors = packed
+    return _TEMPLATES[key].refill(iter(tensors)).unpack()
+
+
+def _kept_form(plan: _Plan, saved: torch.Tensor, users: list[fx.Node], name: str) -> Compressed | Sided | None:
+    """What ``saved`` is kept as, from how the backward graph reads it: the compiled engine's one
+    part of its own. It names the kind and op as the eager engine's scopes would and asks the
+    same :func:`~actcomp.whole_model.choosing.choose_codec` (the same op table, policy and
+    codecs), but reads the graph:
+
+    - a bool tensor: a mask (dropout's);
+    - read only through one comparison with a constant: the op ``"compared"`` (its exact bits);
+    - read by an attention op: kind ``"attention"``, knowing which argument it is;
+    - read only as a matrix product's operand: a Linear input, ``spec``'s;
+    - otherwise the ``"activation"`` kind's choice (decomposed norms and activations look alike
+      here), a statistic kept as it is against the largest tensor its readers take.
+
+    A tensor compared and read otherwise keeps the comparison's bits beside its values."""
+    policy = plan.policy
+    if saved.dtype == torch.bool or not saved.is_floating_point():
+        choice = choose_codec(policy, saved, "activation", None) if saved.dtype == torch.bool else None
+        return _encoded(choice, saved)
     comparisons = [user for user in users if user.target in _COMPARISONS]
     comparison = _one_comparison(comparisons)
-    if comparison is not None and len(comparisons) == len(users):
-        name, threshold = comparison
-        return ("compared", name, threshold, saved.shape, saved.dtype,
-                pack_bits(getattr(torch, name)(saved, threshold).reshape(-1)))
+    if comparisons and comparison is None:
+        return None  # several comparisons: lossy values could cross any of them
+    mask = None
+    if comparison is not None:
+        mask = _encoded(choose_codec(policy, saved, "activation", Scope("activation", op="compared", args=comparison)),
+                        saved)
+        if len(comparisons) == len(users) or mask is None:
+            return mask
     others = [user for user in users if user not in comparisons]
-    pipeline = plan.linear if others and all(user.target in _MATMULS for user in others) else plan.rest
-    if pipeline is None or (comparisons and comparison is None):
-        return ("keep", saved)
-    # With eager mode's finite flag (nothing read back): NaN or inf decodes to NaN. The quantizers
-    # go in as their graph ops (one extern call each way, running the kernel eager mode would:
-    # the native one on a CPU, Triton's on CUDA), which :func:`_hoist_packing` moves next to the
-    # tensor; traced instead, their generated loops made ViT-S's first compile 5x as long.
-    packed = pack(pipeline.stages, pipeline.spec, saved)
-    # The layout goes to the unpack hook as a string constant: a dataclass in the hook's output
-    # would be traced as a call that builds it, which the inlining cannot carry to backward.
-    key = f"layout {packed.layout!r}"
-    _LAYOUTS[key] = packed.layout
-    if comparison is None:
-        return ("packed", key, *packed.tensors)
-    # Read both ways (a ReLU output feeding the next Linear): the comparison kept exact beside
-    # the lossy values, which are clamped to its side when decoded.
-    name, threshold = comparison
-    return ("packed and compared", name, threshold, key,
-            pack_bits(getattr(torch, name)(saved, threshold).reshape(-1)), *packed.tensors)
+    attention = _attention_scope(others, name)
+    if attention is not None:
+        values = _encoded(choose_codec(policy, saved, "attention", attention), saved)
+    elif others and all(user.target in _MATMULS for user in others):
+        values = _encoded(None if plan.linear is None else CodecChoice(plan.linear), saved)
+    else:
+        scope = Scope("activation", reference=_largest_input(others))
+        values = _encoded(choose_codec(policy, saved, "activation", scope), saved)
+    if values is None:
+        return None  # kept whole, the comparison is in it
+    return values if mask is None else Sided(values, mask)
 
 
-def _unpack(packed, plan_hash: str):
-    form = packed[0]
-    if form == "keep":
-        return packed[1]
-    if form == "bits":
-        _, shape, bits = packed
-        return unpack_bits(bits, math.prod(shape)).view(shape)
-    if form == "compared":
-        _, name, threshold, shape, dtype, bits = packed
-        result = unpack_bits(bits, math.prod(shape)).view(shape)
-        # Values on the comparison's side it says: the backward's comparison gives it again.
-        inside, outside = _sides(name, threshold)
-        return torch.where(result, inside, outside).to(dtype)
-    if form == "packed":
-        _, key, *tensors = packed
-        layout = _LAYOUTS[key]
-        return _decoder(layout.spec).decompress(Packed(tuple(tensors), layout))
-    _, name, threshold, key, bits, *tensors = packed
-    layout = _LAYOUTS[key]
-    values = _decoder(layout.spec).decompress(Packed(tuple(tensors), layout))
-    result = unpack_bits(bits, values.numel()).view(values.shape)
-    return _on_side(values, result, name, threshold)
+def _encoded(choice: CodecChoice | None, saved: torch.Tensor) -> Compressed | None:
+    return None if choice is None else choice.encode(saved)
 
 
-def _on_side(values: torch.Tensor, result: torch.Tensor, name: str, threshold: float) -> torch.Tensor:
-    """``values`` moved, where needed, just past ``threshold`` to the side that ``name(x,
-    threshold)`` gave for the original. Python scalars only: a tensor constant made while the
-    hook is traced would not survive its inlining into the backward graph."""
-    info = torch.finfo(values.dtype)
-    step = max(abs(threshold) * info.eps, info.smallest_normal)  # at least one step of the dtype
-    below, above = threshold - step, threshold + step
-    if name in ("le", "lt"):
-        return torch.where(result, values.clamp(max=threshold if name == "le" else below),
-                           values.clamp(min=above if name == "le" else threshold))
-    return torch.where(result, values.clamp(min=threshold if name == "ge" else above),
-                       values.clamp(max=below if name == "ge" else threshold))
-
-
-@functools.cache
-def _decoder(spec: str) -> Pipeline:
-    return parse(spec)
-
-
-def _sides(name: str, threshold: float) -> tuple[float, float]:
-    """A value for which ``name(value, threshold)`` is true, and one for which it is false."""
-    below, above = threshold - 1.0, threshold + 1.0
-    return {"le": (below, above), "lt": (below, above), "ge": (above, below), "gt": (above, below)}[name]
+def _largest_input(users: list[fx.Node]) -> int | None:
+    """The most elements among the tensors ``users`` read (None where a size is a compile's
+    symbol): a saved tensor a quarter of that or less is a statistic (a norm's mean)."""
+    sizes = [value.numel() for user in users for node in user.all_input_nodes
+             if isinstance(value := node.meta.get("val"), torch.Tensor)]
+    return max(sizes) if sizes and all(isinstance(size, int) for size in sizes) else None
 
 
 def _backward_users(context: dict) -> list[fx.Node]:
@@ -421,17 +421,18 @@ def _backward_users(context: dict) -> list[fx.Node]:
 _MASK_ARGUMENTS = frozenset({"attn_bias", "attn_mask"})
 
 
-def _read_as_attention_mask(users: list[fx.Node], name: str) -> bool:
-    """Whether a user reads the saved node ``name`` as an attention op's mask or bias argument."""
+def _attention_scope(users: list[fx.Node], name: str) -> AttentionScope | None:
+    """The scope of an attention op among ``users`` reading the saved node ``name``, knowing
+    which of its arguments that is (by the op's schema); None when no attention op reads it."""
     for user in users:
         names = argument_names(user.target)
-        if names is None:
+        if names is None or not {"query", "key"} <= set(names):
             continue
         bound = [*zip(names, user.args), *user.kwargs.items()]
-        if any(argument in _MASK_ARGUMENTS and isinstance(value, fx.Node) and value.name == name
-               for argument, value in bound):
-            return True
-    return False
+        roles = {argument for argument, value in bound if isinstance(value, fx.Node) and value.name == name}
+        role = "mask" if roles & _MASK_ARGUMENTS else "query or key" if roles & {"query", "key"} else None
+        return AttentionScope(role, _largest_input([user]))
+    return None
 
 
 def _one_comparison(users: list[fx.Node]) -> tuple[str, float] | None:

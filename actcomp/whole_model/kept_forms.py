@@ -6,7 +6,8 @@ the backward its tensor back with ``unpack()``.
 - :class:`AsIs`: the tensor itself (checked for in-place changes when unpacked);
 - :class:`Compressed`: a codec's packed form and the codec that decodes it;
 - :class:`Recomputed`: a gated MLP's ``act(gate)``, rebuilt from the gate's compressed form;
-- :class:`Sided`: lossy values with the exact bits of the one comparison the backward makes.
+- :class:`Sided`: lossy values with the exact bits of the one comparison the backward makes
+  (the compiled engine's: eager mode sees the two ops that save them apart).
 
 >>> import torch
 >>> from actcomp.core.pipeline import parse
@@ -17,6 +18,7 @@ the backward its tensor back with ``unpack()``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -62,6 +64,21 @@ class Compressed(NamedTuple):
         """The stand-in (or, for lossy codecs, the approximation) the backward reads."""
         return self.codec.decompress(self.packed)
 
+    # What the compiled engine hands from its pack hook to its unpack hook: the tensors, and a
+    # template of everything else (constants a compiled graph cannot carry) named by ``key``.
+    def packed_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.packed.tensors
+
+    def template(self) -> Compressed:
+        return Compressed(self.codec, Packed((None,) * len(self.packed.tensors), self.packed.layout))
+
+    def key(self) -> str:
+        return f"{self.codec!r} {self.packed.layout!r}"
+
+    def refill(self, tensors: Iterator[torch.Tensor]) -> Compressed:
+        """This template's form with the next of ``tensors`` in it."""
+        return Compressed(self.codec, Packed(tuple(next(tensors) for _ in self.packed.tensors), self.packed.layout))
+
 
 class Recomputed(NamedTuple):
     """A gated MLP's ``act(gate)``, saved by the gate product, rebuilt in backward from the
@@ -77,3 +94,51 @@ class Recomputed(NamedTuple):
     def unpack(self) -> torch.Tensor:
         gate = self.source.unpack()
         return F.silu(gate) if self.op == "silu" else F.gelu(gate, approximate=self.approximate)
+
+
+class Sided(NamedTuple):
+    """A tensor the backward reads both through one comparison with a constant and otherwise (a
+    ReLU output that is also the next Linear's input): ``values`` in a lossy code, ``mask`` a
+    :class:`~actcomp.whole_model.exact_codecs.ComparisonMask` 's exact bits, and the decoded values
+    moved, where they crossed the threshold, back to the side the bits say. The comparison then
+    gives the original's result bit for bit; the values err as their code does."""
+
+    values: Compressed
+    mask: Compressed
+
+    def unpack(self) -> torch.Tensor:
+        values = self.values.unpack()
+        comparison = self.mask.codec
+        held = comparison.predicate(self.mask.unpack())  # the stand-ins compare as the original did
+        return on_side(values, held, comparison.comparison, comparison.threshold)
+
+    def packed_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self.values.packed_tensors(), *self.mask.packed_tensors())
+
+    def template(self) -> Sided:
+        return Sided(self.values.template(), self.mask.template())
+
+    def key(self) -> str:
+        return f"sided [{self.values.key()}] [{self.mask.key()}]"
+
+    def refill(self, tensors: Iterator[torch.Tensor]) -> Sided:
+        return Sided(self.values.refill(tensors), self.mask.refill(tensors))
+
+
+def on_side(values: torch.Tensor, held: torch.Tensor, comparison: str, threshold: float) -> torch.Tensor:
+    """``values`` moved, where needed, just past ``threshold`` to the side where
+    ``comparison(x, threshold)`` gave ``held`` for the original. Python numbers only: this runs
+    inlined in compiled backward graphs, where a tensor constant made while the hook is traced
+    does not survive.
+
+    >>> on_side(torch.tensor([0.5, -0.5]), torch.tensor([True, True]), "le", 0.0)
+    tensor([ 0.0000, -0.5000])
+    """
+    info = torch.finfo(values.dtype)
+    step = max(abs(threshold) * info.eps, info.smallest_normal)  # at least one step of the dtype
+    below, above = threshold - step, threshold + step
+    if comparison in ("le", "lt"):
+        return torch.where(held, values.clamp(max=threshold if comparison == "le" else below),
+                           values.clamp(min=above if comparison == "le" else threshold))
+    return torch.where(held, values.clamp(min=threshold if comparison == "ge" else above),
+                       values.clamp(max=below if comparison == "ge" else threshold))

@@ -18,6 +18,7 @@ import actcomp
 from actcomp.core import backends, registry
 from actcomp.core.backends import use_backend
 from actcomp.core.codec import Compressor, Encoded, Hints
+from actcomp.whole_model.exact_codecs import BitMask
 
 CODEC_NAMES = sorted(set(registry.list_compressors()) | set(registry.list_codecs()))
 
@@ -111,6 +112,9 @@ TRITON_CODECS = {"int8", "int4", "int2", "relu-mask", "leaky-relu-mask", "clamp-
 # Of them, those with a Triton decode only (mesa8's stateful encode is not dispatched; the
 # channel selections' encode is a top-k of norms).
 TRITON_DECODE_ONLY = {"mesa8", "channel", "rchannel"}
+# A one-bit mask whose slot is BitMask's but which the kernels decline (no predicate of theirs,
+# a decode of its own): it runs only inlined in compiled graphs, where Inductor writes its loops.
+INHERITED_AND_DECLINED = {"comparison-mask"}
 
 
 def test_every_built_in_codec_has_its_reference_and_the_triton_kernels_their_slot():
@@ -118,6 +122,10 @@ def test_every_built_in_codec_has_its_reference_and_the_triton_kernels_their_slo
         for method in ("encode", "decode"):
             found = backends.implementations(type(codec_named(name)), method)
             has = name in TRITON_CODECS and (method == "decode" or name not in TRITON_DECODE_ONLY)
+            if name in INHERITED_AND_DECLINED:
+                codec = codec_named(name)
+                assert codec.native_predicate is None and type(codec).decode is not BitMask.decode, name
+                has = True
             assert found["eager"] is None and ("triton" in found) == has, (name, method)
     assert "triton" in backends.KERNELS and backends.ALIASES["cuda"] == "triton"
 

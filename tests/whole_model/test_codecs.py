@@ -73,6 +73,7 @@ EXAMPLES = {
 # Each codec's size formula, in its docstring: bytes for ``n`` elements.
 SIZES = {
     "relu-mask": lambda codec, n, dtype: math.ceil(n / 8),
+    "comparison-mask": lambda codec, n, dtype: math.ceil(n / 8),
     "leaky-relu-mask": lambda codec, n, dtype: math.ceil(n / 8),
     "clamp-mask": lambda codec, n, dtype: math.ceil(n * (codec.states - 1) / 8),
     "dropout-mask": lambda codec, n, dtype: math.ceil(n / 8) + dtype.itemsize,

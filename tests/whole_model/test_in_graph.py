@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import actcomp
-from actcomp.kernels.bitpack import pack_bits
 from actcomp.whole_model import in_graph
+from actcomp.whole_model.exact_codecs import ComparisonMask
+from actcomp.whole_model.kept_forms import on_side
 
 
 class ReluMLP(torch.nn.Module):
@@ -47,14 +48,21 @@ def test_exact_forms_give_the_compiled_steps_gradients_bit_for_bit(compiled, mon
     model, step, x = compiled
     forms = []
     pack = in_graph._pack
-    monkeypatch.setattr(in_graph, "_pack", lambda saved, plan: forms.append(pack(saved, plan)[0]) or pack(saved, plan))
+
+    def recording(saved, plan):
+        packed = pack(saved, plan)
+        forms.append(packed[0] if isinstance(packed, tuple) else "as is")
+        return packed
+
+    monkeypatch.setattr(in_graph, "_pack", recording)
     in_graph._hooks.cache_clear()  # new graph modules that call the patched function
 
     plain = gradients(model, step, x)
     exact = gradients(model, step, x, (None, "exact"))
 
     assert all(torch.equal(a, b) for a, b in zip(plain, exact, strict=True))
-    assert "bits" in forms  # the dropout mask took the 1-bit form: the test saw a codec run
+    # The dropout mask took the 1-bit form: the test saw a codec run.
+    assert any(form.startswith("DropoutMask(") for form in forms), forms
     in_graph._hooks.cache_clear()
 
 
@@ -69,12 +77,19 @@ def test_int8_inside_the_graph_keeps_the_gradients_close(compiled):
     assert min(cosines) > 0.999
 
 
-def test_a_comparison_form_decodes_to_the_same_comparison():
-    x = torch.tensor([-1.5, 0.0, 0.25, 3.0, float("nan"), -0.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threshold", [0.0, -1.0, 6.0, 1000.0, 3e-39])
+def test_a_comparison_mask_decodes_to_the_same_comparison(dtype, threshold):
+    # 1000 in bf16: a stand-in of threshold - 1 would round onto the threshold itself.
+    x = torch.cat([torch.tensor([-1.5, 0.0, 0.25, 3.0, float("nan"), -0.0, float("inf"), -float("inf"), threshold]),
+                   torch.randn(1000) * 2000]).to(dtype)
     for name in ("le", "lt", "ge", "gt"):
-        bits = pack_bits(getattr(torch, name)(x, 0.0))
-        decoded = in_graph._unpack(("compared", name, 0.0, x.shape, x.dtype, bits), "")
-        assert torch.equal(getattr(torch, name)(decoded, 0.0), getattr(torch, name)(x, 0.0)), name
+        codec = ComparisonMask(name, threshold)
+        packed = codec.compress(x)
+        assert packed.nbytes == (x.numel() + 7) // 8
+        decoded = codec.decompress(packed)
+        assert decoded.dtype == dtype
+        assert torch.equal(getattr(torch, name)(decoded, threshold), getattr(torch, name)(x, threshold)), name
 
 
 def test_lossy_values_decode_on_the_side_of_their_comparison():
@@ -82,7 +97,7 @@ def test_lossy_values_decode_on_the_side_of_their_comparison():
     x = torch.tensor([0.0, 1e-9, 0.3, 2.0, 0.0, 5e-8])
     lossy = torch.tensor([0.0, 0.0, 0.31, 1.9, 1e-3, 0.0])  # what a quantizer might give back
     for name in ("le", "lt", "ge", "gt"):
-        decoded = in_graph._on_side(lossy, getattr(torch, name)(x, 0.0), name, 0.0)
+        decoded = on_side(lossy, getattr(torch, name)(x, 0.0), name, 0.0)
         assert torch.equal(getattr(torch, name)(decoded, 0.0), getattr(torch, name)(x, 0.0)), name
         assert (decoded - lossy).abs().max() <= 1e-3, name
 
@@ -158,18 +173,18 @@ def test_a_nan_in_a_linear_input_makes_the_compiled_weight_gradient_nan(compiled
         assert bool(grads[0].isnan().any()) == nan  # the first Linear's weight reads the input
 
 
-def test_the_layout_table_holds_one_entry_per_distinct_layout(compiled):
-    # A recompile of the same step names the same layouts: the table does not grow per compile.
+def test_the_template_table_holds_one_entry_per_distinct_form(compiled):
+    # A recompile of the same step names the same forms: the table does not grow per compile.
     model, _, x = compiled
     # No cache: a graph served from disk retraces no hooks, and the table would stay empty.
     with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
         torch._dynamo.reset()
         gradients(model, torch.compile(model), x, ("int8", "8bit"))
-        before = dict(in_graph._LAYOUTS)
+        before = dict(in_graph._TEMPLATES)
         torch._dynamo.reset()
         gradients(model, torch.compile(model), x, ("int8", "8bit"))
 
-    assert before and in_graph._LAYOUTS.keys() == before.keys()
+    assert before and in_graph._TEMPLATES.keys() == before.keys()
 
 
 def _node(graph, target, args, name=None):
@@ -277,8 +292,55 @@ def test_an_attention_mask_the_backward_reads_is_kept_as_it_is(monkeypatch, op, 
         return graph.call_function(op, tuple(args), kwargs)
 
     monkeypatch.setattr(in_graph, "aot_saved_tensor_hook_context", lambda: context(attention))
-    assert in_graph._pack(mask, plan.cache_hash)[0] == "keep"
+    assert in_graph._pack(mask, plan.cache_hash) is mask
     # The same tensor read by anything else is packed as before.
     monkeypatch.setattr(in_graph, "aot_saved_tensor_hook_context",
                         lambda: context(lambda graph, saved: graph.call_function(torch.ops.aten.mul.Tensor, (saved, saved))))
-    assert in_graph._pack(mask.clamp(min=-1.0), plan.cache_hash)[0] == "packed"
+    assert in_graph._pack(mask.clamp(min=-1.0), plan.cache_hash)[0].startswith("Pipeline('int8')")
+
+
+class Attention(torch.nn.Module):
+    """One attention block (LayerNorm, qkv, SDPA, projection) on rows long enough that the
+    norm's statistics (64 x 128 of them) pass the size floor."""
+
+    def __init__(self, width=32, heads=2):
+        super().__init__()
+        self.heads, self.norm = heads, torch.nn.LayerNorm(width)
+        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        batch, tokens, width = x.shape
+        q, k, v = self.qkv(self.norm(x)).reshape(batch, tokens, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, tokens, width)
+        return x + self.proj(attended)
+
+
+def test_the_compiled_engine_reads_the_policy_as_eager_mode_does(monkeypatch):
+    """One policy reading: attention's query and key take bf16 (a float format, as eager mode
+    gives them: int8's range-wide steps move a sink token's logits), its value and output the
+    kind's int8, and a norm's statistics stay as they are."""
+    forms = []
+    pack = in_graph._pack
+
+    def recording(saved, plan):
+        packed = pack(saved, plan)
+        forms.append((tuple(saved.shape), packed[0] if isinstance(packed, tuple) else "as is"))
+        return packed
+
+    monkeypatch.setattr(in_graph, "_pack", recording)
+    in_graph._hooks.cache_clear()
+    torch.manual_seed(0)
+    model, x = Attention(), torch.randn(64, 128, 32)
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        step = torch.compile(model)
+        plain = gradients(model, step, x)
+        lossy = gradients(model, step, x, ("int8", "8bit"))
+    in_graph._hooks.cache_clear()
+
+    head = (64, 2, 128, 16)
+    coded = {form.split(" PackedLayout")[0] for shape, form in forms if shape == head}
+    assert "Pipeline('bf16')" in coded and "Pipeline('int8')" in coded, coded  # q, k; v and the output
+    assert all(form == "as is" for shape, form in forms if shape == (64, 128, 1)), forms  # mean, rstd
+    cosines = [F.cosine_similarity(a.flatten(), b.flatten(), 0) for a, b in zip(plain, lossy)]
+    assert min(cosines) > 0.999
