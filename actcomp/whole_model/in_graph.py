@@ -56,6 +56,7 @@ import functools
 import hashlib
 import math
 import pathlib
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import torch
@@ -232,15 +233,16 @@ def _sink_decoding(graph: fx.Graph) -> None:
             order[node] = order[first] - 0.5
 
 
-def compress_in_graph(spec: str | Pipeline | None = "int8", rest: str | None = "8bit"):
+def compress_in_graph(spec: str | Pipeline | None = "int8", rest: str | Mapping | RestPolicy | None = "8bit"):
     """A context manager under which ``torch.compile`` d training compresses what it saves for
     backward, inside the compiled graphs (see the module docstring).
 
     ``spec``: the pipeline for tensors the backward reads only as a matrix product's operand
     (Linear inputs; None keeps them); it must compile (``Pipeline`` stages whose ``compiles()``).
-    ``rest``: ``"8bit"`` (int8 for every other floating-point tensor), ``"4bit"`` (int4 in
-    groups of 64), ``"exact"`` (only the exact 1-bit forms), a spec string, or None (only the
-    1-bit forms, as ``"exact"``). The same arguments give the same hooks, so compiled code
+    ``rest``: what :func:`actcomp.to_compressed` takes (``"8bit"``: int8 for the other
+    floating-point tensors, attention's query and key bf16; ``"4bit"``: int4 in groups of 64;
+    ``"exact"``: only the exact 1-bit forms; a spec string; a mapping of kinds), read as eager
+    whole-model mode reads it, or None (as ``"exact"``). The same arguments give the same hooks, so compiled code
     recompiles only when they change. Eager code run under the hooks keeps what it saves as it is.
     """
     hooks = _hooks(_plan(spec, rest))
