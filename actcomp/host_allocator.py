@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from actcomp.errors import ActcompError
-from actcomp.torch_compat import in_backward_pass, storage_shared
+from actcomp.torch_compat import at_backward_end, in_backward_pass, storage_shared
 
 # Buffers from this size up are mapped one by one. In a one-off probe (not kept in benchmarks/),
 # 64 KiB, 256 KiB and 1 MiB gave ViT-S's batch-32 step the same peak (1580 MiB), 4 MiB 45 MiB
@@ -107,31 +107,34 @@ def _glibc() -> ctypes.CDLL | None:
 def empty_for_writing(count: int, dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty(count, dtype=dtype)`` on the CPU, for a kernel to write whole (a decoded
     activation). Where this process maps large buffers on their own (:func:`return_freed_memory`
-    set the threshold), so that a fresh buffer faults in page by page:
+    set the threshold), so that a fresh buffer faults in page by page, in backward it hands out
+    again a buffer it handed out before, of the same size, that nothing references any more:
 
-    - a buffer of :data:`ADVISE_FROM` bytes and up is fresh, its 2 MiB-aligned interior
-      advised to transparent huge pages where the kernel offers them on request;
-    - a smaller one, in backward, is one this function handed out before, of the same size,
-      that nothing references any more, where there is one: at most :data:`REUSED_BUFFERS` are
-      remembered (so at most 16 MiB sit idle), and none past the backward (the next forward's
-      first call forgets them).
+    - of :data:`ADVISE_FROM` bytes and up, the one it handed out last (so at most one such
+      buffer sits idle: a ViT-S MLP input's decode, reused by the GELU input's and the next
+      block's); a fresh one has its 2 MiB-aligned interior advised to transparent huge pages
+      where the kernel offers them on request;
+    - a smaller one: at most :data:`REUSED_BUFFERS` are remembered (at most 16 MiB idle).
 
-    The values are undefined, as ``empty``'s.
+    Nothing is kept past the backward that asked: the engine's end-of-backward callback forgets
+    them (:func:`~actcomp.torch_compat.at_backward_end`), before the optimizer step and the next
+    forward. Outside a backward every buffer is fresh. The values are undefined, as ``empty``'s.
 
     >>> empty_for_writing(10, torch.float32).shape
     torch.Size([10])
     """
+    global _large
     nbytes = count * dtype.itemsize
     if _threshold_set is None or nbytes < _threshold_set:
         return torch.empty(count, dtype=dtype)
-    if nbytes >= ADVISE_FROM:
-        # Huge pages make these cheap to fault in, and keeping one idle (a ViT-S's 39 MB MLP
-        # input at batch 32) would raise the backward's peak by its size.
+    if not in_backward_pass():
         return _fresh(nbytes).view(dtype)
     with _reused_lock:
-        if not in_backward_pass():
-            _reused.clear()  # nothing kept past a backward: the forward's peak is plain's
-            return _fresh(nbytes).view(dtype)
+        if nbytes >= ADVISE_FROM:
+            if _large is None or _large.numel() != nbytes or storage_shared(_large):
+                _large = _fresh(nbytes)
+                _forget_at_backward_end()
+            return _large.view(dtype)
         for index, buffer in enumerate(_reused):
             if buffer.numel() == nbytes and not storage_shared(buffer):
                 _reused.append(_reused.pop(index))  # the most recently used last
@@ -140,14 +143,35 @@ def empty_for_writing(count: int, dtype: torch.dtype) -> torch.Tensor:
         _reused.append(buffer)
         if len(_reused) > REUSED_BUFFERS:
             _reused.pop(0)  # whoever still holds it keeps it alive; it is just not reused
+        _forget_at_backward_end()
         return buffer.view(dtype)
 
 
-# How many decode buffers a backward remembers for reuse: consecutive layers of a network decode
-# tensors of the same few sizes, each freed once its backward op has run.
+# How many decode buffers below ADVISE_FROM a backward remembers for reuse: consecutive layers
+# of a network decode tensors of the same few sizes, each freed once its backward op has run.
 REUSED_BUFFERS = 4
 _reused: list[torch.Tensor] = []
+# The last decode buffer of ADVISE_FROM bytes and up. One only: measured on ViT-S at batch 32,
+# remembering four of every size raised the step's peak by 45 MiB (stop 45).
+_large: torch.Tensor | None = None
+_forget_queued = False
 _reused_lock = threading.Lock()  # backwards may run in several threads
+
+
+def _forget_at_backward_end() -> None:
+    """Have the running backward forget the remembered buffers when it ends (once a backward;
+    call with the lock held)."""
+    global _forget_queued
+    if not _forget_queued:
+        _forget_queued = True
+        at_backward_end(_forget)
+
+
+def _forget() -> None:
+    global _large, _forget_queued
+    with _reused_lock:
+        _reused.clear()
+        _large, _forget_queued = None, False
 
 
 def _fresh(nbytes: int) -> torch.Tensor:

@@ -49,6 +49,14 @@ def in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def at_backward_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the backward this thread is running ends (call it inside one).
+    Checked on 2.14.1 (``Variable._execution_engine.queue_callback``). If it moves, actcomp's
+    decode buffers kept for reuse within a backward are forgotten at the next forward's first
+    decode instead, as before stop 46."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def storage_shared(tensor: torch.Tensor) -> bool:
     """Whether a tensor or storage besides ``tensor`` holds ``tensor``'s storage (a view of it,
     anything that kept it). Checked on 2.14.1 (``torch._C._storage_Use_Count``, the storage's

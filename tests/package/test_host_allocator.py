@@ -149,19 +149,51 @@ def test_in_backward_a_decode_buffer_is_reused_only_once_nothing_holds_it(monkey
     _Decodes.seen = {}
     _Decodes.apply(torch.ones(3, requires_grad=True)).sum().backward()
     assert _Decodes.seen and all(_Decodes.seen.values()), _Decodes.seen
-    assert 0 < len(host_allocator._reused) <= host_allocator.REUSED_BUFFERS
-    # Outside a backward (the next forward) nothing is reused, and what was kept is let go.
+    # The backward's end forgot what it kept: nothing idle through the optimizer step.
+    assert host_allocator._reused == [] and not host_allocator._forget_queued
     fresh = host_allocator.empty_for_writing(1 << 19, torch.float32)
     assert host_allocator._reused == [] and fresh.numel() == 1 << 19
 
 
-def test_a_buffer_of_huge_pages_is_never_kept_idle(monkeypatch):
-    # Keeping a 39 MB buffer idle through a backward would raise its peak by that much.
+class _LargeDecodes(torch.autograd.Function):
+    """Asks for decode buffers of huge-page size in its backward (a ViT's MLP input, then its
+    GELU input: the same size)."""
+
+    seen: dict = {}
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        seen, count = _LargeDecodes.seen, host_allocator.ADVISE_FROM // 4
+        first = host_allocator.empty_for_writing(count, torch.float32)
+        pointer = first.data_ptr()
+        held = host_allocator.empty_for_writing(count, torch.float32)
+        seen["a held buffer is not handed out twice"] = held.data_ptr() != pointer
+        del first, held
+        again = host_allocator.empty_for_writing(count, torch.float32)
+        seen["only the last is remembered"] = again.data_ptr() != pointer
+        last = again.data_ptr()
+        del again
+        seen["the last, free, is reused"] = host_allocator.empty_for_writing(count, torch.float32).data_ptr() == last
+        seen["another size is fresh"] = host_allocator.empty_for_writing(count + 1024, torch.float32).data_ptr() != last
+        return grad
+
+
+def test_one_buffer_of_huge_pages_is_reused_within_a_backward_and_let_go_at_its_end(monkeypatch):
+    # Four kept idle of each size raised ViT-S's batch-32 peak by 45 MiB (stop 45): one at most.
     monkeypatch.setattr(host_allocator, "_threshold_set", host_allocator.MMAP_THRESHOLD)
     monkeypatch.setattr(host_allocator, "_reused", [])
-    monkeypatch.setattr(host_allocator, "in_backward_pass", lambda: True)
-    large = host_allocator.empty_for_writing(host_allocator.ADVISE_FROM // 4, torch.float32)
-    assert large.numel() * 4 == host_allocator.ADVISE_FROM and host_allocator._reused == []
+    monkeypatch.setattr(host_allocator, "_large", None)
+    _LargeDecodes.seen = {}
+    _LargeDecodes.apply(torch.ones(3, requires_grad=True)).sum().backward()
+    assert _LargeDecodes.seen and all(_LargeDecodes.seen.values()), _LargeDecodes.seen
+    assert host_allocator._large is None and host_allocator._reused == []
+    # Outside a backward every buffer is fresh and none is remembered.
+    host_allocator.empty_for_writing(host_allocator.ADVISE_FROM // 4, torch.float32)
+    assert host_allocator._large is None
 
 
 def test_without_the_threshold_every_buffer_is_torchs_own(monkeypatch):
