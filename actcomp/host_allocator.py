@@ -23,10 +23,14 @@ allocated by :func:`empty_for_writing`: where this process maps large buffers on
 kernel offers transparent huge pages on request (``madvise`` in
 ``/sys/kernel/mm/transparent_hugepage/enabled``), the buffer's 2 MiB-aligned interior is advised
 to huge pages before anything touches it, so it faults in once per 2 MiB instead of once per
-4 KiB page; a smaller one, in backward, is a buffer it handed out before that nothing holds any
-more. A fresh 4.8 MB buffer filled 17.7x slower than a reused one, 4.8x when advised (AMD EPYC
-Zen 4 virtual machine, 1 thread: ``benchmarks/bench_page_faults.py``,
-``benchmarks/results/page_faults_torch2.14.1_cpu_t1.md``). Buffers torch allocates itself (the
+4 KiB page; and in backward a buffer it handed out before that nothing holds any more is handed
+out again (the last one of 4 MiB and up, up to four smaller ones), until the backward ends. A
+fresh 4.8 MB buffer filled 17.7x slower than a reused one, 4.8x when advised (AMD EPYC Zen 4
+virtual machine, 1 thread: ``benchmarks/bench_page_faults.py``,
+``benchmarks/results/page_faults_torch2.14.1_cpu_t1.md``). Reusing the large ones too took the
+native kernels of a ViT-S batch-4 step at 2 threads from 122 to 55-77 ms (a 4.8 MB decode into a
+fresh advised buffer 1.6-4.7 ms, into a reused one 0.2-0.5 ms: ``benchmarks/bench_native_calls.py``,
+``benchmarks/results/native_calls_stop46/``). Buffers torch allocates itself (the
 model's own activations and gradients) are glibc's and keep 4 KiB pages.
 
 Left alone: a process whose ``MALLOC_MMAP_THRESHOLD_`` is set (the user chose), and every C
