@@ -13,6 +13,9 @@ tensor:
 - MaxPool keeps its input only for its shape and the argmax as int64 flat positions; each
   argmax lies in its window, so its offset there needs ``log2(window)`` bits (2 for 2x2,
   4 for 3x3) and the input needs no bytes at all (:class:`PoolOffsets`, :class:`ShapeOnly`).
+- A tensor the backward only compares with one constant (what compiled training finds in the
+  backward graph: ReLU's output tested ``<= 0``) needs the comparison's result, one bit
+  (:class:`ComparisonMask`).
 
 Encode and decode are functions of tensors and settings: no value is read back to Python, and
 the sizes follow from the input's. On CUDA (and under Triton's interpreter, asked for) each
