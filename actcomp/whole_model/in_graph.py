@@ -57,11 +57,12 @@ import hashlib
 import math
 import pathlib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import fx
 
+from actcomp.core.packed import Packed
 from actcomp.core.pipeline import Pipeline, as_pipeline
 from actcomp.errors import ActcompError
 from actcomp.graph.saved_tensors import Scope
@@ -331,7 +332,7 @@ def _one_call_module(function, plan: _Plan) -> fx.GraphModule:
 
 
 def _pack(saved: torch.Tensor, plan_hash: str):
-    """The saved tensor as it is, or ``(template key, *packed tensors)``."""
+    """The saved tensor as it is, or ``(template key, its shape, *packed tensors)``."""
     # Outside a compiled graph's tracing (eager code: a loss computed outside the compiled model,
     # a graph break) nothing says which op saves the tensor: kept as it is, and quietly, since a
     # loss outside the model is the usual way to train a compiled one.
@@ -343,14 +344,16 @@ def _pack(saved: torch.Tensor, plan_hash: str):
         return saved
     key = kept.key()
     _TEMPLATES[key] = kept.template()
-    return (key, *kept.packed_tensors())
+    # The shape travels with the tensors: under dynamic shapes its sizes are the forward's
+    # symbols, which the unpack hook's trace can name only as the hook's own inputs.
+    return (key, tuple(saved.shape), *kept.packed_tensors())
 
 
 def _unpack(packed, plan_hash: str) -> torch.Tensor:
     if isinstance(packed, torch.Tensor):
         return packed
-    key, *tensors = packed
-    return _TEMPLATES[key].refill(iter(tensors)).unpack()
+    key, shape, *tensors = packed
+    return _TEMPLATES[key].refill(iter(tensors), shape).unpack()
 
 
 def _kept_form(plan: _Plan, saved: torch.Tensor, users: list[fx.Node], name: str) -> Compressed | Sided | None:
@@ -396,7 +399,13 @@ def _kept_form(plan: _Plan, saved: torch.Tensor, users: list[fx.Node], name: str
 
 
 def _encoded(choice: CodecChoice | None, saved: torch.Tensor) -> Compressed | None:
-    return None if choice is None else choice.encode(saved)
+    """``saved`` encoded by ``choice``, decoding in its memory order's dense layout without the
+    strides eager mode restores: under dynamic shapes those strides are expressions of the
+    forward's symbols (``256*s77``), which the unpack hook's trace cannot name."""
+    if choice is None:
+        return None
+    kept = choice.encode(saved)
+    return Compressed(kept.codec, Packed(kept.packed.tensors, replace(kept.packed.layout, strides=None)))
 
 
 def _largest_input(users: list[fx.Node]) -> int | None:

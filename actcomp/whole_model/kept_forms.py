@@ -18,7 +18,9 @@ the backward its tensor back with ``unpack()``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -70,14 +72,48 @@ class Compressed(NamedTuple):
         return self.packed.tensors
 
     def template(self) -> Compressed:
-        return Compressed(self.codec, Packed((None,) * len(self.packed.tensors), self.packed.layout))
+        """This form less its tensors. Under dynamic shapes the element count a codec's
+        metadata holds (a mask's) is an expression of the forward's symbols (``256*s77``) that
+        the unpack hook's trace cannot name: it is kept as :data:`ELEMENT_COUNT` and worked
+        out again from the shape handed to :meth:`refill`."""
+        layout = self.packed.layout
+        count = math.prod(layout.shape)
+        if isinstance(count, torch.SymInt):
+            layout = replace(layout, stages=_substituted(layout.stages, lambda value: ELEMENT_COUNT if (
+                isinstance(value, torch.SymInt) and str(value) == str(count)) else value))
+        return Compressed(self.codec, Packed((None,) * len(self.packed.tensors), layout))
 
     def key(self) -> str:
         return f"{self.codec!r} {self.packed.layout!r}"
 
-    def refill(self, tensors: Iterator[torch.Tensor]) -> Compressed:
-        """This template's form with the next of ``tensors`` in it."""
-        return Compressed(self.codec, Packed(tuple(next(tensors) for _ in self.packed.tensors), self.packed.layout))
+    def refill(self, tensors: Iterator[torch.Tensor], shape: tuple | None = None) -> Compressed:
+        """This template's form with the next of ``tensors`` in it, and ``shape`` (the shape as
+        the unpack hook's trace has it, handed over beside the tensors) where given."""
+        layout = self.packed.layout
+        if shape is not None:
+            count = math.prod(shape)
+            layout = replace(layout, shape=torch.Size(shape), stages=_substituted(
+                layout.stages, lambda value: count if value is ELEMENT_COUNT else value))
+        return Compressed(self.codec, Packed(tuple(next(tensors) for _ in self.packed.tensors), layout))
+
+
+class _ElementCount:
+    """Stands in a template for the element count of the form's shape (see ``template``)."""
+
+    def __repr__(self) -> str:
+        return "ELEMENT_COUNT"
+
+
+ELEMENT_COUNT = _ElementCount()
+
+
+def _substituted(value, swap):
+    """``value`` (nested tuples) with each leaf passed through ``swap``."""
+    if type(value) is tuple:
+        return tuple(_substituted(item, swap) for item in value)
+    return swap(value)
+
+
 
 
 class Recomputed(NamedTuple):
@@ -121,8 +157,8 @@ class Sided(NamedTuple):
     def key(self) -> str:
         return f"sided [{self.values.key()}] [{self.mask.key()}]"
 
-    def refill(self, tensors: Iterator[torch.Tensor]) -> Sided:
-        return Sided(self.values.refill(tensors), self.mask.refill(tensors))
+    def refill(self, tensors: Iterator[torch.Tensor], shape: tuple | None = None) -> Sided:
+        return Sided(self.values.refill(tensors, shape), self.mask.refill(tensors, shape))
 
 
 def on_side(values: torch.Tensor, held: torch.Tensor, comparison: str, threshold: float) -> torch.Tensor:

@@ -344,3 +344,20 @@ def test_the_compiled_engine_reads_the_policy_as_eager_mode_does(monkeypatch):
     assert all(form == "as is" for shape, form in forms if shape == (64, 128, 1)), forms  # mean, rstd
     cosines = [F.cosine_similarity(a.flatten(), b.flatten(), 0) for a, b in zip(plain, lossy)]
     assert min(cosines) > 0.999
+
+
+def test_dynamic_shapes_compile_once_and_keep_the_exact_gradients():
+    """Under dynamic=True a mask's element count and a tensor's strides are expressions of the
+    forward's symbols; the forms carry the shape across to the unpack hook instead (a graph
+    over several batch sizes failed to compile before)."""
+    torch.manual_seed(0)
+    model = ReluMLP().train()
+    step = torch.compile(model, dynamic=True)
+    for rows in (512, 640, 768):
+        x = torch.randn(rows, 64)
+        plain = gradients(model, step, x)
+        exact = gradients(model, step, x, (None, "exact"))
+        lossy = gradients(model, step, x, ("int8", "8bit"))
+        assert all(torch.equal(a, b) for a, b in zip(plain, exact, strict=True)), rows
+        cosines = [F.cosine_similarity(a.flatten(), b.flatten(), 0) for a, b in zip(plain, lossy)]
+        assert min(cosines) > 0.999, rows
