@@ -18,6 +18,7 @@ What must hold, each checked against plain PyTorch:
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 import pickle
@@ -1196,6 +1197,10 @@ def test_torch_compile_of_a_training_step_compresses_in_the_graph_within_compile
         return original_pack(saved, plan_hash)
 
     monkeypatch.setattr(in_graph, "_pack", spying_pack)
+    # Hooks made earlier in this process call the function they were made with, and a graph
+    # served from a cache retraces no hook: hooks of this test's own (a fresh cache of them,
+    # the process's back afterwards), no caches.
+    monkeypatch.setattr(in_graph, "_hooks", functools.cache(in_graph._hooks.__wrapped__))
 
     torch._dynamo.reset()
     counters.clear()
@@ -1213,7 +1218,8 @@ def test_torch_compile_of_a_training_step_compresses_in_the_graph_within_compile
 
     compiled = torch.compile(train_step)
     WARNED.discard(WHOLE_MODEL_FALLBACK)
-    with pytest.warns(UserWarning, match="compiles as a graph of its own under compress_in_graph's hooks") as said:
+    with pytest.warns(UserWarning, match="compiles as a graph of its own under compress_in_graph's hooks") as said, \
+            torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
         _two_compiled_steps(compiled, model, plain, inputs, train_step)
     assert sum("compress_in_graph's hooks" in str(warning.message) for warning in said) == 1
     assert traced, "the pack hook was never traced: nothing was compressed in the graph"
