@@ -10,6 +10,7 @@ import contextlib
 import functools
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -167,7 +168,11 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def gloo_group(rank: int, world_size: int, port: int):
-    """This process as ``rank`` of a CPU (gloo) process group, single-threaded, for the block."""
+    """This process as ``rank`` of a CPU (gloo) process group, single-threaded, for the block.
+    A spawned worker's block is all its work: when it ends without an error the process exits
+    there (``os._exit(0)``), skipping the interpreter's teardown, where gloo's threads now and
+    then abort the process ("terminate called without an active exception": a DDP test in
+    stop 45's CI, an FSDP2 one in stop 46's, each passing when rerun)."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -176,6 +181,9 @@ def gloo_group(rank: int, world_size: int, port: int):
         yield
     finally:
         torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 DDP_RESTS = (None, "exact")
