@@ -132,6 +132,8 @@ def empty_for_writing(count: int, dtype: torch.dtype) -> torch.Tensor:
     if _threshold_set is None or nbytes < _threshold_set:
         return torch.empty(count, dtype=dtype)
     if not in_backward_pass():
+        if _reused or _large is not None:
+            _forget()  # a backward whose end could not be told (at_backward_end said no)
         return _fresh(nbytes).view(dtype)
     with _reused_lock:
         if nbytes >= ADVISE_FROM:
@@ -167,8 +169,7 @@ def _forget_at_backward_end() -> None:
     call with the lock held)."""
     global _forget_queued
     if not _forget_queued:
-        _forget_queued = True
-        at_backward_end(_forget)
+        _forget_queued = at_backward_end(_forget)
 
 
 def _forget() -> None:

@@ -49,12 +49,16 @@ def in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def at_backward_end(callback: Callable[[], None]) -> None:
-    """Run ``callback`` once the backward this thread is running ends (call it inside one).
-    Checked on 2.14.1 (``Variable._execution_engine.queue_callback``). If it moves, actcomp's
-    decode buffers kept for reuse within a backward are forgotten at the next forward's first
-    decode instead, as before stop 46."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
+def at_backward_end(callback: Callable[[], None]) -> bool:
+    """Have ``callback`` run once the backward this thread is running ends (call it inside one);
+    False where this torch cannot. Checked on 2.14.1 (``Variable._execution_engine
+    .queue_callback``). If it moves, actcomp's decode buffers kept for reuse within a backward
+    are forgotten at the next forward's first decode instead, as before stop 46."""
+    queue = getattr(getattr(torch.autograd.Variable, "_execution_engine", None), "queue_callback", None)
+    if queue is None:
+        return False
+    queue(callback)
+    return True
 
 
 def storage_shared(tensor: torch.Tensor) -> bool:

@@ -402,9 +402,9 @@ def _encoded(choice: CodecChoice | None, saved: torch.Tensor) -> Compressed | No
     """``saved`` encoded by ``choice``, decoding in its memory order's dense layout without the
     strides eager mode restores: under dynamic shapes those strides are expressions of the
     forward's symbols (``256*s77``), which the unpack hook's trace cannot name."""
-    if choice is None:
-        return None
-    kept = choice.encode(saved)
+    kept = None if choice is None else choice.encode(saved)
+    if kept is None:
+        return None  # no choice, or one that would not save memory
     return Compressed(kept.codec, Packed(kept.packed.tensors, replace(kept.packed.layout, strides=None)))
 
 

@@ -155,15 +155,11 @@ def test_in_backward_a_decode_buffer_is_reused_only_once_nothing_holds_it(monkey
     assert host_allocator._reused == [] and fresh.numel() == 1 << 19
 
 
-class _LargeDecodes(torch.autograd.Function):
+class _LargeDecodes(_Decodes):
     """Asks for decode buffers of huge-page size in its backward (a ViT's MLP input, then its
     GELU input: the same size)."""
 
     seen: dict = {}
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
@@ -202,3 +198,15 @@ def test_without_the_threshold_every_buffer_is_torchs_own(monkeypatch):
     _Decodes.seen = {}
     _Decodes.apply(torch.ones(3, requires_grad=True)).sum().backward()
     assert _Decodes.seen["a held buffer is not handed out twice"] and host_allocator._reused == []
+
+
+def test_where_torch_cannot_tell_a_backward_ended_the_next_forward_lets_go(monkeypatch):
+    monkeypatch.setattr(host_allocator, "_threshold_set", host_allocator.MMAP_THRESHOLD)
+    monkeypatch.setattr(host_allocator, "_reused", [])
+    monkeypatch.setattr(host_allocator, "_large", None)
+    monkeypatch.setattr(host_allocator, "at_backward_end", lambda callback: False)
+    _LargeDecodes.seen = {}
+    _LargeDecodes.apply(torch.ones(3, requires_grad=True)).sum().backward()
+    assert all(_LargeDecodes.seen.values()) and host_allocator._large is not None  # kept: nothing told it
+    host_allocator.empty_for_writing(1 << 19, torch.float32)  # the next forward's first decode
+    assert host_allocator._large is None and host_allocator._reused == []
