@@ -340,6 +340,34 @@ def backward_compiled_with_forward(reorder_for_peak_memory: bool) -> Iterator[No
         yield
 
 
+@contextlib.contextmanager
+def recomputing_what_backward_materializes(joint_pass: Any) -> Iterator[None]:
+    """A block in which AOTAutograd's min-cut partitioner may recompute in backward a forward
+    value the backward must materialize (``torch._functorch.config.
+    ban_recompute_materialized_backward`` off: by default it keeps every value a matrix product
+    reads in backward), and Inductor runs ``joint_pass`` on the joint graph before partitioning
+    (``torch._inductor.config.joint_custom_post_pass``; ``joint_pass.previous`` is set to the
+    user's own pass, which it must run first). Checked on 2.13.0 and 2.14.1. If the flag moves,
+    ``config.patch`` raises on entering compress_in_graph; if the pass stops running, the
+    partitioner may recompute a compared value from a lossy code (a ReLU mask that flips)."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    joint_pass.previous = torch._inductor.config.joint_custom_post_pass
+    with torch._functorch.config.patch(ban_recompute_materialized_backward=False), \
+            torch._inductor.config.patch(joint_custom_post_pass=joint_pass):
+        yield
+
+
+def keep_for_backward(node: torch.fx.Node) -> None:
+    """Tell AOTAutograd's partitioner to keep ``node``'s value for backward, never to recompute
+    it: the tag selective activation checkpointing sets (``node.meta["recompute"]``, read by the
+    min-cut partitioner; checked on 2.13.0 and 2.14.1)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
 # --- Dispatch -----------------------------------------------------------------------------------
 
 

@@ -76,6 +76,7 @@ from actcomp.torch_compat import (
     is_inlined_unpack_input,
     mark_as_wrapped_call,
     post_grad_custom_post_pass,
+    recomputing_what_backward_materializes,
     reorder_for_peak_memory,
     saved_node_name,
     set_post_grad_custom_post_pass,
@@ -84,6 +85,7 @@ from actcomp.torch_compat import (
 from actcomp.whole_model.choosing import AttentionScope, CodecChoice, choose_codec
 from actcomp.whole_model.kept_forms import Compressed, Sided
 from actcomp.whole_model.policy import Lossy, RestPolicy
+from actcomp.whole_model.recomputation import KeepComparedValues
 
 # Below this, a saved tensor costs less than the code that would compress it.
 MIN_ELEMENTS = 4096
@@ -116,6 +118,11 @@ class _Plan:
 
     linear: Pipeline | None
     policy: RestPolicy
+
+    @property
+    def lossy(self) -> bool:
+        """Whether any tensor may be kept in a lossy code (else every form is exact)."""
+        return self.linear is not None or any(isinstance(choice, Lossy) for choice in _choices(self.policy))
 
     @property
     def cache_hash(self) -> str:
@@ -246,9 +253,9 @@ def compress_in_graph(spec: str | Pipeline | None = "int8", rest: str | Mapping 
     whole-model mode reads it, or None (as ``"exact"``). The same arguments give the same hooks, so compiled code
     recompiles only when they change. Eager code run under the hooks keeps what it saves as it is.
     """
-    hooks = _hooks(_plan(spec, rest))
+    plan = _plan(spec, rest)
     _install_decode_where_used()
-    return _in_graph_context(hooks)
+    return _in_graph_context(_hooks(plan), plan.lossy)
 
 
 class _Reorder:
@@ -261,13 +268,17 @@ _REORDER = _Reorder()
 
 
 @contextlib.contextmanager
-def _in_graph_context(hooks):
+def _in_graph_context(hooks, lossy: bool):
     # The backward graph compiles with the forward (not at the first backward, after this block
     # has closed), so that the per-graph setting of the pass applies to it.
     outer = _REORDER.user
     _REORDER.user = reorder_for_peak_memory() if outer is None else outer
     try:
-        with backward_compiled_with_forward(_REORDER.user), torch.autograd.graph.saved_tensors_hooks(*hooks):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(backward_compiled_with_forward(_REORDER.user))
+            if lossy:  # the backward rebuilds what a code of its own would only approximate
+                stack.enter_context(recomputing_what_backward_materializes(KeepComparedValues()))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
             yield
     finally:
         _REORDER.user = outer

@@ -363,3 +363,67 @@ def test_dynamic_shapes_compile_once_and_keep_the_exact_gradients():
         assert all(torch.equal(a, b) for a, b in zip(plain, exact, strict=True)), rows
         cosines = [F.cosine_similarity(a.flatten(), b.flatten(), 0) for a, b in zip(plain, lossy)]
         assert min(cosines) > 0.999, rows
+
+
+class NormGeluMLP(torch.nn.Module):
+    """A LayerNorm and a GELU whose outputs only the next Linear reads in backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(64)
+        self.up, self.down = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(self.norm(x))))
+
+
+def test_a_lossy_plan_rebuilds_the_norms_and_gelus_outputs_instead_of_keeping_them(monkeypatch):
+    """Under a lossy plan the partitioner may recompute a value only a matrix product reads in
+    backward (the norm's output, GELU's output) from what the backward keeps anyway; under an
+    exact plan it keeps them, as the compiled step without hooks does."""
+    saved = []
+    kept_form = in_graph._kept_form
+
+    def recording(plan, tensor, users, name):
+        saved.append((plan.lossy, tuple(tensor.shape), all(user.target in in_graph._MATMULS for user in users)))
+        return kept_form(plan, tensor, users, name)
+
+    monkeypatch.setattr(in_graph, "_kept_form", recording)
+    in_graph._hooks.cache_clear()
+    torch.manual_seed(0)
+    model, x = NormGeluMLP(), torch.randn(512, 64)
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        step = torch.compile(model)
+        plain = gradients(model, step, x)
+        exact = gradients(model, step, x, (None, "exact"))
+        torch._dynamo.reset()
+        lossy = gradients(model, step, x, ("int8", "8bit"))
+    in_graph._hooks.cache_clear()
+
+    only_a_matmul_reads = {(lossy_plan, shape) for lossy_plan, shape, matmul_only in saved if matmul_only}
+    assert {(False, (512, 64)), (False, (512, 256))} <= only_a_matmul_reads  # the norm's, GELU's output
+    assert not {shape for lossy_plan, shape in only_a_matmul_reads if lossy_plan}, saved
+    assert {(True, (512, 256))} <= {(lossy_plan, shape) for lossy_plan, shape, _ in saved}  # GELU's input
+    assert all(torch.equal(a, b) for a, b in zip(plain, exact, strict=True))
+    cosines = [F.cosine_similarity(a.flatten(), b.flatten(), 0) for a, b in zip(plain, lossy)]
+    assert min(cosines) > 0.999, cosines
+
+
+def test_the_joint_pass_keeps_every_compared_value_after_the_users_own_pass():
+    from torch import fx
+
+    from actcomp.whole_model.recomputation import KeepComparedValues
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    relu = graph.call_function(torch.ops.aten.relu.default, (x,))
+    graph.call_function(torch.ops.aten.le.Scalar, (relu, 0))
+    gelu = graph.call_function(torch.ops.aten.gelu.default, (x,))
+    graph.call_function(torch.ops.aten.mm.default, (gelu, gelu))
+    seen = []
+    keep = KeepComparedValues()
+    keep.previous = seen.append
+    keep(graph)
+    assert seen == [graph]
+    assert [node.name for node in graph.nodes if "recompute" in node.meta] == [relu.name]
