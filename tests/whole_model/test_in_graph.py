@@ -2,6 +2,9 @@
 the compiled step's own gradients bit for bit, the lossy ones stay close, and the codecs really
 run inside the compiled graphs."""
 
+import copy
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -427,3 +430,34 @@ def test_the_joint_pass_keeps_every_compared_value_after_the_users_own_pass():
     keep(graph)
     assert seen == [graph]
     assert [node.name for node in graph.nodes if "recompute" in node.meta] == [relu.name]
+
+
+def test_a_compiled_converted_model_keeps_no_codes_of_what_the_backward_rebuilds(monkeypatch):
+    """torch.compile(to_compressed(model, "int8", rest="8bit")): under the model's lossy rest
+    the partitioner rebuilds in backward the norm's and GELU's outputs and the converted layers'
+    codes of them (their int8 encode is traced into the graph), as it does under
+    compress_in_graph on the plain model: no layer's own codes are kept."""
+    saved = []
+    kept_form = in_graph._kept_form
+
+    def recording(plan, tensor, users, name):
+        kept = kept_form(plan, tensor, users, name)
+        saved.append((tuple(tensor.shape), tensor.dtype, kept is not None))
+        return kept
+
+    monkeypatch.setattr(in_graph, "_kept_form", recording)
+    monkeypatch.setattr(in_graph, "_hooks", functools.cache(in_graph._hooks.__wrapped__))
+    torch.manual_seed(0)
+    plain, x = NormGeluMLP(), torch.randn(512, 64)
+    converted = actcomp.to_compressed(copy.deepcopy(plain), "int8", rest="8bit", return_freed_memory=False)
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        reference = gradients(plain, torch.compile(plain), x)
+        lossy = gradients(converted, torch.compile(converted), x)
+
+    assert saved and all(kept for _, _, kept in saved), saved
+    assert not [entry for entry in saved if entry[1] == torch.uint8], saved  # no layer's own codes
+    # GELU's input alone: the norm's input is the step's, which torch keeps without the hooks.
+    assert {shape for shape, _, _ in saved} == {(512, 256)}, saved
+    cosines = [F.cosine_similarity(a.flatten(), b.flatten(), 0) for a, b in zip(reference, lossy)]
+    assert min(cosines) > 0.999, cosines
