@@ -41,6 +41,12 @@ hand to the hooks (parameters, the step's inputs and outputs: ``saved_tensors_ho
 = "donated"``) are kept as they are; so is everything under ``rest="exact"`` except the 1-bit
 forms, whose gradients are bit-identical to the compiled step without hooks.
 
+Under a plan with a lossy codec the partitioner decides differently what reaches the hooks at
+all: it may rebuild in backward a value only a matrix product reads there (a norm's output,
+GELU's output, a converted layer's traced codes of them) from what the backward keeps anyway,
+except a value compared with a constant, which stays kept with its exact bits
+(:mod:`~actcomp.whole_model.recomputation`). A ViT block keeps 6 tensors instead of 9.
+
 >>> import torch, actcomp
 >>> net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
 >>> step = torch.compile(lambda x: net(x).square().mean())
