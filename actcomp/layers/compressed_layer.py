@@ -64,6 +64,25 @@ def _has_own_forward(base: type[nn.Module]) -> bool:
     return base.forward is not conv1d.forward
 
 
+class InGraphLinear:
+    """The pipeline ``compress_in_graph``'s hooks give a Linear layer's input while a converted
+    whole-model forward compiles under them, or None. A converted ``nn.Linear`` of that pipeline
+    then runs its plain op and leaves its input to the hooks, which code it the same way: the
+    compiled partitioner then sees the input itself, and where it rebuilds it in backward (a
+    norm's or GELU's output) the weight gradient reads the rebuilt value, not a second code of
+    it (``torch.compile(to_compressed(...))`` keeps what ``compress_in_graph`` keeps)."""
+
+    spec: str | None = None
+
+
+IN_GRAPH_LINEAR = InGraphLinear()
+
+
+def traces_into_graphs(module: nn.Module) -> bool:
+    """Whether ``module`` is a converted layer whose compressed forward compiles into graphs."""
+    return isinstance(module, CompressedLayer) and _traces(module)
+
+
 class CompressedLayer(SwappedModule):
     """Mixin placed in front of the original class; see :func:`compress_layer`."""
 
@@ -85,6 +104,8 @@ class CompressedLayer(SwappedModule):
         if x.is_meta or not (self.training and torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
             return super().forward(x)
         if torch.compiler.is_compiling() and _traces(self):
+            if isinstance(self, nn.Linear) and IN_GRAPH_LINEAR.spec == self.actcomp_pipeline.spec:
+                return super().forward(x)  # the hooks code its input, with this pipeline
             return _forward(self, x, _reads_data_under_compile(self, x))
         return _compressed_forward(self, x, _data_under_compile(self, x))
 

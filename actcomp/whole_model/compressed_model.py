@@ -85,6 +85,7 @@ from actcomp.graph.saved_tensors import (
     top_saved_tensors_hooks,
     tracking_scopes,
 )
+from actcomp.layers.compressed_layer import IN_GRAPH_LINEAR, traces_into_graphs
 from actcomp.torch_compat import called_from_compiled_code, in_backward_pass, not_compiled_frame
 from actcomp.whole_model.policy import RestPolicy
 from actcomp.whole_model.session import _Session, _unpack
@@ -137,7 +138,7 @@ def _whole_model_forward(module: CompressedModel, args: tuple, kwargs: dict):
     if _RUNNING.owner is not None:
         return forward(*args, **kwargs)  # a whole-model inside another: the outer one's hooks decide
     if called_from_compiled_code():
-        hooks = _enter_in_graph(module.actcomp_rest)
+        hooks = _enter_in_graph(module.actcomp_rest, _shared_linear_spec(module))
         try:
             return forward(*args, **kwargs)
         finally:
@@ -162,21 +163,32 @@ class _InGraph:
 _IN_GRAPH = _InGraph()
 
 
+def _shared_linear_spec(model: nn.Module) -> str | None:
+    """The pipeline every converted ``nn.Linear`` of ``model`` that compiles into graphs shares,
+    if they share one (``to_compressed(model, spec)``'s usual result); else None."""
+    specs = {module.actcomp_pipeline.spec for module in model.modules()
+             if isinstance(module, nn.Linear) and traces_into_graphs(module)}
+    return specs.pop() if len(specs) == 1 else None
+
+
 @not_compiled
-def _enter_in_graph(policy: RestPolicy) -> contextlib.AbstractContextManager:
-    """compress_in_graph's hooks for ``policy`` entered (eagerly: Dynamo must not trace this)."""
+def _enter_in_graph(policy: RestPolicy, linear: str | None) -> contextlib.AbstractContextManager:
+    """compress_in_graph's hooks for ``policy`` entered (eagerly: Dynamo must not trace this),
+    coding the converted Linear layers' inputs with ``linear``, the pipeline they share."""
     # Imported here: in_graph imports Inductor (2 s), which `import actcomp` must not pay.
     from actcomp.whole_model.in_graph import compress_in_graph
 
-    hooks = compress_in_graph(None, rest=policy)
+    hooks = compress_in_graph(linear, rest=policy)
     hooks.__enter__()
     _IN_GRAPH.active = True
+    IN_GRAPH_LINEAR.spec = linear
     return hooks
 
 
 @not_compiled
 def _exit_in_graph(hooks: contextlib.AbstractContextManager) -> None:
     _IN_GRAPH.active = False
+    IN_GRAPH_LINEAR.spec = None
     hooks.__exit__(None, None, None)
 
 

@@ -100,7 +100,9 @@ _COMPARISONS = {
     torch.ops.aten.le.Scalar: "le", torch.ops.aten.lt.Scalar: "lt", torch.ops.aten.ge.Scalar: "ge",
     torch.ops.aten.gt.Scalar: "gt",
 }
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
+# A Linear layer's weight gradient reads its input through one matrix product; a batched one is
+# attention's (its operands take the kinds' choices, as eager mode's attention scope gives them).
+_MATMULS = {torch.ops.aten.mm.default}
 
 
 @functools.cache
