@@ -130,8 +130,9 @@ _RUNNING = _Running()
 # Storage keys, saved-tensor hooks and the op-kind mode are not traceable. Under torch.compile
 # this frame runs eagerly (a graph break at the model's entry) and the model's own forward, which
 # it calls, compiles as a graph of its own under compress_in_graph's hooks (the same rest policy,
-# chosen in the graph: in_graph.py); Linear/Conv layers compress their inputs in it as they do
-# eagerly.
+# chosen in the graph: in_graph.py). Linear layers sharing one pipeline leave their inputs to the
+# hooks, which code them with it (the partitioner may then rebuild one in backward instead of
+# keeping its codes); other converted layers compress their inputs in it as they do eagerly.
 @not_compiled_frame
 def _whole_model_forward(module: CompressedModel, args: tuple, kwargs: dict):
     forward = super(CompressedModel, module).forward
