@@ -433,16 +433,17 @@ def test_the_joint_pass_keeps_every_compared_value_after_the_users_own_pass():
 
 
 def test_a_compiled_converted_model_keeps_no_codes_of_what_the_backward_rebuilds(monkeypatch):
-    """torch.compile(to_compressed(model, "int8", rest="8bit")): under the model's lossy rest
-    the partitioner rebuilds in backward the norm's and GELU's outputs and the converted layers'
-    codes of them (their int8 encode is traced into the graph), as it does under
-    compress_in_graph on the plain model: no layer's own codes are kept."""
-    saved = []
+    """torch.compile(to_compressed(model, "int8", rest="8bit")): the converted Linear layers
+    (one pipeline) leave their inputs to the hooks, which code them with that pipeline, and the
+    partitioner rebuilds the norm's and GELU's outputs in backward, as under compress_in_graph
+    on the plain model: no layer's own codes are kept."""
+    saved, linears = [], set()
     kept_form = in_graph._kept_form
 
     def recording(plan, tensor, users, name):
         kept = kept_form(plan, tensor, users, name)
         saved.append((tuple(tensor.shape), tensor.dtype, kept is not None))
+        linears.add(plan.linear and plan.linear.spec)
         return kept
 
     monkeypatch.setattr(in_graph, "_kept_form", recording)
@@ -456,6 +457,7 @@ def test_a_compiled_converted_model_keeps_no_codes_of_what_the_backward_rebuilds
         lossy = gradients(converted, torch.compile(converted), x)
 
     assert saved and all(kept for _, _, kept in saved), saved
+    assert linears == {"int8"}  # the hooks' Linear rule has the layers' pipeline
     assert not [entry for entry in saved if entry[1] == torch.uint8], saved  # no layer's own codes
     # GELU's input alone: the norm's input is the step's, which torch keeps without the hooks.
     assert {shape for shape, _, _ in saved} == {(512, 256)}, saved
