@@ -45,7 +45,7 @@ def main() -> None:
         packed = pack(saved, plan)
         dense = saved.numel() * saved.element_size()
         if isinstance(packed, tuple):
-            form, kept = packed[0].split(" PackedLayout")[0], sum(t.numel() * t.element_size() for t in packed[1:])
+            form, kept = packed[0].split(" PackedLayout")[0], sum(t.numel() * t.element_size() for t in packed[2:])  # (key, shape, *tensors)
         else:
             form, kept = "as is", dense
         forms.append((form, str(saved.dtype).removeprefix("torch."), dense, kept))
