@@ -44,8 +44,8 @@ def main() -> None:
     def recording(saved, plan):
         packed = pack(saved, plan)
         dense = saved.numel() * saved.element_size()
-        if isinstance(packed, tuple):
-            form, kept = packed[0].split(" PackedLayout")[0], sum(t.numel() * t.element_size() for t in packed[2:])  # (key, shape, *tensors)
+        if isinstance(packed, tuple):  # (template key, shape, *tensors)
+            form, kept = packed[0].split(" PackedLayout")[0], sum(t.numel() * t.element_size() for t in packed[2:])
         else:
             form, kept = "as is", dense
         forms.append((form, str(saved.dtype).removeprefix("torch."), dense, kept))

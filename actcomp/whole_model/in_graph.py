@@ -91,15 +91,12 @@ from actcomp.torch_compat import (
 from actcomp.whole_model.choosing import AttentionScope, CodecChoice, choose_codec
 from actcomp.whole_model.kept_forms import Compressed, Sided
 from actcomp.whole_model.policy import Lossy, RestPolicy
-from actcomp.whole_model.recomputation import KeepComparedValues
+from actcomp.whole_model.recomputation import SCALAR_COMPARISONS, KeepComparedValues
 
 # Below this, a saved tensor costs less than the code that would compress it.
 MIN_ELEMENTS = 4096
 # Scalar comparisons whose result is all a tensor's backward needs.
-_COMPARISONS = {
-    torch.ops.aten.le.Scalar: "le", torch.ops.aten.lt.Scalar: "lt", torch.ops.aten.ge.Scalar: "ge",
-    torch.ops.aten.gt.Scalar: "gt",
-}
+_COMPARISONS = SCALAR_COMPARISONS
 # A Linear layer's weight gradient reads its input through one matrix product; a batched one is
 # attention's (its operands take the kinds' choices, as eager mode's attention scope gives them).
 _MATMULS = {torch.ops.aten.mm.default}
@@ -253,7 +250,7 @@ def compress_in_graph(spec: str | Pipeline | None = "int8", rest: str | Mapping 
     """A context manager under which ``torch.compile`` d training compresses what it saves for
     backward, inside the compiled graphs (see the module docstring).
 
-    ``spec``: the pipeline for tensors the backward reads only as a matrix product's operand
+    ``spec``: the pipeline for tensors the backward reads only as a (not batched) matrix product's operand
     (Linear inputs; None keeps them); it must compile (``Pipeline`` stages whose ``compiles()``).
     ``rest``: what :func:`actcomp.to_compressed` takes (``"8bit"``: int8 for the other
     floating-point tensors, attention's query and key bf16; ``"4bit"``: int4 in groups of 64;
@@ -384,7 +381,7 @@ def _kept_form(plan: _Plan, saved: torch.Tensor, users: list[fx.Node], name: str
     - a bool tensor: a mask (dropout's);
     - read only through one comparison with a constant: the op ``"compared"`` (its exact bits);
     - read by an attention op: kind ``"attention"``, knowing which argument it is;
-    - read only as a matrix product's operand: a Linear input, ``spec``'s;
+    - read only as a (not batched) matrix product's operand: a Linear input, ``spec``'s;
     - otherwise the ``"activation"`` kind's choice (decomposed norms and activations look alike
       here), a statistic kept as it is against the largest tensor its readers take.
 

@@ -35,11 +35,16 @@ from torch import fx
 
 from actcomp.torch_compat import custom_graph_pass_base, keep_for_backward
 
-# A comparison with a constant: ReLU's backward (``x <= 0``), a clamp's, a threshold's.
-_COMPARISONS = frozenset({
-    torch.ops.aten.le.Scalar, torch.ops.aten.lt.Scalar, torch.ops.aten.ge.Scalar, torch.ops.aten.gt.Scalar,
+# The ordering comparisons with a constant, by name: ReLU's backward (``x <= 0``), a clamp's, a
+# threshold's. The compiled hooks keep a tensor read only through one of them as its bits.
+SCALAR_COMPARISONS = {
+    torch.ops.aten.le.Scalar: "le", torch.ops.aten.lt.Scalar: "lt", torch.ops.aten.ge.Scalar: "ge",
+    torch.ops.aten.gt.Scalar: "gt",
+}
+# What this pass keeps: those, equality with a constant, and ReLU's fused backward.
+_KEPT_FOR = frozenset(SCALAR_COMPARISONS) | {
     torch.ops.aten.eq.Scalar, torch.ops.aten.ne.Scalar, torch.ops.aten.threshold_backward.default,
-})
+}
 
 
 class KeepComparedValues(custom_graph_pass_base()):
@@ -53,7 +58,7 @@ class KeepComparedValues(custom_graph_pass_base()):
         if self.previous is not None:
             self.previous(graph)
         for node in graph.nodes:
-            if node.op == "call_function" and any(user.target in _COMPARISONS for user in node.users):
+            if node.op == "call_function" and any(user.target in _KEPT_FOR for user in node.users):
                 keep_for_backward(node)
 
     def uuid(self):

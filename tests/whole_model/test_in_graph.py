@@ -463,3 +463,16 @@ def test_a_compiled_converted_model_keeps_no_codes_of_what_the_backward_rebuilds
     assert {shape for shape, _, _ in saved} == {(512, 256)}, saved
     cosines = [F.cosine_similarity(a.flatten(), b.flatten(), 0) for a, b in zip(reference, lossy)]
     assert min(cosines) > 0.999, cosines
+
+
+def test_the_linear_layers_shared_pipeline_is_found_once_and_forgotten_when_converting_again():
+    from actcomp.whole_model.compressed_model import _shared_linear_spec
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    actcomp.to_compressed(model, "int8", rest="8bit", return_freed_memory=False)
+    assert _shared_linear_spec(model) == "int8"
+    actcomp.to_compressed(actcomp.from_compressed(model), "fp8", rest="8bit", return_freed_memory=False)
+    assert _shared_linear_spec(model) == "fp8"
+    model[0].actcomp_pipeline = actcomp.core.pipeline.as_pipeline("int8", "test")  # two pipelines: none shared
+    actcomp.to_compressed(model, "fp8", rest="8bit", filter_fn=lambda module, name: False, return_freed_memory=False)
+    assert _shared_linear_spec(model) is None
