@@ -18,6 +18,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -59,6 +60,120 @@ def at_backward_end(callback: Callable[[], None]) -> bool:
         return False
     queue(callback)
     return True
+
+
+def compress_checkpoint_recomputation(capture: Callable[[], Any], recompute: Callable[[Any], Any]) -> bool:
+    """Have non-reentrant ``torch.utils.checkpoint`` keep what a block's recomputation saves in
+    the form actcomp chooses, instead of whole until the block's backward reads it; False where
+    this torch's checkpoint is not the one checked (nothing installed, it runs as it is).
+
+    - ``capture()`` runs as a checkpointed block's forward starts; what it returns (None: leave
+      this block alone) travels with the block;
+    - ``recompute(captured, inputs)``, a context manager entered around the block's
+      recomputation in backward (``inputs``: the block's, which checkpoint holds anyway), gives
+      ``(pack, unpack)``: each recomputed tensor is kept as ``pack(tensor)`` (which must not hold
+      the tensor whole) and handed back to backward as ``unpack(form)``.
+
+    Installed once for the process; blocks whose ``capture()`` gave None run exactly as torch's.
+    Checked on 2.13.0 and 2.14.1: ``_checkpoint_hook`` (made per checkpointed forward, by name,
+    from ``torch.utils.checkpoint``'s globals), its frame (``weak_holders``, ``recomp_counter``,
+    ``recomputed[gid][handle]``, ``get_inputs()`` called just before the recomputation),
+    ``_recomputation_hook`` (its pack stores the
+    recomputed tensor in the frame and returns it, which the recomputation's own graph holds) and
+    ``_StopRecomputationError``. If they move, recomputed blocks are kept whole, as before."""
+    from torch.utils import checkpoint
+
+    names = ("_checkpoint_hook", "_recomputation_hook", "_StopRecomputationError", "_CheckpointFrame")
+    if not all(hasattr(checkpoint, name) for name in names):
+        return False
+    _CHECKPOINT_CALLS[:] = [capture, recompute]
+    if getattr(checkpoint._checkpoint_hook, "actcomp_compressing", False):
+        return True
+    torch_hook, torch_recomputation = checkpoint._checkpoint_hook, checkpoint._recomputation_hook
+
+    # No closure below holds the frame or a hook strongly: a reference cycle through the frame
+    # would keep the block's inputs alive until the garbage collector runs.
+    class _CompressingCheckpointHook(torch_hook):
+        actcomp_compressing = True
+
+        def __init__(self, frame) -> None:
+            super().__init__(frame)
+            frame.actcomp_captured = _CHECKPOINT_CALLS[0]()
+            if frame.actcomp_captured is None:
+                return
+            unpack_kept, get_inputs, frame_ref = self.unpack_hook, type(frame).get_inputs, weakref.ref(frame)
+
+            def inputs():  # the recomputation's, read by the recomputation hook made next
+                kept_by = frame_ref()
+                kept_by.actcomp_inputs = get_inputs(kept_by)
+                return kept_by.actcomp_inputs
+
+            def unpack_hook(holder):
+                kept = unpack_kept(holder)
+                return kept.unpack() if isinstance(kept, _RecomputedForm) else kept
+
+            frame.get_inputs, self.unpack_hook = inputs, unpack_hook
+
+    class _CompressingRecomputationHook(torch_recomputation):
+        def __init__(self, target_frame_ref, gid) -> None:
+            super().__init__(target_frame_ref, gid)
+            frame = target_frame_ref()
+            self.actcomp_context = None
+            if frame is None or getattr(frame, "actcomp_captured", None) is None:
+                return
+            inputs = [value for value in getattr(frame, "actcomp_inputs", ()) if isinstance(value, torch.Tensor)]
+            frame.actcomp_inputs = ()  # not held past the recomputation
+            self.actcomp_context = _CHECKPOINT_CALLS[1](frame.actcomp_captured, inputs)
+            self.actcomp_calls = calls = []  # (pack, unpack), once entered
+            store = self.pack_hook
+
+            def pack_hook(tensor):
+                form = _RecomputedForm(calls[1], calls[0](tensor), tensor)
+                try:
+                    store(tensor)
+                finally:  # also when the last tensor stops the recomputation early
+                    kept_by = target_frame_ref()
+                    index = kept_by.recomp_counter[gid] - 1
+                    holder = kept_by.weak_holders[index]() if index < len(kept_by.weak_holders) else None
+                    handle = None if holder is None else holder.handles.get(gid)
+                    if handle is not None and handle in kept_by.recomputed[gid]:
+                        kept_by.recomputed[gid][handle] = form
+                return form
+
+            pack_hook.actcomp_checkpoint = True  # checkpoint's own, to whole-model mode
+            self.pack_hook, self.unpack_hook = pack_hook, _RecomputedForm.unpack
+
+        def __enter__(self):
+            if self.actcomp_context is not None:
+                self.actcomp_calls[:] = self.actcomp_context.__enter__()
+            return super().__enter__()
+
+        def __exit__(self, *exc_info):
+            super().__exit__(*exc_info)
+            if self.actcomp_context is not None:
+                self.actcomp_context.__exit__(*exc_info)
+
+    checkpoint._checkpoint_hook = _CompressingCheckpointHook
+    checkpoint._recomputation_hook = _CompressingRecomputationHook
+    return True
+
+
+# compress_checkpoint_recomputation's (capture, recompute), the latest installed.
+_CHECKPOINT_CALLS: list[Callable[..., Any]] = []
+
+
+class _RecomputedForm:
+    """A recomputed tensor as checkpoint's frame keeps it: the form actcomp packed and what
+    checkpoint's determinism check reads (shape, dtype, device), not the tensor."""
+
+    __slots__ = ("decode", "form", "shape", "dtype", "device")
+
+    def __init__(self, decode: Callable[[Any], torch.Tensor], form: Any, tensor: torch.Tensor) -> None:
+        self.decode, self.form = decode, form
+        self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
+
+    def unpack(self) -> torch.Tensor:
+        return self.decode(self.form)
 
 
 def storage_shared(tensor: torch.Tensor) -> bool:

@@ -284,9 +284,12 @@ def is_parameter_copy(tensor: torch.Tensor) -> bool:
 
 def checkpoint_hooks_on_top() -> bool:
     """Whether the innermost saved-tensor hooks are ``torch.utils.checkpoint``'s: tensors saved
-    now are to be recomputed, so nothing else may replace its hooks."""
+    now are to be recomputed (or are being recomputed, where whole-model mode compresses what
+    the recomputation keeps: :mod:`~actcomp.whole_model.checkpointed`), so nothing else may
+    replace its hooks."""
     top = top_saved_tensors_hooks()
-    return top is not None and getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
+    return top is not None and (getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
+                                or getattr(top[0], "actcomp_checkpoint", False))
 
 
 class TensorCache:

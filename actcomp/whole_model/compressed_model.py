@@ -86,7 +86,8 @@ from actcomp.graph.saved_tensors import (
     tracking_scopes,
 )
 from actcomp.layers.compressed_layer import IN_GRAPH_LINEAR, traces_into_graphs
-from actcomp.torch_compat import called_from_compiled_code, in_backward_pass, not_compiled_frame
+from actcomp.torch_compat import called_from_compiled_code, not_compiled_frame
+from actcomp.whole_model.checkpointed import forward_session
 from actcomp.whole_model.policy import RestPolicy
 from actcomp.whole_model.session import _Session, _unpack
 
@@ -225,6 +226,8 @@ def _start(owner: nn.Module, policy: RestPolicy, excluded: list, model_class: ty
     # its node runs: on ViT-S at batch 32 that was the whole kept size on top of the peak.
     close.callback(session.close)
     close.enter_context(tracking_scopes())
+    # Checkpointed blocks inside this forward compress what their recomputation saves.
+    close.enter_context(forward_session(session))
     if entered is not None:
         enter_running_module(owner, entered)
     close.enter_context(torch.autograd.graph.saved_tensors_hooks(session.pack, _unpack))
@@ -258,9 +261,10 @@ def _enter_submodule(policy: RestPolicy, model_class: type, module: nn.Module, a
         if owner is module:
             _RUNNING.reentered += 1
         return
-    # Eval and no_grad save nothing. In backward (a reentrant checkpoint recomputing a region)
-    # the root's forward would not be running either: run as it would.
-    if not (module.training and torch.is_grad_enabled()) or in_backward_pass():
+    # Eval and no_grad save nothing. In backward, a reentrant checkpoint recomputing a block
+    # calls it as from outside the model: it compresses what it saves as the forward would
+    # have (whole, the block would hold the step's peak in its backward).
+    if not (module.training and torch.is_grad_enabled()):
         return
     # Inputs without autograd history are the caller's data (an image, a cached feature): kept
     # anyway, as the root's inputs are. An input with history is an activation of the caller's
