@@ -18,7 +18,10 @@ steps; its peak is VmHWM, its step time the median of the steps after the first.
   ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc asks for transparent huge pages for the blocks
   it maps: a fault per 2 MiB instead of per 4 KiB page, which is most of the remedy's price);
 - ``checkpoint``: timm's per-block checkpointing (non-reentrant), allocator as it comes;
-- ``checkpoint+whole``: both.
+- ``checkpoint+whole``: both (since stop 48 whole-model mode also compresses what each block's
+  recomputation saves in backward);
+- ``checkpoint+whole, inputs int8``: both, with the block inputs checkpoint stores coded too
+  (``rest={"other": "int8"}``, the ``"8bit"`` preset otherwise; ``--rest 8bit`` only).
 
 The runs of one model go in rounds, their order rotating from round to round; a run's step-time
 ratio is its median step over plain's in the same round, and the table gives the median of
@@ -37,15 +40,17 @@ from common import RESULTS_DIR, benchmark_parser, check_specs, header_lines, loa
 
 from actcomp.tools.peak_rss import training_steps
 
-# name -> (compress?, checkpoint?, allocator setting of actcomp.tools.peak_rss)
+# name -> (compress?, checkpoint?, allocator setting of actcomp.tools.peak_rss, rest in place of --rest)
 RUNS = {
-    "plain": (False, False, "as-user"),
-    "plain, tuned allocator": (False, False, "tuned"),
-    "whole": (True, False, "as-user"),
-    "whole, remedy off": (True, False, "untouched"),
-    "whole, huge pages": (True, False, "hugetlb"),
-    "checkpoint": (False, True, "as-user"),
-    "checkpoint+whole": (True, True, "as-user"),
+    "plain": (False, False, "as-user", None),
+    "plain, tuned allocator": (False, False, "tuned", None),
+    "whole": (True, False, "as-user", None),
+    "whole, remedy off": (True, False, "untouched", None),
+    "whole, huge pages": (True, False, "hugetlb", None),
+    "checkpoint": (False, True, "as-user", None),
+    "checkpoint+whole": (True, True, "as-user", None),
+    # A rest mapping overrides the "8bit" preset: checkpoint's stored block inputs are kind "other".
+    "checkpoint+whole, inputs int8": (True, True, "as-user", {"other": "int8"}),
 }
 
 
@@ -66,6 +71,8 @@ def main() -> None:
     check_specs(parser, [args.spec])
     if "plain" not in args.runs:
         parser.error("--runs must include plain: every ratio is against it")
+    if args.rest != "8bit" and any(RUNS[run][3] is not None for run in args.runs):
+        parser.error("the runs that code checkpoint's stored inputs extend the '8bit' preset: give --rest 8bit")
     if args.steps < 2:
         parser.error("--steps must be at least 2: the first step is not timed")
     load_before, started = load_average(), time.perf_counter()
@@ -78,9 +85,9 @@ def main() -> None:
             shift = index % len(args.runs)
             seconds = {}
             for run in args.runs[shift:] + args.runs[:shift]:
-                compress, checkpoint, allocator = RUNS[run]
+                compress, checkpoint, allocator, rest = RUNS[run]
                 peak, step_seconds = training_steps(
-                    model, args.spec if compress else None, rest=args.rest if compress else None,
+                    model, args.spec if compress else None, rest=(rest or args.rest) if compress else None,
                     checkpoint=checkpoint, allocator=allocator, batch=args.batch, img_size=args.img_size,
                     steps=args.steps, threads=args.threads)
                 peaks[run].append(peak)

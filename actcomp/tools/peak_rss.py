@@ -106,7 +106,7 @@ def peak_rss(model: str, spec: str | None, *, batch: int, img_size: int, steps: 
 
 def training_steps(model: str, spec: str | None, *, batch: int, img_size: int, steps: int = 3,
                    amp: str | None = None, allocator: str = "as-user", optimizer: str = "adamw",
-                   rest: str | None = None,
+                   rest: str | dict | None = None,
                    first_layer: str | None = "auto", checkpoint: bool = False, threads: int | None = None,
                    abort_above: int | None = None, warmup_batch: int | None = None) -> tuple[int, list[float]]:
     """Peak RSS in bytes of ``steps`` training steps of timm ``model`` (``spec`` None = plain),

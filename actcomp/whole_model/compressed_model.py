@@ -36,7 +36,9 @@ Why saved-tensor hooks and not one autograd Function per op: the forward and the
 PyTorch's own kernels (cuDNN batch norm, flash attention, fused dropout), so a 1-bit mask gives
 bit-identical gradients and functional calls inside timm and transformers blocks are covered
 without re-deriving any backward formula. The hooks run only in training with grad enabled; in
-a ``torch.utils.checkpoint`` region checkpoint's own hooks win (nothing is stored there).
+a ``torch.utils.checkpoint`` region checkpoint's own hooks win (nothing is stored there), and
+what the region's recomputation saves in backward is kept in the codecs the forward would have
+chosen (:mod:`~actcomp.whole_model.checkpointed`).
 
 The model's forward is not the only way in: ``model.forward_head(model.forward_features(x))``, a
 wrapper calling ``model.blocks(...)`` or ``model.blocks[0](h)`` compress the same. Each submodule
