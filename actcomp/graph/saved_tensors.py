@@ -46,6 +46,7 @@ from actcomp.errors import ActcompError
 from actcomp.graph.model_inputs import tensors_in
 from actcomp.graph.op_kinds import GATE, PRODUCTS, is_gate_product, known_functions, module_kind
 from actcomp.torch_compat import (
+    drops_saved_tensors,
     is_accumulate_grad,
     is_cast_or_view_node,
     top_saved_tensors_hooks,
@@ -290,6 +291,13 @@ def checkpoint_hooks_on_top() -> bool:
     top = top_saved_tensors_hooks()
     return top is not None and (getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
                                 or getattr(top[0], "actcomp_checkpoint", False))
+
+
+def saves_dropped_by_checkpoint() -> bool:
+    """Whether what is saved now is dropped at once and recomputed in backward: the forward of a
+    block under non-reentrant ``torch.utils.checkpoint``."""
+    top = top_saved_tensors_hooks()
+    return top is not None and drops_saved_tensors(top[0])
 
 
 class TensorCache:

@@ -34,7 +34,13 @@ from actcomp.core.chain import pack
 from actcomp.core.packed import PackedLayout
 from actcomp.core.pipeline import Packed, Pipeline
 from actcomp.errors import ActcompError, warn_once
-from actcomp.graph.saved_tensors import TensorCache, refuse_double_backward, saving_compressed_layer, unseen_by_scopes
+from actcomp.graph.saved_tensors import (
+    TensorCache,
+    refuse_double_backward,
+    saves_dropped_by_checkpoint,
+    saving_compressed_layer,
+    unseen_by_scopes,
+)
 from actcomp.kernels.layouts import is_subclass_tensor, unbroadcast, with_layout_of
 from actcomp.layers.ops import Op
 
@@ -54,6 +60,42 @@ def _compress_once(pipeline: Pipeline, uncast: torch.Tensor, x: torch.Tensor, ch
         packed = pipeline.compress(x, channel_dim=channel_dim)
         _SHARED.put(uncast, key, packed)
     return packed
+
+
+def _kept_input(pipeline: Pipeline, uncast: torch.Tensor, x: torch.Tensor,
+                channel_dim: int | None) -> tuple[PackedLayout, tuple[torch.Tensor, ...]]:
+    """What the layer saves of its input: ``pipeline.compress(x)``'s layout and tensors, or,
+    where non-reentrant checkpoint drops what is saved now and recomputes it in backward, the
+    layout and memoryless stand-ins of the tensors a compression of this input made before.
+
+    Checkpoint compares each recomputed tensor's shape, dtype and device with what the forward
+    saved, and the backward decodes the recomputed tensors with the layout kept here: the
+    stand-ins carry the one, and a compression of the same spec, input layout and channel axis
+    has always made the same layout (no codec's depends on the values); a recomputation that
+    makes another raises rather than decode with the wrong one. Without the stand-ins a
+    checkpointed block compressed its Linear inputs twice (ViT-S: half again the kernel calls)."""
+    x = unbroadcast(x)
+    key = (pipeline.spec, x.shape, x.stride(), x.dtype, x.device, channel_dim)
+    known = _LAYOUTS.get(key)
+    if known is not None and saves_dropped_by_checkpoint():
+        layout, metadata = known
+        return layout, tuple(torch.empty((), dtype=dtype, device=x.device).expand(shape) for shape, dtype in metadata)
+    with unseen_by_scopes():  # the codec's operations are not the model's
+        packed = _compress_once(pipeline, uncast, x, channel_dim)
+    if known is not None and known[0] != packed.layout:
+        raise ActcompError(f"the packed layout of {pipeline.spec!r} for a {tuple(x.shape)} input changed from one "
+                           f"compression to the next ({known[0]} then {packed.layout}); a checkpointed block's "
+                           "backward would decode its recomputed codes with the first")
+    if known is None:
+        if len(_LAYOUTS) >= _META_LIKE_LIMIT:
+            _LAYOUTS.clear()  # shapes that vary without end (variable sequence lengths)
+        _LAYOUTS[key] = (packed.layout, tuple((t.shape, t.dtype) for t in packed.tensors))
+    return packed.layout, packed.tensors
+
+
+# The layout and the kept tensors' shapes and dtypes of each compression made so far, by
+# (spec, input shape, strides, dtype, device, channel axis): what a checkpointed forward saves.
+_LAYOUTS: dict[tuple, tuple[PackedLayout, tuple[tuple[torch.Size, torch.dtype], ...]]] = {}
 
 
 # Meta tensors by (shape, strides, dtype): a layer sees the same few every step, and making one
@@ -132,10 +174,8 @@ class CompressedInputFunction(torch.autograd.Function):
             ctx.layout = packed.layout
             saved.extend(packed.tensors)
         elif needs_weight and pipeline is not None:
-            with unseen_by_scopes():  # the codec's operations are not the model's
-                packed = _compress_once(pipeline, uncast, unbroadcast(x), op.channel_dim)
-            ctx.layout = packed.layout
-            saved.extend(packed.tensors)
+            ctx.layout, kept = _kept_input(pipeline, uncast, x, op.channel_dim)
+            saved.extend(kept)
         ctx.save_for_backward(*saved)
         return out
 

@@ -15,6 +15,7 @@ What must hold, for torch's non-reentrant and reentrant checkpoint alike:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 
 import pytest
@@ -179,3 +180,52 @@ def test_checkpoints_stored_inputs_are_the_other_kind_kept_unless_asked():
 
     assert stored(kept) == [None] * 3
     assert all(codec is not None and codec.startswith("int8") for codec in stored(coded)) and len(stored(coded)) == 3
+
+
+@MODES
+def test_a_checkpointed_forward_does_not_compress_what_checkpoint_drops(use_reentrant, monkeypatch):
+    # Non-reentrant checkpoint drops what the forward saves and recomputes it: a converted layer
+    # inside the block saves memoryless stand-ins there (a reentrant forward saves nothing at all),
+    # and the backward decodes the recomputed codes with the layout of the same compression.
+    from actcomp.layers import function
+
+    torch.manual_seed(0)
+    uncheckpointed = actcomp.to_compressed(Net(None, norm=False), "mink0.5+int8", first_layer=None, rest="8bit")
+    model = copy.deepcopy(uncheckpointed)
+    model.use_reentrant = use_reentrant
+    step(model, inputs())  # the first forward compresses: nothing known of the layouts yet
+    calls = []
+    compress_once = function._compress_once
+    monkeypatch.setattr(function, "_compress_once", lambda *args: calls.append(args[0].spec) or compress_once(*args))
+
+    model.train().zero_grad(set_to_none=True)
+    torch.manual_seed(3)
+    output = model(inputs())
+    forward_calls = len(calls)
+    weights = torch.linspace(-1, 1, output.numel()).view(output.shape)
+    (output * weights).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    step_calls = len(calls)
+    expected = step(uncheckpointed, inputs())
+
+    assert forward_calls == 2  # the embedding and the head, outside the blocks
+    assert step_calls == 2 + 3 * 3  # each block's three Linear layers, in its recomputation
+    assert_same(grads, expected)
+
+
+def test_a_layout_that_changed_between_compressions_raises(monkeypatch):
+    from actcomp.core.packed import Packed
+    from actcomp.errors import ActcompError
+    from actcomp.layers import function
+
+    model = actcomp.to_compressed(nn.Sequential(nn.Linear(16, 8)), "int8", first_layer=None)
+    model(inputs()).sum().backward()
+    compress_once = function._compress_once
+
+    def another_layout(*args):
+        packed = compress_once(*args)
+        return Packed(packed.tensors, dataclasses.replace(packed.layout, flagged=not packed.layout.flagged))
+
+    monkeypatch.setattr(function, "_compress_once", another_layout)
+    with pytest.raises(ActcompError, match="packed layout of 'int8' for a \\(4, 24, 16\\) input changed"):
+        model(inputs())
