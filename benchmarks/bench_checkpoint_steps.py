@@ -30,6 +30,15 @@ from actcomp.host_allocator import return_freed_memory
 WAYS = {"plain": (False, False), "checkpointing": (True, False), "whole": (False, True), "both": (True, True)}
 
 
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One timed training step, in seconds."""
+    start = time.perf_counter()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--models", nargs="+", default=["vit_small_patch16_224", "resnet50"])
@@ -58,20 +67,12 @@ def main() -> None:
         x = torch.randn(args.batch, 3, args.img_size, args.img_size)
         y = torch.randint(0, 10, (args.batch,))
 
-        def step(way: str) -> float:
-            model, optimizer = runs[way]
-            start = time.perf_counter()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return time.perf_counter() - start
-
         for way in WAYS:
-            step(way)
+            step(*runs[way], x, y)
         ratios = {way: [] for way in WAYS}
         for index in range(args.rounds):
             order = list(WAYS)[index % 4:] + list(WAYS)[:index % 4]
-            seconds = {way: step(way) for way in order}
+            seconds = {way: step(*runs[way], x, y) for way in order}
             for way in WAYS:
                 ratios[way].append(seconds[way] / seconds["plain"])
         median = {way: statistics.median(values) for way, values in ratios.items()}
