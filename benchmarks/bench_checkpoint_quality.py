@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_lm_quality import gradient, llama
+from bench_lm_quality import cosine_table, gradient, llama
 from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, write_results
 
 import actcomp
@@ -69,15 +69,8 @@ def main() -> None:
             rows.append({"outliers": outliers, "config": label, "cosine_min": min(cosines),
                          "cosine_median": statistics.median(cosines)})
             print(f"outliers={outliers} {label}: min {min(cosines):.5f}", flush=True)
-    body = ["Cosine of one step's full gradient (float64) against plain's without checkpointing; min and median "
-            f"over {args.seeds} batches.", "",
-            "| configuration | random: min | random: median | outliers: min | outliers: median |",
-            "|---|---:|---:|---:|---:|"]
-    for label, *_ in CONFIGS:
-        clean, outlying = (next(row for row in rows if row["config"] == label and row["outliers"] == flag)
-                           for flag in (False, True))
-        body.append(f"| {label} | {clean['cosine_min']:.5f} | {clean['cosine_median']:.5f} "
-                    f"| **{outlying['cosine_min']:.5f}** | {outlying['cosine_median']:.5f} |")
+    body = cosine_table(["Cosine of one step's full gradient (float64) against plain's without checkpointing; "
+                         f"min and median over {args.seeds} batches.", ""], [label for label, *_ in CONFIGS], rows, 5)
     device = torch.device("cpu")
     header = header_lines(device, args.threads, 0, time.perf_counter() - started, {"seeds": args.seeds}, load_before)
     write_results("checkpoint_quality", device, args.threads, header,

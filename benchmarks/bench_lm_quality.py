@@ -69,6 +69,19 @@ def gradient(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([p.grad.double().reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
+def cosine_table(intro: list[str], labels: list[str], rows: list[dict], digits: int) -> list[str]:
+    """``intro`` and a row per configuration label: its min and median cosines without and with
+    the outliers (the latter's min in bold)."""
+    body = [*intro, "| configuration | random: min | random: median | outliers: min | outliers: median |",
+            "|---|---:|---:|---:|---:|"]
+    for label in labels:
+        clean, outlying = (next(row for row in rows if row["config"] == label and row["outliers"] == flag)
+                           for flag in (False, True))
+        body.append(f"| {label} | {clean['cosine_min']:.{digits}f} | {clean['cosine_median']:.{digits}f} "
+                    f"| **{outlying['cosine_min']:.{digits}f}** | {outlying['cosine_median']:.{digits}f} |")
+    return body
+
+
 def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--seeds", type=int, default=3)
@@ -96,16 +109,9 @@ def main() -> None:
             rows.append({"outliers": outliers, "config": label, "cosine_min": min(cosines),
                          "cosine_median": statistics.median(cosines)})
             print(f"outliers={outliers} {label}: min {min(cosines):.4f}", flush=True)
-    body = ["Cosine of one step's full gradient (float64) against plain's; min and median over "
-            f"{args.seeds} batches. Targets (issue 24): >= 0.99 for 8-bit presets, >= 0.97 for 4-bit ones, "
-            "with the outliers built in.", "",
-            "| configuration | random: min | random: median | outliers: min | outliers: median |",
-            "|---|---:|---:|---:|---:|"]
-    for label, *_ in CONFIGS:
-        clean, outlying = (next(row for row in rows if row["config"] == label and row["outliers"] == flag)
-                           for flag in (False, True))
-        body.append(f"| {label} | {clean['cosine_min']:.4f} | {clean['cosine_median']:.4f} "
-                    f"| **{outlying['cosine_min']:.4f}** | {outlying['cosine_median']:.4f} |")
+    body = cosine_table(["Cosine of one step's full gradient (float64) against plain's; min and median over "
+                         f"{args.seeds} batches. Targets (issue 24): >= 0.99 for 8-bit presets, >= 0.97 for 4-bit "
+                         "ones, with the outliers built in.", ""], [label for label, *_ in CONFIGS], rows, 4)
     device = torch.device("cpu")
     header = header_lines(device, args.threads, 0, time.perf_counter() - started, {"seeds": args.seeds}, load_before)
     write_results("lm_quality", device, args.threads, header,
