@@ -78,9 +78,10 @@ def compress_checkpoint_recomputation(capture: Callable[[], Any], recompute: Cal
     Checked on 2.13.0 and 2.14.1: ``_checkpoint_hook`` (made per checkpointed forward, by name,
     from ``torch.utils.checkpoint``'s globals), its frame (``weak_holders``, ``recomp_counter``,
     ``recomputed[gid][handle]``, ``get_inputs()`` called just before the recomputation),
-    ``_recomputation_hook`` (its pack stores the
-    recomputed tensor in the frame and returns it, which the recomputation's own graph holds) and
-    ``_StopRecomputationError``. If they move, recomputed blocks are kept whole, as before."""
+    ``_recomputation_hook`` (its pack stores the recomputed tensor in the frame and returns it,
+    which the recomputation's own graph holds) and ``_StopRecomputationError``. If they move,
+    recomputed blocks are kept whole, as before; if they stay but behave otherwise, the frame
+    keeps what torch's pack stored there (whole), and checkpoint's unpack returns it as it is."""
     from torch.utils import checkpoint
 
     names = ("_checkpoint_hook", "_recomputation_hook", "_StopRecomputationError", "_CheckpointFrame")
