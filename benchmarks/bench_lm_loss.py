@@ -16,7 +16,8 @@ its loss computed four ways:
 - ``actcomp-8bit``: ``to_compressed(model, "mink0.9+int8", rest="8bit")``, which routes the loss too;
 - ``checkpoint``: Hugging Face's ``gradient_checkpointing_enable()`` (non-reentrant), and
   ``checkpoint+actcomp-8bit``: both (actcomp compresses what lies outside the checkpointed
-  layers, the loss routed too; the layers' stored inputs stay as checkpointing keeps them).
+  layers, the loss routed too, and since stop 48 what each layer's recomputation saves in
+  backward; the layers' stored inputs stay as checkpointing keeps them).
 
 Reported per dtype: bytes kept for backward (``actcomp.memory_report``, deduplicated by
 storage), split into the loss's (kept with labels minus kept without: the head's log-softmax,
