@@ -70,11 +70,17 @@ def _kept_input(pipeline: Pipeline, uncast: torch.Tensor, x: torch.Tensor,
 
     Checkpoint compares each recomputed tensor's shape, dtype and device with what the forward
     saved, and the backward decodes the recomputed tensors with the layout kept here: the
-    stand-ins carry the one, and a compression of the same spec, input layout and channel axis
-    has always made the same layout (no codec's depends on the values); a recomputation that
-    makes another raises rather than decode with the wrong one. Without the stand-ins a
-    checkpointed block compressed its Linear inputs twice (ViT-S: half again the kernel calls)."""
+    stand-ins carry the one, and only pipelines whose every stage compiles take them (a compiled
+    graph needs sizes that are a function of the input's shape alone: ``mink0.9:rice=1``'s
+    Rice-coded positions, whose size depends on the values, compress twice as before). Such a
+    pipeline whose layout changed from one compression to the next raises rather than let a
+    backward decode with the wrong one. Without the stand-ins a checkpointed block compressed
+    its Linear inputs twice (ViT-S: half again the kernel calls)."""
     x = unbroadcast(x)
+    if not all(stage.compiles() for stage in pipeline.stages):
+        with unseen_by_scopes():
+            packed = _compress_once(pipeline, uncast, x, channel_dim)
+        return packed.layout, packed.tensors
     key = (pipeline.spec, x.shape, x.stride(), x.dtype, x.device, channel_dim)
     known = _LAYOUTS.get(key)
     if known is not None and saves_dropped_by_checkpoint():

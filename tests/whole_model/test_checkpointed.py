@@ -229,3 +229,15 @@ def test_a_layout_that_changed_between_compressions_raises(monkeypatch):
     monkeypatch.setattr(function, "_compress_once", another_layout)
     with pytest.raises(ActcompError, match="packed layout of 'int8' for a \\(4, 24, 16\\) input changed"):
         model(inputs())
+
+
+def test_a_pipeline_whose_layout_depends_on_the_values_compresses_in_the_checkpointed_forward():
+    # Rice-coded positions take a size that depends on the values: no stand-ins (their layout
+    # could not be known before the recomputation), the forward compresses as before it had them.
+    torch.manual_seed(0)
+    uncheckpointed = actcomp.to_compressed(Net(None, norm=False), "mink0.5:rice=1", first_layer=None, rest="8bit")
+    model = copy.deepcopy(uncheckpointed)
+    model.use_reentrant = False
+    for seed in (0, 1):  # another batch each step: another Rice layout for the same shapes
+        x = torch.randn(4, 24, 16, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        assert_same(step(model, x), step(uncheckpointed, x))
