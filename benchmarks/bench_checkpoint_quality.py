@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_lm_quality import cosine_table, gradient, llama
+from bench_lm_quality import cosine_table, gradient, llama, reference_batches
 from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, write_results
 
 import actcomp
@@ -54,11 +54,7 @@ def main() -> None:
     rows = []
     for outliers in (False, True):
         base = llama(outliers)
-        batches = []
-        for seed in range(args.seeds):
-            ids = torch.randint(1, 2000, (2, 256), generator=torch.Generator().manual_seed(seed))
-            ids[:, 0] = 0  # the sink token
-            batches.append((ids, gradient(base, ids)))
+        batches = reference_batches(base, args.seeds)
         for label, rest, checkpointing in CONFIGS:
             model = copy.deepcopy(base)
             if checkpointing:

@@ -69,6 +69,16 @@ def gradient(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([p.grad.double().reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
+def reference_batches(model, seeds: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``seeds`` batches of 2 x 256 tokens, the first a sink, each with ``model``'s gradient."""
+    batches = []
+    for seed in range(seeds):
+        ids = torch.randint(1, 2000, (2, 256), generator=torch.Generator().manual_seed(seed))
+        ids[:, 0] = 0  # the sink token
+        batches.append((ids, gradient(model, ids)))
+    return batches
+
+
 def cosine_table(intro: list[str], labels: list[str], rows: list[dict], digits: int) -> list[str]:
     """``intro`` and a row per configuration label: its min and median cosines without and with
     the outliers (the latter's min in bold)."""
@@ -97,11 +107,7 @@ def main() -> None:
             attention = named[0] if named else "sdpa"
             if attention not in bases:
                 bases[attention] = llama(outliers, attention)
-                batches[attention] = []
-                for seed in range(args.seeds):
-                    ids = torch.randint(1, 2000, (2, 256), generator=torch.Generator().manual_seed(seed))
-                    ids[:, 0] = 0  # the sink token
-                    batches[attention].append((ids, gradient(bases[attention], ids)))
+                batches[attention] = reference_batches(bases[attention], args.seeds)
             model = copy.deepcopy(bases[attention])
             actcomp.to_compressed(model, spec, rest=rest, loss="plain")
             cosines = [float(F.cosine_similarity(gradient(model, ids), reference, dim=0))

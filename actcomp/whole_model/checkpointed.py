@@ -39,6 +39,7 @@ plain checkpointing's bit for bit. What checkpoint stores of the block's inputs 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 
@@ -61,12 +62,18 @@ _FORWARD = _Forward()
 def forward_session(session: _Session) -> Iterator[None]:
     """Name ``session`` as this thread's running whole-model forward while the block runs, so
     that checkpointed blocks inside it compress what their recomputation saves."""
-    compress_checkpoint_recomputation(_captured, _recomputing)
+    _install()
     outer, _FORWARD.session = _FORWARD.session, session
     try:
         yield
     finally:
         _FORWARD.session = outer
+
+
+@functools.cache
+def _install() -> bool:
+    """Checkpoint's recomputation hooks, replaced once for the process (not at every forward)."""
+    return compress_checkpoint_recomputation(_captured, _recomputing)
 
 
 def _captured() -> tuple[RestPolicy, frozenset] | None:
