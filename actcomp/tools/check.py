@@ -24,22 +24,19 @@ modified: the runs use deep copies.
 
 from __future__ import annotations
 
-import copy
-import statistics
 import textwrap
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from actcomp.convert import compressed_layers, to_compressed
 from actcomp.core.pipeline import Pipeline, parse
 from actcomp.errors import ActcompError
-from actcomp.tools.memory import format_bytes, memory_report
+from actcomp.tools.memory import format_bytes
+from actcomp.tools.user_batch import UserBatch, copy_model, gradient_cosine
 from actcomp.whole_model.policy import Exact, KeepAsIs, RestPolicy
 
 # Whole-model kinds whose choice can be lossy; pooling and dropout take exact codecs only.
@@ -221,19 +218,17 @@ def check(model: nn.Module, batch: Any, pipeline: str | Pipeline | Mapping = "mi
         raise ActcompError(f"floor and layer_floor must be in (0, 1], got {floor} and {layer_floor}")
     if rounds < 1:
         raise ActcompError(f"rounds must be at least 1, got {rounds}")
-    inputs, kwargs = ((), dict(batch)) if isinstance(batch, Mapping) else (
-        tuple(batch) if isinstance(batch, (tuple, list)) else (batch,), {})
-    plain = _copy(model)
-    run = _Runner(inputs, kwargs, loss_fn, seed)
+    plain = copy_model(model)
+    run = UserBatch(batch, loss_fn, seed)
     reference = run.gradients(plain)
 
-    converted = to_compressed(_copy(model), pipeline, rest=rest)
-    whole = _cosine(run.gradients(converted), reference)
+    converted = to_compressed(copy_model(model), pipeline, rest=rest)
+    whole = gradient_cosine(run.gradients(converted), reference)
     plain_report, kept_report = run.memory(plain), run.memory(converted)
     step_time = run.step_time(plain, converted, rounds)
     policy = getattr(converted, "actcomp_rest", None)
 
-    layers_only = converted if policy is None else to_compressed(_copy(model), pipeline, loss="plain")
+    layers_only = converted if policy is None else to_compressed(copy_model(model), pipeline, loss="plain")
     layer_gradients = run.gradients(layers_only)
     # A layer that reads the model's input runs plain (first_layer="auto"): the caller keeps it anyway.
     plain_on_input = set((kept_report if layers_only is converted else run.memory(layers_only)).plain_on_input)
@@ -242,7 +237,7 @@ def check(model: nn.Module, batch: Any, pipeline: str | Pipeline | Mapping = "mi
     for name, layer in compressed_layers(layers_only).items():
         if f"{name}.weight" not in reference:
             continue
-        cosine = _cosine({"w": layer_gradients[f"{name}.weight"]}, {"w": reference[f"{name}.weight"]})
+        cosine = gradient_cosine({"w": layer_gradients[f"{name}.weight"]}, {"w": reference[f"{name}.weight"]})
         if name in plain_on_input:  # it runs as plain does, so it is held to the quantizers' floor
             spec, row_floor = "plain (model input)", floor
         else:
@@ -258,17 +253,18 @@ def check(model: nn.Module, batch: Any, pipeline: str | Pipeline | Mapping = "mi
     whole_floor = min(floor, linear_floor)
     if layer_rows:
         row = kept.get("linear")
-        kind_rows.append(CheckRow("linear (Linear/Conv inputs)", _spec_text(pipeline), _cosine(layer_gradients, reference),
-                                  linear_floor, True, row.plain_bytes if row else 0, row.kept_bytes if row else 0))
+        kind_rows.append(CheckRow("linear (Linear/Conv inputs)", _spec_text(pipeline),
+                                  gradient_cosine(layer_gradients, reference), linear_floor, True,
+                                  row.plain_bytes if row else 0, row.kept_bytes if row else 0))
     if policy is not None:
         exact = RestPolicy.parse("exact")
         for kind in _LOSSY_KINDS:
             choice = getattr(policy, kind)
             if isinstance(choice, (KeepAsIs, Exact)) or kind not in kept:
                 continue
-            alone = to_compressed(_copy(model), "mink0", rest=replace(exact, **{kind: choice}), loss="plain")
+            alone = to_compressed(copy_model(model), "mink0", rest=replace(exact, **{kind: choice}), loss="plain")
             row = kept[kind]
-            kind_rows.append(CheckRow(kind, str(choice), _cosine(run.gradients(alone), reference), floor, True,
+            kind_rows.append(CheckRow(kind, str(choice), gradient_cosine(run.gradients(alone), reference), floor, True,
                                       row.plain_bytes, row.kept_bytes))
     problems, together = _problems(kind_rows, layer_rows, pipeline, whole, whole_floor)
     return CheckReport(_spec_text(pipeline), None if rest is None else str(rest), whole, whole_floor,
@@ -342,88 +338,6 @@ def _norm_after(layer: str, order: list[str], zero_norms: set[str]) -> str | Non
     prefix = f"{parent}." if parent else ""
     after = order[order.index(layer) + 1:] if layer in order else []
     return next((name for name in after if name in zero_norms and name.startswith(prefix)), None)
-
-
-class _Runner:
-    """The user's batch, loss and seed: gradients, memory and step time of one model."""
-
-    def __init__(self, inputs: Sequence, kwargs: dict, loss_fn: Callable | None, seed: int):
-        self.inputs, self.kwargs, self.loss_fn, self.seed = inputs, kwargs, loss_fn, seed
-
-    def step(self, model: nn.Module) -> None:
-        model.train()
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(self.seed)
-        _loss(model(*self.inputs, **self.kwargs), self.loss_fn, self.seed).backward()
-
-    def gradients(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        self.step(model)
-        return {name: p.grad.detach().double().reshape(-1).clone()
-                for name, p in model.named_parameters() if p.grad is not None}
-
-    def memory(self, model: nn.Module):
-        torch.manual_seed(self.seed)
-        return memory_report(model, *self.inputs, **self.kwargs)
-
-    def step_time(self, plain: nn.Module, converted: nn.Module, rounds: int) -> float:
-        """Median over ``rounds`` of converted's step time over plain's, each round one step of
-        each in turn (after one untimed step of each)."""
-        ratios = []
-        for round_ in range(rounds + 1):
-            seconds = []
-            for model in (plain, converted):
-                started = time.perf_counter()
-                self.step(model)
-                seconds.append(time.perf_counter() - started)
-            if round_:
-                ratios.append(seconds[1] / seconds[0])
-        return statistics.median(ratios)
-
-
-def _copy(model: nn.Module) -> nn.Module:
-    try:
-        return copy.deepcopy(model)
-    except Exception as error:  # noqa: BLE001 - any failure to copy has the same remedy
-        raise ActcompError(f"check needs a deep copy of the model and copy.deepcopy failed ({type(error).__name__}: "
-                           f"{error}); build the model twice and compare by hand, or make it copyable") from error
-
-
-def _loss(output: Any, loss_fn: Callable | None, seed: int) -> torch.Tensor:
-    if loss_fn is not None:
-        return loss_fn(output)
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    tensor = _first_float_tensor(output)
-    if tensor is None:
-        raise ActcompError(f"the model's output ({type(output).__name__}) holds no float tensor to take a loss of; "
-                           "pass loss_fn=lambda output: ...")
-    # A fixed random direction: every output element gets a gradient, the same in every run.
-    weights = torch.randn(tensor.shape, generator=torch.Generator().manual_seed(seed)).to(tensor.device)
-    return (tensor.float() * weights).sum()
-
-
-def _first_float_tensor(output: Any) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output if output.is_floating_point() else None
-    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
-    for value in values:
-        found = _first_float_tensor(value)
-        if found is not None:
-            return found
-    return None
-
-
-def _cosine(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
-    names = [name for name in expected if name in got]
-    if not names:
-        raise ActcompError("no parameter got a gradient in both runs: does the loss depend on the parameters?")
-    a, b = (torch.cat([grads[name] for name in names]) for grads in (got, expected))
-    if not b.norm():
-        # No gradient in plain (a random-init ResNet block whose last BatchNorm starts at zero):
-        # nothing to compare; NaN is under no floor.
-        return float("nan")
-    return float(F.cosine_similarity(a, b, dim=0))
 
 
 def _spec_text(pipeline: str | Pipeline | Mapping) -> str:

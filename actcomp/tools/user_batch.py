@@ -1,0 +1,124 @@
+"""One batch of the user's, run through copies of their model: gradients, kept bytes, step time.
+
+:func:`actcomp.check` and :func:`actcomp.plan_budget` measure the same way: a deep copy of the
+model per configuration (the user's model is never touched), the same loss and seed in every run.
+
+>>> import torch
+>>> net = torch.nn.Linear(4, 2)
+>>> run = UserBatch(torch.randn(8, 4))
+>>> gradient_cosine(run.gradients(copy_model(net)), run.gradients(net))
+1.0
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actcomp.errors import ActcompError
+from actcomp.tools.memory import MemoryReport, memory_report
+
+
+class UserBatch:
+    """The user's batch, loss and seed: gradients, memory and step time of one model.
+
+    ``batch`` is a tensor, a tuple of the forward's positional arguments, or a dict of its keyword
+    arguments; the loss is ``loss_fn(output)``, else the output's ``.loss``, else a fixed random
+    projection of its first float tensor; every step seeds torch with ``seed`` first.
+
+    >>> import torch
+    >>> run = UserBatch(torch.ones(2, 3))
+    >>> sorted(run.gradients(torch.nn.Linear(3, 1)))
+    ['bias', 'weight']
+    """
+
+    def __init__(self, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None, seed: int = 0):
+        self.inputs, self.kwargs = ((), dict(batch)) if isinstance(batch, Mapping) else (
+            tuple(batch) if isinstance(batch, (tuple, list)) else (batch,), {})
+        self.loss_fn, self.seed = loss_fn, seed
+
+    def step(self, model: nn.Module) -> None:
+        model.train()
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(self.seed)
+        _loss(model(*self.inputs, **self.kwargs), self.loss_fn, self.seed).backward()
+
+    def gradients(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        self.step(model)
+        return {name: p.grad.detach().double().reshape(-1).clone()
+                for name, p in model.named_parameters() if p.grad is not None}
+
+    def memory(self, model: nn.Module) -> MemoryReport:
+        torch.manual_seed(self.seed)
+        return memory_report(model, *self.inputs, **self.kwargs)
+
+    def step_time(self, plain: nn.Module, converted: nn.Module, rounds: int) -> float:
+        """Median over ``rounds`` of converted's step time over plain's, each round one step of
+        each in turn (after one untimed step of each)."""
+        ratios = []
+        for round_ in range(rounds + 1):
+            seconds = []
+            for model in (plain, converted):
+                started = time.perf_counter()
+                self.step(model)
+                seconds.append(time.perf_counter() - started)
+            if round_:
+                ratios.append(seconds[1] / seconds[0])
+        return statistics.median(ratios)
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model``, or an error that says what to do when it cannot be copied."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as error:  # noqa: BLE001 - any failure to copy has the same remedy
+        raise ActcompError(f"actcomp measures deep copies of the model and copy.deepcopy failed "
+                           f"({type(error).__name__}: {error}); build the model twice and compare by hand, or make it "
+                           "copyable") from error
+
+
+def _loss(output: Any, loss_fn: Callable | None, seed: int) -> torch.Tensor:
+    if loss_fn is not None:
+        return loss_fn(output)
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    tensor = _first_float_tensor(output)
+    if tensor is None:
+        raise ActcompError(f"the model's output ({type(output).__name__}) holds no float tensor to take a loss of; "
+                           "pass loss_fn=lambda output: ...")
+    # A fixed random direction: every output element gets a gradient, the same in every run.
+    weights = torch.randn(tensor.shape, generator=torch.Generator().manual_seed(seed)).to(tensor.device)
+    return (tensor.float() * weights).sum()
+
+
+def _first_float_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output if output.is_floating_point() else None
+    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
+    for value in values:
+        found = _first_float_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+def gradient_cosine(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    """The cosine between two runs' gradients over the parameters both have, NaN where
+    ``expected`` is all zeros."""
+    names = [name for name in expected if name in got]
+    if not names:
+        raise ActcompError("no parameter got a gradient in both runs: does the loss depend on the parameters?")
+    a, b = (torch.cat([grads[name] for name in names]) for grads in (got, expected))
+    if not b.norm():
+        # No gradient in plain (a random-init ResNet block whose last BatchNorm starts at zero):
+        # nothing to compare; NaN is under no floor.
+        return float("nan")
+    return float(F.cosine_similarity(a, b, dim=0))
