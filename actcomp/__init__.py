@@ -24,6 +24,7 @@ from actcomp.core.registry import (
 )
 from actcomp.errors import ActcompError
 from actcomp.losses import linear_cross_entropy
+from actcomp.tools.budget import BudgetPlan, plan_budget
 from actcomp.tools.check import CheckReport, check
 from actcomp.tools.memory import MemoryReport, memory_report
 from actcomp.whole_model.choosing import register_op_codec, unregister_op_codec
@@ -44,8 +45,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'actcomp' has no attribute {name!r}")
 
 __all__ = [
-    "ActcompError", "CheckReport", "MemoryReport", "Packed", "Pipeline", "check", "codec_class", "compress_in_graph",
-    "compressed_layers", "compressors", "from_compressed", "linear_cross_entropy", "list_codecs", "list_compressors",
-    "memory_report", "parse", "register_codec", "register_compressor", "register_op_codec", "to_compressed",
-    "unregister_codec", "unregister_compressor", "unregister_op_codec",
+    "ActcompError", "BudgetPlan", "CheckReport", "MemoryReport", "Packed", "Pipeline", "check", "codec_class",
+    "compress_in_graph", "compressed_layers", "compressors", "from_compressed", "linear_cross_entropy", "list_codecs",
+    "list_compressors", "memory_report", "parse", "plan_budget", "register_codec", "register_compressor",
+    "register_op_codec", "to_compressed", "unregister_codec", "unregister_compressor", "unregister_op_codec",
 ]

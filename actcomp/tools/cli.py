@@ -79,9 +79,13 @@ def _add_check_arguments(check: argparse.ArgumentParser) -> None:
                         help="a function returning (model, batch): a file path or module name, a colon, its name "
                              "(batch: a tensor, a tuple of positional arguments or a dict of keyword arguments)")
     source.add_argument("--timm", metavar="NAME", help="a timm model (random weights) on random images instead")
-    check.add_argument("--pipeline", default="mink0.9+int8", help="spec for Linear/Conv inputs (default %(default)s)")
-    check.add_argument("--rest", metavar="PRESET_OR_SPEC", default="8bit",
-                       help="whole-model policy ('8bit', '4bit', 'exact', a spec; 'none': Linear/Conv mode only)")
+    check.add_argument("--pipeline", default=None, help="spec for Linear/Conv inputs (default mink0.9+int8)")
+    check.add_argument("--rest", metavar="PRESET_OR_SPEC", default=None,
+                       help="whole-model policy ('8bit', '4bit', 'exact', a spec; 'none': Linear/Conv mode only; "
+                            "default 8bit)")
+    check.add_argument("--budget", metavar="FRACTION_OR_SIZE", default=None,
+                       help="plan the codecs instead (actcomp.plan_budget): a fraction of plain's kept bytes (0.1) or "
+                            "a size for this batch (1.5GiB); prints the plan, then checks it")
     check.add_argument("--floor", type=float, default=0.99,
                        help="lowest gradient cosine for each op kind, a layer under a quantizer alone, and the whole "
                             "model unless a sparsifier's layers set a lower one (default %(default)s)")
@@ -360,7 +364,9 @@ def _plot_by_type(plt, args: argparse.Namespace, spec: str, before: MemoryReport
 
 
 def _check(args: argparse.Namespace) -> int:
-    """``actcomp check``: :func:`actcomp.tools.check.check` on a model of the user's."""
+    """``actcomp check``: :func:`actcomp.tools.check.check` on a model of the user's (with
+    ``--budget``, of the plan :func:`actcomp.tools.budget.plan_budget` makes for it)."""
+    from actcomp.tools.budget import plan_budget
     from actcomp.tools.check import check
 
     if args.timm:
@@ -369,10 +375,30 @@ def _check(args: argparse.Namespace) -> int:
         batch = torch.randn(args.batch, 3, args.img_size, args.img_size, generator=torch.Generator().manual_seed(0))
     else:
         model, batch = _from_factory(args.model)
-    rest = None if args.rest.lower() == "none" else args.rest
-    print(check(model, batch, args.pipeline, rest=rest, floor=args.floor, layer_floor=args.layer_floor,
+    if args.budget is not None:
+        if args.pipeline is not None or args.rest is not None:
+            raise ActcompError("--budget chooses the pipeline and rest itself: drop --pipeline and --rest, or --budget")
+        plan = plan_budget(model, batch, _budget_argument(args.budget))
+        print(plan, end="\n\n")
+        pipeline, rest = plan.pipeline, plan.rest
+    else:
+        pipeline = args.pipeline or "mink0.9+int8"
+        rest = None if (args.rest or "8bit").lower() == "none" else (args.rest or "8bit")
+    print(check(model, batch, pipeline, rest=rest, floor=args.floor, layer_floor=args.layer_floor,
                 rounds=args.rounds))
     return 0
+
+
+def _budget_argument(text: str) -> float | str:
+    """``--budget``: a fraction ("0.1") or a size ("1.5GiB").
+
+    >>> _budget_argument("0.1"), _budget_argument("1.5GiB")
+    (0.1, '1.5GiB')
+    """
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _from_factory(text: str) -> tuple[nn.Module, Any]:

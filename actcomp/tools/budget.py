@@ -1,0 +1,440 @@
+"""A memory budget instead of a spec: the codecs that keep at most a fraction of plain's bytes
+with the least gradient error, measured on one batch of yours.
+
+:func:`plan_budget` measures the way :func:`actcomp.check` does (deep copies, your batch, your
+loss, one seed), in three steps:
+
+1. **bytes**: what each part keeps under each rung of a ladder of codecs, one forward per rung.
+   The parts are the converted Linear/Conv layers (their inputs) and whole-model mode's lossy
+   op kinds (activation, normalization, attention, other: what their ops save); pooling and
+   dropout always take their exact codecs.
+2. **error**: the squared gradient error each part adds alone, ``|g - g_plain|^2 / |g_plain|^2``.
+   A Linear/Conv layer's input serves only its own weight gradient, so one step with every
+   layer on one rung measures every layer at once; an op kind bends the gradient flowing back
+   through it, so each kind takes one step per rung.
+3. **choice**: one rung per part minimising the summed error within the budget (an exact
+   multiple-choice knapsack over the bytes), then one run of the plan itself to measure what it
+   keeps and its gradient cosine; a plan that misses the budget by the parts' overlaps is
+   re-solved against what it kept.
+
+The search costs ``2 + len(layer_specs) + (rungs per kind present)`` steps and as many forwards
+as the longest ladder has rungs: 12-20 steps on our models. The plan prints as the call that
+pins it.
+
+>>> import torch, actcomp
+>>> _ = torch.manual_seed(0)
+>>> net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256),
+...                           torch.nn.Linear(256, 10))
+>>> plan = actcomp.plan_budget(net, torch.randn(128, 64), budget=0.3)
+>>> plan.kept_fraction <= 0.3, plan.cosine > 0.99
+(True, True)
+>>> net = plan.apply(net)  # the same as pasting print(plan)'s call
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from actcomp.convert import compressed_layers, to_compressed
+from actcomp.errors import ActcompError
+from actcomp.tools.memory import MemoryReport, format_bytes, parse_bytes
+from actcomp.tools.user_batch import UserBatch, copy_model
+from actcomp.whole_model.policy import EXACT_KINDS, LOSSY_KINDS
+
+# Rungs from light to heavy. Linear/Conv inputs only serve the weight gradient (DropIT), so
+# min-k belongs on their ladder; the op kinds' tensors feed the gradient flowing back, so theirs
+# stops at quantizers. "fewbit4" is the 4-bit derivative code of GELU/SiLU inputs (the "4bit"
+# preset's), int4 in groups of 64 for the kind's other tensors.
+LAYER_SPECS = ("bf16", "int8", "int4", "mink0.5+int8", "mink0.9+int8", "mink0.9+int4")
+KIND_SPECS = ("bf16", "int8", "fewbit4", "int4:group=64", "int2:group=32")
+# Knapsack resolution: the budget in this many units, each part's bytes rounded down (a plan that
+# then keeps a few units too many is re-solved against what it kept).
+_UNITS = 16384
+# Solves against the plan's measured bytes (the parts' bytes overlap a little), and how far under
+# the budget a re-solve aims after a plan that went over (a fraction of the budget).
+_RESOLVES, _MARGIN = 6, 0.002
+
+
+@dataclass(frozen=True)
+class PlannedPart:
+    """One part of the plan: a layer (``kind`` "layer") or an op kind, the spec chosen (None:
+    as it is; "exact": the kind's exact codecs alone), its bytes plain and planned, and the
+    squared gradient error it adds alone, relative to the gradient's. ``members``: the layers
+    sharing one input, which take one spec (or the kind)."""
+
+    name: str
+    kind: str
+    spec: str | None
+    plain_bytes: int
+    kept_bytes: int
+    error: float
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """What :func:`plan_budget` chose: ``pipeline`` and ``rest`` to pass to
+    :func:`actcomp.to_compressed` (or :meth:`apply`), the bytes plain and kept by the plan as
+    measured, the whole gradient's cosine against plain's, the parts, the layers whose error could
+    not be measured (no gradient on the batch), and the search's cost. ``print(plan)`` shows the
+    call that pins it and the parts by op kind."""
+
+    budget_bytes: int
+    plain_bytes: int
+    kept_bytes: int
+    smallest_bytes: int
+    cosine: float
+    pipeline: dict[str, str | None]
+    rest: dict[str, Any]
+    parts: tuple[PlannedPart, ...]
+    unmeasured: tuple[str, ...]
+    steps: int
+    forwards: int
+
+    @property
+    def budget(self) -> float:
+        return self.budget_bytes / self.plain_bytes
+
+    @property
+    def kept_fraction(self) -> float:
+        return self.kept_bytes / self.plain_bytes
+
+    def call(self) -> str:
+        """The :func:`actcomp.to_compressed` call that pins the plan."""
+        return f"actcomp.to_compressed(model, {self.pipeline!r}, rest={self.rest!r})"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """``to_compressed(model, plan.pipeline, rest=plan.rest)``: converts ``model`` in place."""
+        return to_compressed(model, self.pipeline, rest=self.rest)
+
+    def __str__(self) -> str:
+        lines = [f"budget {self.budget:.3f} of plain's {format_bytes(self.plain_bytes)} kept for backward: the plan "
+                 f"keeps {format_bytes(self.kept_bytes)} ({self.kept_fraction:.3f}, {1 / self.kept_fraction:.1f}x "
+                 f"fewer), gradient cosine {self.cosine:.4f} against plain's",
+                 f"search: {self.steps} steps and {self.forwards} forwards on the batch; the smallest reachable is "
+                 f"{self.smallest_bytes / self.plain_bytes:.3f}", "", "pin it:", "  " + self.call(), "",
+                 f"{'part':<28} {'codec':<16} {'plain':>10} {'planned':>10} {'error':>9}"]
+        layers = [part for part in self.parts if part.kind == "layer"]
+        for spec, _ in Counter(part.spec for part in layers).most_common():
+            chosen = [part for part in layers if part.spec == spec]
+            count = sum(len(part.members) for part in chosen)
+            lines.append(self._row(f"{count} Linear/Conv layer{'s' * (count > 1)}", spec, chosen))
+        for part in self.parts:
+            if part.kind != "layer":
+                lines.append(self._row(part.name, part.spec, [part]))
+        if self.unmeasured:
+            lines += ["", f"{len(self.unmeasured)} layers had no gradient on this batch (a zero-initialised norm "
+                          "after them?): each planned at the median measured layer's relative error and share; plan on a trained "
+                          f"checkpoint to measure them ({', '.join(self.unmeasured[:3])}{' ...' * (len(self.unmeasured) > 3)})"]
+        return "\n".join(lines)
+
+    @staticmethod
+    def _row(name: str, spec: str | None, parts: list[PlannedPart]) -> str:
+        plain, kept = sum(part.plain_bytes for part in parts), sum(part.kept_bytes for part in parts)
+        error = sum(part.error for part in parts)
+        return f"{name:<28} {str(spec):<16} {format_bytes(plain):>10} {format_bytes(kept):>10} {error:>9.2e}"
+
+
+def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
+                loss_fn: Callable[[Any], torch.Tensor] | None = None, seed: int = 0,
+                layer_specs: Sequence[str] = LAYER_SPECS, kind_specs: Sequence[str] = KIND_SPECS) -> BudgetPlan:
+    """The codecs that keep at most ``budget`` of what plain PyTorch keeps for backward on
+    ``batch``, with the least gradient error (module docstring: how, and what it costs).
+
+    ``budget`` is a fraction of plain's kept bytes (a float in (0, 1]) or bytes for this batch
+    (an int, or a size such as ``"1.5GiB"``). ``batch``, ``loss_fn`` and ``seed`` as for
+    :func:`actcomp.check`. ``layer_specs`` and ``kind_specs`` are the ladders searched (fewer
+    rungs, fewer steps). The same model, batch and seed give the same plan. Where the budget
+    cannot be met the error names the smallest reachable fraction. ``model`` is not modified.
+    """
+    if compressed_layers(model) or getattr(model, "actcomp_rest", None) is not None:
+        raise ActcompError("plan_budget takes the plain model (it converts copies itself); this one is converted "
+                           "already: pass the model before to_compressed, or actcomp.from_compressed(model)")
+    run = UserBatch(batch, loss_fn, seed)
+    plain_bytes = run.memory(copy_model(model)).total_bytes
+    budget_bytes = _budget_bytes(budget, plain_bytes)
+    search = _Search(model, run, tuple(layer_specs), tuple(kind_specs))
+    parts, fixed = search.parts()
+    smallest = fixed + sum(min(option.bytes for option in part.options) for part in parts)
+    if smallest > budget_bytes:
+        raise ActcompError(
+            f"budget {budget!r} ({format_bytes(budget_bytes)}, {budget_bytes / plain_bytes:.3f} of plain's "
+            f"{format_bytes(plain_bytes)}) cannot be met on this model and batch: the smallest reachable is "
+            f"{smallest / plain_bytes:.3f} ({format_bytes(smallest)}), every layer at "
+            f"{layer_specs[-1] if layer_specs else None!r} and every op kind at {kind_specs[-1] if kind_specs else None!r}")
+    # The parts overlap a little (a tensor two ops save is counted once): aim again by what the
+    # plan kept, keeping the fullest plan within the budget.
+    capacity, best = budget_bytes - fixed, None
+    for _ in range(_RESOLVES):
+        chosen = _knapsack(parts, capacity)
+        pipeline, rest = _pipeline_mapping(parts, chosen), _rest_mapping(parts, chosen)
+        kept = search.kept_bytes(pipeline, rest)
+        if kept <= budget_bytes and (best is None or kept > best[3]):
+            best = (chosen, pipeline, rest, kept)
+        if kept <= budget_bytes and (kept >= 0.95 * budget_bytes or not any(chosen)):
+            break
+        capacity += budget_bytes - kept - (_MARGIN * budget_bytes if kept > budget_bytes else 0)
+    if best is None:
+        raise ActcompError(f"budget {budget!r}: the closest plan keeps {format_bytes(kept)} "
+                           f"({kept / plain_bytes:.3f} of plain's), over {format_bytes(budget_bytes)}; ask for at least "
+                           f"{kept / plain_bytes:.3f}")
+    chosen, pipeline, rest, kept = best
+    cosine = search.cosine(pipeline, rest)
+    planned = tuple(PlannedPart(part.name, part.kind, part.options[index].spec, part.options[0].bytes,
+                                part.options[index].bytes, part.options[index].error, part.members)
+                    for part, index in zip(parts, chosen))
+    return BudgetPlan(budget_bytes, plain_bytes, kept, smallest, cosine, pipeline, rest, planned,
+                      tuple(sorted(search.unmeasured)), search.steps, search.forwards)
+
+
+def _budget_bytes(budget: float | int | str, plain_bytes: int) -> int:
+    """``budget`` in bytes: a fraction of ``plain_bytes``, bytes, or a size string.
+
+    >>> _budget_bytes(0.25, 1000), _budget_bytes(300, 1000), _budget_bytes("1KiB", 4096)
+    (250, 300, 1024)
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise ActcompError(f"budget must be a fraction of plain's kept bytes (a float in (0, 1]), bytes (an int) or "
+                           f"a size such as '1.5GiB', got {type(budget).__name__}: {budget!r}")
+    if isinstance(budget, str):
+        return parse_bytes(budget)
+    if isinstance(budget, float):
+        if not 0 < budget <= 1:
+            raise ActcompError(f"budget={budget!r}: a fraction of plain's kept bytes must be in (0, 1]; write bytes "
+                               "as an int or a size string ('1.5GiB')")
+        return round(budget * plain_bytes)
+    if budget <= 0:
+        raise ActcompError(f"budget={budget!r}: bytes must be positive")
+    return budget
+
+
+@dataclass(frozen=True)
+class _Option:
+    spec: str | None
+    bytes: int
+    error: float
+
+
+@dataclass(frozen=True)
+class _Part:
+    name: str
+    kind: str
+    options: tuple[_Option, ...]
+    # The layers that share one input (a block's conv1 and downsample), or the kind.
+    members: tuple[str, ...]
+
+
+class _Search:
+    """The measurements: copies of the model converted rung by rung, on the user's batch."""
+
+    def __init__(self, model: nn.Module, run: UserBatch, layer_specs: tuple[str, ...], kind_specs: tuple[str, ...]):
+        self.model, self.run, self.layer_specs, self.kind_specs = model, run, layer_specs, kind_specs
+        self.reference = run.gradients(copy_model(model))
+        self.norm = float(sum(grad.square().sum() for grad in self.reference.values()))
+        if not self.norm:
+            raise ActcompError("plain's gradient is zero on this batch: no error can be measured; does the loss "
+                               "depend on the parameters?")
+        self.steps, self.forwards = 1, 1
+        self.unmeasured: set[str] = set()
+
+    def parts(self) -> tuple[list[_Part], int]:
+        """Every part with its options (rung 0: plain layers, exact kind), and the bytes no part
+        holds (the model's other saves)."""
+        rungs = max(len(self.layer_specs), len(self.kind_specs))
+        reports = [self._report(None if rung == 0 else _rung(self.layer_specs, rung),
+                                None if rung == 0 else _rung(self.kind_specs, rung)) for rung in range(rungs + 1)]
+        first = reports[0]
+        converted = list(compressed_layers(to_compressed(copy_model(self.model), self.layer_specs[0], loss="plain"))
+                         ) if self.layer_specs else []
+        groups = _layer_groups(converted, first)
+        kinds = [row.kind for row in first.kinds if row.kind in LOSSY_KINDS and row.kept_bytes > 0]
+        fixed = first.total_bytes - sum(_group_bytes(first, group) for group in groups) - sum(
+            _kind_bytes(first, kind) for kind in kinds)
+        errors = [self._layer_errors(spec, [name for group in groups for name in group]) for spec in self.layer_specs]
+        parts = []
+        for group in groups:
+            options = [_Option(None, _group_bytes(first, group), 0.0)]
+            for rung, spec in enumerate(self.layer_specs, 1):
+                options.append(_Option(spec, _group_bytes(reports[rung], group),
+                                       sum(errors[rung - 1][name] for name in group)))
+            parts.append(_Part("+".join(group), "layer", _lighter_only(options), group))
+        for kind in kinds:
+            options = [_Option("exact", _kind_bytes(first, kind), 0.0)]
+            for rung, spec in enumerate(self.kind_specs, 1):
+                if spec == "fewbit4" and kind != "activation":
+                    continue  # the derivative codes are GELU/SiLU's; the kind's other tensors take int4 next
+                kept = _kind_bytes(reports[rung], kind)
+                # A rung that keeps no fewer bytes than a lighter one is never worth a step.
+                if kept < min(option.bytes for option in options):
+                    options.append(_Option(spec, kept, self._kind_error(kind, spec)))
+            parts.append(_Part(kind, "kind", tuple(options), (kind,)))
+        return parts, fixed
+
+    def kept_bytes(self, pipeline: dict, rest: dict) -> int:
+        self.forwards += 1
+        return self.run.memory(to_compressed(copy_model(self.model), pipeline, rest=rest)).total_bytes
+
+    def cosine(self, pipeline: dict, rest: dict) -> float:
+        got = self._gradients(to_compressed(copy_model(self.model), pipeline, rest=rest))
+        names = [name for name in self.reference if name in got]
+        dot = sum(float((got[name] * self.reference[name]).sum()) for name in names)
+        norm = math.sqrt(sum(float(got[name].square().sum()) for name in names))
+        return dot / (norm * math.sqrt(self.norm)) if norm else float("nan")
+
+    def _report(self, layer_spec: str | None, kind_spec: str | None) -> MemoryReport:
+        self.forwards += 1
+        pipeline = {"*": layer_spec}
+        rest = "exact" if kind_spec is None else _kinds_alone({kind: kind_spec for kind in LOSSY_KINDS})
+        return self.run.memory(to_compressed(copy_model(self.model), pipeline, rest=rest, loss="plain"))
+
+    def _layer_errors(self, spec: str, layers: list[str]) -> dict[str, float]:
+        """Each layer's share of the squared gradient error with every layer at ``spec``. A layer
+        whose plain weight gradient is zero on this batch (a zero-initialised norm after it, as
+        timm's ResNets start) shows no error, so it is given what can be measured: the median
+        relative error of the layers that have a gradient, at their median gradient share."""
+        got = self._gradients(to_compressed(copy_model(self.model), spec, loss="plain"))
+        errors, relative, shares = {}, [], []
+        for layer in layers:
+            own = [name for name in self.reference if name.rpartition(".")[0] == layer]
+            share = sum(float(self.reference[name].square().sum()) for name in own) / self.norm
+            errors[layer] = sum(float((got[name] - self.reference[name]).square().sum()) for name in own) / self.norm
+            if share > 0:
+                relative.append(errors[layer] / share)
+                shares.append(share)
+            else:
+                self.unmeasured.add(layer)
+        assumed = statistics.median(relative) * statistics.median(shares) if relative else 0.0
+        return {layer: assumed if layer in self.unmeasured else error for layer, error in errors.items()}
+
+    def _kind_error(self, kind: str, spec: str) -> float:
+        got = self._gradients(to_compressed(copy_model(self.model), "mink0", rest=_kinds_alone({kind: spec}),
+                                            loss="plain"))
+        return sum(float((got[name] - grad).square().sum()) for name, grad in self.reference.items()) / self.norm
+
+    def _gradients(self, converted: nn.Module) -> dict[str, torch.Tensor]:
+        self.steps += 1
+        got = self.run.gradients(converted)
+        missing = [name for name in self.reference if name not in got]
+        if missing:
+            raise ActcompError(f"the converted model's parameters {missing[:3]} got no gradient where plain's did")
+        return got
+
+
+def _rung(specs: tuple[str, ...], rung: int) -> str | None:
+    """Rung ``rung`` (1-based) of a ladder, its last past its end, None for an empty one."""
+    return specs[min(rung, len(specs)) - 1] if specs else None
+
+
+def _kinds_alone(specs: Mapping[str, str]) -> dict[str, Any]:
+    """A ``rest`` mapping: the kinds in ``specs`` at their spec ("fewbit4" as 4-bit derivative
+    codes), every other kind exact.
+
+    >>> _kinds_alone({"activation": "fewbit4"})["fewbit"], _kinds_alone({"attention": "int8"})["activation"]
+    (4, 'exact')
+    """
+    rest: dict[str, Any] = {kind: "exact" for kind in LOSSY_KINDS + EXACT_KINDS}
+    for kind, spec in specs.items():
+        if spec == "fewbit4":
+            rest.update({kind: "int4:group=64", "fewbit": 4} if kind == "activation" else {kind: "int4:group=64"})
+        else:
+            rest[kind] = spec
+    return rest
+
+
+def _layer_groups(converted: list[str], plain: MemoryReport) -> list[tuple[str, ...]]:
+    """The ``converted`` layers, less those reading the model's input (they run plain), grouped
+    by the input they share in ``plain`` (a ResNet block's conv1 and downsample, an LLM's q/k/v
+    projections): compressing one of them alone frees nothing, and one spec for the group
+    compresses the input once. Groups keeping nothing (a LoRA model's frozen base layers) are
+    left out."""
+    layers = [name for name in converted if name not in plain.plain_on_input]
+    group_of = {name: (name,) for name in layers}
+    for storage in plain.storages:
+        sharing = [name for name in layers if name in storage.savers]
+        if len(sharing) > 1:
+            merged = tuple(sorted({member for name in sharing for member in group_of[name]}, key=layers.index))
+            group_of.update({member: merged for member in merged})
+    groups = list(dict.fromkeys(group_of[name] for name in layers))
+    return [group for group in groups if _group_bytes(plain, group) > 0]
+
+
+def _group_bytes(report: MemoryReport, group: tuple[str, ...]) -> int:
+    rows = {row.name: row.nbytes for row in report.rows}
+    return sum(rows.get(name, 0) for name in group)
+
+
+def _kind_bytes(report: MemoryReport, kind: str) -> int:
+    return next((row.kept_bytes for row in report.kinds if row.kind == kind), 0)
+
+
+def _lighter_only(options: list[_Option]) -> tuple[_Option, ...]:
+    """The options that keep fewer bytes than every lighter rung (the others can never win)."""
+    kept = [options[0]]
+    for option in options[1:]:
+        if option.bytes < min(choice.bytes for choice in kept):
+            kept.append(option)
+    return tuple(kept)
+
+
+def _knapsack(parts: list[_Part], capacity: int) -> list[int]:
+    """One option per part with the least summed error whose bytes fit ``capacity``: dynamic
+    programming over the bytes in :data:`_UNITS` units, each part's bytes rounded down. Ties go
+    to the option listed first (less compressed). Index 0 for every part if nothing is needed.
+
+    >>> a = (_Option(None, 100, 0.0), _Option("int8", 25, 0.1), _Option("int4", 12, 0.5))
+    >>> parts = [_Part("a", "layer", a, ("a",)), _Part("b", "layer", a[:2], ("b",))]
+    >>> _knapsack(parts, 130), _knapsack(parts, 60), _knapsack(parts, 1000)
+    ([1, 0], [1, 1], [0, 0])
+    """
+    unit = max(capacity, 1) / _UNITS
+    infinity = float("inf")
+    best = torch.full((_UNITS + 1,), infinity, dtype=torch.float64)
+    best[0] = 0.0
+    picks = []
+    for part in parts:
+        step = torch.full_like(best, infinity)
+        pick = torch.zeros(_UNITS + 1, dtype=torch.int64)
+        for index, option in enumerate(part.options):
+            weight = int(option.bytes / unit)
+            if weight > _UNITS:
+                continue
+            shifted = torch.full_like(best, infinity)
+            shifted[weight:] = best[:_UNITS + 1 - weight] + option.error
+            better = shifted < step
+            step = torch.where(better, shifted, step)
+            pick[better] = index
+        best = step
+        picks.append(pick)
+    if math.isinf(float(best.min())):
+        raise ActcompError("no plan fits the budget at the knapsack's resolution; ask for a little more")
+    used = int(torch.argmin(best))  # the first of equal errors: the fewest bytes
+    chosen = []
+    for part, pick in zip(reversed(parts), reversed(picks)):
+        index = int(pick[used])
+        chosen.append(index)
+        used -= int(part.options[index].bytes / unit)
+    return chosen[::-1]
+
+
+def _pipeline_mapping(parts: list[_Part], chosen: list[int]) -> dict[str, str | None]:
+    """The layers' specs as a ``to_compressed`` mapping: the layers whose spec differs from the
+    most common one by name, then ``"*"`` for the rest (the first pattern that matches wins)."""
+    specs = {name: part.options[index].spec for part, index in zip(parts, chosen) if part.kind == "layer"
+             for name in part.members}
+    if not specs:
+        return {"*": None}
+    common = Counter(specs.values()).most_common(1)[0][0]
+    return {**{name: spec for name, spec in specs.items() if spec != common}, "*": common}
+
+
+def _rest_mapping(parts: list[_Part], chosen: list[int]) -> dict[str, Any]:
+    return _kinds_alone({part.name: part.options[index].spec for part, index in zip(parts, chosen)
+                         if part.kind == "kind"})

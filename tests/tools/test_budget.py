@@ -1,0 +1,140 @@
+"""actcomp.plan_budget and ``actcomp check --budget``: the plan keeps what it says, within the
+budget and close to it, is measured the way check measures, beats a hand-picked preset at equal
+bytes, spares the layer an outlier channel reaches, and says clearly what cannot be met."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import actcomp
+from actcomp.tools.cli import main
+
+
+def resnet() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return timm.create_model("resnet18", num_classes=3), torch.randn(4, 3, 64, 64)
+
+
+def vit() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", num_classes=3, img_size=32), torch.randn(8, 3, 32, 32)
+
+
+class OutlierChannel(nn.Module):
+    """Multiplies one channel by 50: a trained LLM's outlier feature."""
+
+    def forward(self, x):
+        scale = torch.ones(x.shape[-1])
+        scale[3] = 50.0
+        return x * scale
+
+
+def outlier_net() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), OutlierChannel(), nn.GELU(),
+                        nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+    return net, torch.randn(256, 32)
+
+
+def kept_bytes(model: nn.Module, batch, spec, rest) -> int:
+    return actcomp.memory_report(actcomp.to_compressed(copy.deepcopy(model), spec, rest=rest), batch).total_bytes
+
+
+@pytest.mark.parametrize("build", [resnet, vit], ids=["resnet18", "vit_tiny"])
+@pytest.mark.parametrize("fraction", [0.5, 0.2])
+def test_the_plan_keeps_what_it_says_within_five_percent_under_the_budget(build, fraction):
+    model, batch = build()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+
+    plan = actcomp.plan_budget(model, batch, fraction)
+
+    assert 0.95 * fraction <= plan.kept_fraction <= fraction, plan
+    # What it reports is what the call it prints keeps, and check measures its cosine alike.
+    pinned = actcomp.to_compressed(copy.deepcopy(model), plan.pipeline, rest=plan.rest)
+    assert actcomp.memory_report(pinned, batch).total_bytes == plan.kept_bytes
+    assert plan.apply(copy.deepcopy(model)).actcomp_rest == pinned.actcomp_rest
+    assert actcomp.check(model, batch, plan.pipeline, rest=plan.rest, rounds=1).cosine == pytest.approx(
+        plan.cosine, abs=1e-9)
+    assert plan.call() in str(plan) and plan.smallest_bytes <= plan.kept_bytes
+    # The model planned on is left as it was.
+    assert not actcomp.compressed_layers(model) and getattr(model, "actcomp_rest", None) is None
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+
+
+def test_the_same_model_and_batch_give_the_same_plan():
+    model, batch = outlier_net()
+    first, second = (actcomp.plan_budget(model, batch, 0.3) for _ in range(2))
+    assert (first.pipeline, first.rest, first.kept_bytes, first.cosine) == (
+        second.pipeline, second.rest, second.kept_bytes, second.cosine)
+
+
+@pytest.mark.parametrize("build", [resnet, vit], ids=["resnet18", "vit_tiny"])
+@pytest.mark.parametrize("spec, rest", [("mink0.9+int8", "8bit"), ("int4", "4bit")])
+def test_at_a_presets_bytes_the_plan_bends_the_gradient_no_more(build, spec, rest):
+    model, batch = build()
+    preset = actcomp.check(model, batch, spec, rest=rest, rounds=1)
+    plan = actcomp.plan_budget(model, batch, kept_bytes(model, batch, spec, rest))
+    assert plan.cosine >= preset.cosine - 1e-4, (plan, preset.cosine)
+
+
+def test_the_layer_an_outlier_channel_reaches_keeps_more_bits_than_the_others():
+    model, batch = outlier_net()
+    plan = actcomp.plan_budget(model, batch, 0.3)
+    specs = {part.name: part.spec for part in plan.parts if part.kind == "layer"}
+    ladder = [None, *actcomp.tools.budget.LAYER_SPECS]
+    # Layer 5 reads the 50x channel (through GELU): int4's group steps are 50x coarser there.
+    assert ladder.index(specs["5"]) < min(ladder.index(specs[name]) for name in ("2", "7")), specs
+
+
+def test_layers_sharing_an_input_take_one_spec():
+    model, batch = resnet()
+    plan = actcomp.plan_budget(model, batch, 0.2)
+    shared = [part for part in plan.parts if len(part.members) > 1]
+    # Each downsampling block's conv1 and downsample conv read the block's input.
+    assert sorted(part.members for part in shared) == [
+        (f"layer{stage}.0.conv1", f"layer{stage}.0.downsample.0") for stage in (2, 3, 4)]
+
+
+def test_a_budget_in_bytes_is_the_same_as_its_fraction():
+    model, batch = outlier_net()
+    plain = actcomp.memory_report(copy.deepcopy(model), batch).total_bytes
+    by_fraction = actcomp.plan_budget(model, batch, 0.25)
+    by_bytes = actcomp.plan_budget(model, batch, round(0.25 * plain))
+    assert (by_bytes.pipeline, by_bytes.rest) == (by_fraction.pipeline, by_fraction.rest)
+
+
+def test_an_unreachable_budget_names_the_smallest_reachable_fraction():
+    model, batch = vit()
+    with pytest.raises(actcomp.ActcompError, match=r"cannot be met .* the smallest reachable is 0\.\d{3}"):
+        actcomp.plan_budget(model, batch, 0.01)
+
+
+@pytest.mark.parametrize("budget, message", [
+    (0.0, r"must be in \(0, 1\]"), (1.5, r"must be in \(0, 1\]"), (True, "got bool"), (-3, "must be positive"),
+    ("lots", "cannot read 'lots' as a memory size"), ([0.1], "got list")])
+def test_a_bad_budget_is_refused_with_what_is_valid(budget, message):
+    model, batch = outlier_net()
+    with pytest.raises(actcomp.ActcompError, match=message):
+        actcomp.plan_budget(model, batch, budget)
+
+
+def test_a_converted_model_is_refused():
+    model, batch = outlier_net()
+    actcomp.to_compressed(model, "int8")
+    with pytest.raises(actcomp.ActcompError, match="plan_budget takes the plain model"):
+        actcomp.plan_budget(model, batch, 0.5)
+
+
+def test_check_budget_prints_the_plan_then_checks_it(capsys):
+    assert main(["check", "--model", "examples/check_models.py:llama", "--budget", "0.3", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("budget 0.300 of plain's") and "pin it:" in out and "actcomp.to_compressed(model, {" in out
+    assert "OK to train" in out or "problem" in out
+    assert main(["check", "--model", "examples/check_models.py:llama", "--budget", "0.3",
+                 "--rest", "8bit"]) == 2
+    assert "--budget chooses the pipeline and rest itself" in capsys.readouterr().err
