@@ -1,0 +1,130 @@
+"""``actcomp.plan_budget`` against its targets: where each budget lands, the gradient it keeps,
+what the search costs, and the plan against the hand-picked presets at the presets' own bytes.
+
+    python benchmarks/bench_budget.py            # ~10 minutes on 2 cores
+
+Models (random weights, one batch each, as a user would plan on theirs): timm's resnet50 and
+ViT-S at 224 px (8 images), and the Llama-shaped model of ``bench_lm_quality.py`` with a trained
+model's outliers built in (hidden 256, 4 layers, 2 x 256 tokens, a sink token first). For each:
+
+- every budget of ``--fractions``: the bytes the plan keeps (fraction of plain's, measured by
+  ``memory_report`` as the plan's own report does), the whole gradient's cosine against plain's,
+  and the search's cost in steps and in seconds over one plain step's (median of 3);
+- every preset: its kept fraction and cosine, then the plan asked for exactly the preset's bytes.
+
+Writes ``benchmarks/results/budget_<torch>_cpu_t<threads>.{md,csv}``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from bench_lm_quality import llama
+from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, write_results
+
+import actcomp
+from actcomp.tools.user_batch import UserBatch, copy_model, gradient_cosine
+
+PRESETS = [("int8", "8bit"), ("mink0.9+int8", "8bit"), ("int4", "4bit"), ("mink0.9+int8", "4bit")]
+COLUMNS = ["model", "asked", "config", "kept_fraction", "cosine", "preset_cosine", "steps", "search_steps_equivalent"]
+
+
+def models() -> dict[str, tuple[torch.nn.Module, object]]:
+    import timm
+
+    built = {}
+    for name in ("resnet50", "vit_small_patch16_224"):
+        torch.manual_seed(0)
+        built[name] = (timm.create_model(name, pretrained=False), torch.randn(8, 3, 224, 224))
+    ids = torch.randint(1, 2000, (2, 256), generator=torch.Generator().manual_seed(0))
+    ids[:, 0] = 0  # the sink token
+    built["llama (outliers)"] = (llama(outliers=True), {"input_ids": ids, "labels": ids})
+    return built
+
+
+def step_seconds(model: torch.nn.Module, batch) -> float:
+    run, copied = UserBatch(batch), copy_model(model)
+    times = []
+    for _ in range(4):
+        started = time.perf_counter()
+        run.step(copied)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def preset(model: torch.nn.Module, batch, spec: str, rest: str) -> tuple[int, int, float]:
+    run = UserBatch(batch)
+    plain = run.memory(copy_model(model)).total_bytes
+    converted = actcomp.to_compressed(copy_model(model), spec, rest=rest)
+    kept = run.memory(converted).total_bytes
+    return plain, kept, gradient_cosine(run.gradients(converted), run.gradients(copy_model(model)))
+
+
+def planned(model, batch, budget, step: float) -> tuple[actcomp.BudgetPlan | None, float, str]:
+    started = time.perf_counter()
+    try:
+        plan = actcomp.plan_budget(model, batch, budget)
+    except actcomp.ActcompError as error:
+        return None, 0.0, str(error)
+    return plan, (time.perf_counter() - started) / step, ""
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__)
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.2, 0.1])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(RESULTS_DIR))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    load_before, started = load_average(), time.perf_counter()
+    rows, body = [], ["Budgets: where the plan lands (kept fraction of plain's bytes for backward), the whole "
+                      "gradient's cosine against plain's, and the search's cost (steps run; wall time over one "
+                      "plain step's).", "",
+                      "| model | budget | kept | cosine | search: steps | search: time in steps |",
+                      "|---|---:|---:|---:|---:|---:|"]
+    against = ["", "At a preset's own bytes: the preset's cosine, then the plan's.", "",
+               "| model | preset | kept | preset cosine | plan cosine |", "|---|---|---:|---:|---:|"]
+    notes = []
+    for name, (model, batch) in models().items():
+        step = step_seconds(model, batch)
+        for fraction in args.fractions:
+            plan, cost, error = planned(model, batch, fraction, step)
+            if plan is None:
+                body.append(f"| {name} | {fraction} | unreachable | | | |")
+                notes.append(f"- {name}, budget {fraction}: {error}")
+                print(f"{name} {fraction}: {error}", flush=True)
+                continue
+            rows.append({"model": name, "asked": fraction, "config": "plan", "kept_fraction": plan.kept_fraction,
+                         "cosine": plan.cosine, "preset_cosine": "", "steps": plan.steps,
+                         "search_steps_equivalent": cost})
+            body.append(f"| {name} | {fraction} | {plan.kept_fraction:.3f} | {plan.cosine:.4f} | {plan.steps} "
+                        f"| {cost:.1f} |")
+            print(f"{name} {fraction}: kept {plan.kept_fraction:.3f} cosine {plan.cosine:.4f} ({cost:.1f} steps)",
+                  flush=True)
+            if fraction == min(args.fractions):
+                notes.append(f"- {name}, budget {fraction}: `{plan.call()}`")
+        for spec, rest in PRESETS:
+            plain, kept, cosine = preset(model, batch, spec, rest)
+            plan, cost, error = planned(model, batch, kept, step)
+            label = f'"{spec}", rest="{rest}"'
+            plan_cosine = plan.cosine if plan is not None else float("nan")
+            rows.append({"model": name, "asked": kept / plain, "config": label, "kept_fraction": kept / plain,
+                         "cosine": plan_cosine, "preset_cosine": cosine, "steps": plan.steps if plan else 0,
+                         "search_steps_equivalent": cost})
+            against.append(f"| {name} | {label} | {kept / plain:.3f} | {cosine:.4f} | **{plan_cosine:.4f}** |")
+            print(f"{name} {label}: kept {kept / plain:.3f} preset {cosine:.4f} plan {plan_cosine:.4f} {error}",
+                  flush=True)
+        del model
+    body += against + ["", "The plans asked for the smallest budget, and what could not be met:", "", *notes]
+    device = torch.device("cpu")
+    header = header_lines(device, args.threads, 0, time.perf_counter() - started,
+                          {"fractions": args.fractions}, load_before)
+    write_results("budget", device, args.threads, header, "Memory budgets: plan_budget against its targets", body,
+                  rows, COLUMNS, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
