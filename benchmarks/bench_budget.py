@@ -10,7 +10,10 @@ model's outliers built in (hidden 256, 4 layers, 2 x 256 tokens, a sink token fi
 - every budget of ``--fractions``: the bytes the plan keeps (fraction of plain's, measured by
   ``memory_report`` as the plan's own report does), the whole gradient's cosine against plain's,
   and the search's cost in steps and in seconds over one plain step's (median of 3);
-- every preset: its kept fraction and cosine, then the plan asked for exactly the preset's bytes.
+- every preset: its kept fraction and cosine, then the plan asked for exactly the preset's bytes
+  (``--no-presets`` skips them);
+- with ``--lift-sdpa-floors``, every budget again with ``sdpa_floors=False`` (SDPA's query and
+  key no longer bf16 at most, value and output no longer int8 at least).
 
 Writes ``benchmarks/results/budget_<torch>_cpu_t<threads>.{md,csv}``.
 """
@@ -63,10 +66,10 @@ def preset(model: torch.nn.Module, batch, spec: str, rest: str) -> tuple[int, in
     return plain, kept, gradient_cosine(run.gradients(converted), run.gradients(copy_model(model)))
 
 
-def planned(model, batch, budget, step: float) -> tuple[actcomp.BudgetPlan | None, float, str]:
+def planned(model, batch, budget, step: float, sdpa_floors: bool = True) -> tuple[actcomp.BudgetPlan | None, float, str]:
     started = time.perf_counter()
     try:
-        plan = actcomp.plan_budget(model, batch, budget)
+        plan = actcomp.plan_budget(model, batch, budget, sdpa_floors=sdpa_floors)
     except actcomp.ActcompError as error:
         return None, 0.0, str(error)
     return plan, (time.perf_counter() - started) / step, ""
@@ -75,6 +78,8 @@ def planned(model, batch, budget, step: float) -> tuple[actcomp.BudgetPlan | Non
 def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.2, 0.1])
+    parser.add_argument("--no-presets", action="store_true")
+    parser.add_argument("--lift-sdpa-floors", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS_DIR))
     args = parser.parse_args()
@@ -90,23 +95,27 @@ def main() -> None:
     notes = []
     for name, (model, batch) in models().items():
         step = step_seconds(model, batch)
-        for fraction in args.fractions:
-            plan, cost, error = planned(model, batch, fraction, step)
+        budgets = [(fraction, True) for fraction in args.fractions]
+        budgets += [(fraction, False) for fraction in args.fractions] if args.lift_sdpa_floors else []
+        for fraction, floors in budgets:
+            plan, cost, error = planned(model, batch, fraction, step, floors)
+            label = "plan" if floors else "plan, sdpa_floors=False"
+            asked = fraction if floors else f"{fraction}, floors lifted"
             if plan is None:
-                body.append(f"| {name} | {fraction} | unreachable | | | |")
-                notes.append(f"- {name}, budget {fraction}: {error}")
-                print(f"{name} {fraction}: {error}", flush=True)
+                body.append(f"| {name} | {asked} | unreachable | | | |")
+                notes.append(f"- {name}, budget {asked}: {error}")
+                print(f"{name} {asked}: {error}", flush=True)
                 continue
-            rows.append({"model": name, "asked": fraction, "config": "plan", "kept_fraction": plan.kept_fraction,
+            rows.append({"model": name, "asked": fraction, "config": label, "kept_fraction": plan.kept_fraction,
                          "cosine": plan.cosine, "preset_cosine": "", "steps": plan.steps,
                          "search_steps_equivalent": cost})
-            body.append(f"| {name} | {fraction} | {plan.kept_fraction:.3f} | {plan.cosine:.4f} | {plan.steps} "
+            body.append(f"| {name} | {asked} | {plan.kept_fraction:.3f} | {plan.cosine:.4f} | {plan.steps} "
                         f"| {cost:.1f} |")
-            print(f"{name} {fraction}: kept {plan.kept_fraction:.3f} cosine {plan.cosine:.4f} ({cost:.1f} steps)",
+            print(f"{name} {asked}: kept {plan.kept_fraction:.3f} cosine {plan.cosine:.4f} ({cost:.1f} steps)",
                   flush=True)
             if fraction == min(args.fractions):
-                notes.append(f"- {name}, budget {fraction}: `{plan.call()}`")
-        for spec, rest in PRESETS:
+                notes.append(f"- {name}, budget {asked}: `{plan.call()}`")
+        for spec, rest in [] if args.no_presets else PRESETS:
             plain, kept, cosine = preset(model, batch, spec, rest)
             plan, cost, error = planned(model, batch, kept, step)
             label = f'"{spec}", rest="{rest}"'

@@ -6,7 +6,7 @@ model per configuration (the user's model is never touched), the same loss and s
 >>> import torch
 >>> net = torch.nn.Linear(4, 2)
 >>> run = UserBatch(torch.randn(8, 4))
->>> gradient_cosine(run.gradients(copy_model(net)), run.gradients(net))
+>>> round(gradient_cosine(run.gradients(copy_model(net)), run.gradients(net)), 12)
 1.0
 """
 

@@ -271,6 +271,8 @@ def _kind_codec(choice, tensor: torch.Tensor, kind: str, scope: Scope | None) ->
         role = attention_role(tensor, scope)
         if role == "mask":
             return None
+        if not choice.sdpa_floors:
+            return CodecChoice(pipeline)
         if role == "query or key":
             return _LOGIT_SAFE if tensor.dtype == torch.float32 and not choice.query_key_as_is else None
         if any(getattr(stage, "bits", 8) < 8 for stage in pipeline.stages):

@@ -8,7 +8,7 @@ and the presets, which are values of it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from actcomp.core.pipeline import Pipeline, as_pipeline, parse
 from actcomp.errors import ActcompError
@@ -40,10 +40,15 @@ class Lossy:
 
     ``query_key_as_is`` keeps fused attention's query and key as they are (attention only; set
     by :func:`actcomp.to_compressed` on a model carrying LoRA adapters, whose gradient moves
-    with the attention logits' every rounding)."""
+    with the attention logits' every rounding). ``sdpa_floors`` (attention only, on by default)
+    keeps fused attention's query and key in bf16 at most and its value and output in 8 bits
+    at least, where a trained language model's sink token would turn coarser codes into logit
+    errors of whole units; off (``rest={..., "sdpa_floors": False}``), they take ``pipeline``
+    like the kind's other tensors."""
 
     pipeline: Pipeline
     query_key_as_is: bool = False
+    sdpa_floors: bool = True
 
     def __str__(self) -> str:
         return self.pipeline.spec
@@ -76,7 +81,7 @@ class RestPolicy:
     >>> print(RestPolicy.parse("int8"))
     8bit
     >>> RestPolicy.parse("4bit").activation
-    Derivative(bits=4, fallback=Lossy(pipeline=Pipeline('int4:group=64'), query_key_as_is=False))
+    Derivative(bits=4, fallback=Lossy(pipeline=Pipeline('int4:group=64'), query_key_as_is=False, sdpa_floors=True))
     """
 
     activation: Choice
@@ -114,18 +119,27 @@ class RestPolicy:
             )
         choices = dict(vars(PRESETS["8bit"]))
         for kind, value in rest.items():
-            if kind == "fewbit":
+            if kind == "sdpa_floors":
+                if not isinstance(value, bool):
+                    raise ActcompError(f"rest['sdpa_floors'] must be True or False, got {value!r}")
+            elif kind == "fewbit":
                 if value is not None and (type(value) is not int or value not in range(1, 5)):
                     raise ActcompError(f"rest['fewbit'] must be a bit width 1 to 4 (or None), got {value!r}")
             elif kind in LOSSY_KINDS or kind in EXACT_KINDS:
                 choices[kind] = _choice(kind, value)
             else:
                 raise ActcompError(
-                    f"unknown op kind {kind!r} in rest; valid keys: {', '.join(LOSSY_KINDS + EXACT_KINDS)}, fewbit "
+                    f"unknown op kind {kind!r} in rest; valid keys: {', '.join(LOSSY_KINDS + EXACT_KINDS)}, fewbit, "
+                    "sdpa_floors "
                     "(Linear/Conv inputs take the main pipeline argument)"
                 )
         if rest.get("fewbit") is not None:
             choices["activation"] = Derivative(rest["fewbit"], choices["activation"])
+        if rest.get("sdpa_floors") is False:
+            if not isinstance(choices["attention"], Lossy):
+                raise ActcompError(f"rest['sdpa_floors']=False lifts the floors of a lossy attention spec; attention "
+                                   f"is {choices['attention']} here: give rest['attention'] a spec too")
+            choices["attention"] = replace(choices["attention"], sdpa_floors=False)
         return cls(**choices)
 
     def __str__(self) -> str:
@@ -133,7 +147,8 @@ class RestPolicy:
         if preset is not None:
             return preset
         text = ", ".join(f"{item.name}={getattr(self, item.name)}" for item in fields(self))
-        return text + (f", fewbit={self.activation.bits}" if isinstance(self.activation, Derivative) else "")
+        text += f", fewbit={self.activation.bits}" if isinstance(self.activation, Derivative) else ""
+        return text + (", sdpa_floors=False" if isinstance(self.attention, Lossy) and not self.attention.sdpa_floors else "")
 
     def __setstate__(self, state: dict) -> None:
         if "fewbit" in state:

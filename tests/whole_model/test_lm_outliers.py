@@ -18,6 +18,7 @@ from models import sdpa_codecs
 
 import actcomp
 from actcomp.tools.llm_outliers import add_outliers
+from actcomp.whole_model.policy import RestPolicy
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -95,3 +96,28 @@ def test_sdpa_query_and_key_stay_float_value_and_output_take_8_bits(rest, dtype,
     model = actcomp.to_compressed(llama(outliers=False, dtype=dtype), "mink0", rest=rest, loss="plain")
     # Per layer, in SDPA's saving order: query, key, value, output.
     assert codecs_of_sdpa(model, batch(), monkeypatch) == [query_key, query_key, value_output, value_output] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_floors_off_gives_query_key_value_and_output_the_attention_spec(dtype, monkeypatch):
+    rest = {"attention": "int4:group=64", "sdpa_floors": False}
+    model = actcomp.to_compressed(llama(outliers=False, dtype=dtype), "mink0", rest=rest, loss="plain")
+    assert codecs_of_sdpa(model, batch(), monkeypatch) == ["int4:group=64"] * 4 * 2
+    # It is the floors that keep a trained model's sink token from bending the gradient.
+    plain, ids = llama(), batch()
+    cosines = {}
+    for floors in (True, False):
+        converted = actcomp.to_compressed(copy.deepcopy(plain), "mink0", loss="plain",
+                                          rest={"attention": "int4:group=64", "sdpa_floors": floors})
+        cosines[floors] = float(F.cosine_similarity(gradient(converted, ids), gradient(plain, ids), dim=0))
+    assert cosines[True] > 0.99 and cosines[False] < cosines[True] - 0.01, cosines
+
+
+def test_sdpa_floors_reads_as_a_policy_and_refuses_what_it_cannot_mean():
+    policy = RestPolicy.parse({"attention": "int4:group=64", "sdpa_floors": False})
+    assert not policy.attention.sdpa_floors and RestPolicy.parse("8bit").attention.sdpa_floors
+    assert str(policy).endswith(", sdpa_floors=False")
+    with pytest.raises(actcomp.ActcompError, match=r"rest\['sdpa_floors'\] must be True or False"):
+        RestPolicy.parse({"sdpa_floors": "no"})
+    with pytest.raises(actcomp.ActcompError, match="give rest\\['attention'\\] a spec too"):
+        RestPolicy.parse({"attention": None, "sdpa_floors": False})
