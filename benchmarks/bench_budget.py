@@ -12,7 +12,7 @@ model's outliers built in (hidden 256, 4 layers, 2 x 256 tokens, a sink token fi
   and the search's cost in steps and in seconds over one plain step's (median of 3);
 - every preset: its kept fraction and cosine, then the plan asked for exactly the preset's bytes
   (``--no-presets`` skips them);
-- with ``--lift-sdpa-floors``, every budget again with ``sdpa_floors=False`` (SDPA's query and
+- with ``--lift-attention-floors``, every budget again with ``attention_floors=False`` (SDPA's query and
   key no longer bf16 at most, value and output no longer int8 at least).
 
 Writes ``benchmarks/results/budget_<torch>_cpu_t<threads>.{md,csv}``.
@@ -66,10 +66,10 @@ def preset(model: torch.nn.Module, batch, spec: str, rest: str) -> tuple[int, in
     return plain, kept, gradient_cosine(run.gradients(converted), run.gradients(copy_model(model)))
 
 
-def planned(model, batch, budget, step: float, sdpa_floors: bool = True) -> tuple[actcomp.BudgetPlan | None, float, str]:
+def planned(model, batch, budget, step: float, attention_floors: bool = True) -> tuple[actcomp.BudgetPlan | None, float, str]:
     started = time.perf_counter()
     try:
-        plan = actcomp.plan_budget(model, batch, budget, sdpa_floors=sdpa_floors)
+        plan = actcomp.plan_budget(model, batch, budget, attention_floors=attention_floors)
     except actcomp.ActcompError as error:
         return None, 0.0, str(error)
     return plan, (time.perf_counter() - started) / step, ""
@@ -79,7 +79,7 @@ def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.2, 0.1])
     parser.add_argument("--no-presets", action="store_true")
-    parser.add_argument("--lift-sdpa-floors", action="store_true")
+    parser.add_argument("--lift-attention-floors", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS_DIR))
     args = parser.parse_args()
@@ -96,10 +96,10 @@ def main() -> None:
     for name, (model, batch) in models().items():
         step = step_seconds(model, batch)
         budgets = [(fraction, True) for fraction in args.fractions]
-        budgets += [(fraction, False) for fraction in args.fractions] if args.lift_sdpa_floors else []
+        budgets += [(fraction, False) for fraction in args.fractions] if args.lift_attention_floors else []
         for fraction, floors in budgets:
             plan, cost, error = planned(model, batch, fraction, step, floors)
-            label = "plan" if floors else "plan, sdpa_floors=False"
+            label = "plan" if floors else "plan, attention_floors=False"
             asked = fraction if floors else f"{fraction}, floors lifted"
             if plan is None:
                 body.append(f"| {name} | {asked} | unreachable | | | |")

@@ -149,15 +149,15 @@ class BudgetPlan:
 def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
                 loss_fn: Callable[[Any], torch.Tensor] | None = None, seed: int = 0,
                 layer_specs: Sequence[str] = LAYER_SPECS, kind_specs: Sequence[str] = KIND_SPECS,
-                sdpa_floors: bool = True) -> BudgetPlan:
+                attention_floors: bool = True) -> BudgetPlan:
     """The codecs that keep at most ``budget`` of what plain PyTorch keeps for backward on
     ``batch``, with the least gradient error (module docstring: how, and what it costs).
 
     ``budget`` is a fraction of plain's kept bytes (a float in (0, 1]) or bytes for this batch
     (an int, or a size such as ``"1.5GiB"``). ``batch``, ``loss_fn`` and ``seed`` as for
     :func:`actcomp.check`. ``layer_specs`` and ``kind_specs`` are the ladders searched (fewer
-    rungs, fewer steps). ``sdpa_floors=False`` lets fused attention's query, key, value and
-    output take the attention rungs too (``rest={..., "sdpa_floors": False}``): a random model
+    rungs, fewer steps). ``attention_floors=False`` lets fused attention's query, key, value and
+    output take the attention rungs too (``rest={..., "attention_floors": False}``): a random model
     shows no cost there, where a trained language model's sink token bends the gradient (keep
     the floors unless you plan on a trained checkpoint). The same model, batch and seed give the
     same plan. Where the budget cannot be met the error names the smallest reachable fraction;
@@ -167,7 +167,7 @@ def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
         raise ActcompError("plan_budget takes the plain model (it converts copies itself); this one is converted "
                            "already: pass the model before to_compressed, or actcomp.from_compressed(model)")
     _budget_bytes(budget, 1)  # a malformed budget is refused before anything is measured
-    search = _Search(model, UserBatch(batch, loss_fn, seed), tuple(layer_specs), tuple(kind_specs), sdpa_floors)
+    search = _Search(model, UserBatch(batch, loss_fn, seed), tuple(layer_specs), tuple(kind_specs), attention_floors)
     plain_bytes = search.plain_bytes
     budget_bytes = _budget_bytes(budget, plain_bytes)
     parts, fixed = search.parts()
@@ -177,13 +177,13 @@ def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
             f"budget {budget!r} ({format_bytes(budget_bytes)}, {budget_bytes / plain_bytes:.3f} of plain's "
             f"{format_bytes(plain_bytes)}) cannot be met on this model and batch: the smallest reachable is "
             f"{smallest / plain_bytes:.3f} ({format_bytes(smallest)}), every part at its smallest rung"
-            + ("" if not sdpa_floors else "; sdpa_floors=False reaches lower on a model with fused attention"))
-    chosen, pipeline, rest, kept = _fit(search, parts, budget_bytes - fixed, budget_bytes, sdpa_floors)
+            + ("" if not attention_floors else "; attention_floors=False reaches lower on a model with fused attention"))
+    chosen, pipeline, rest, kept = _fit(search, parts, budget_bytes - fixed, budget_bytes, attention_floors)
     cosine = search.cosine(pipeline, rest)
     if not cosine >= _FAR:
         warnings.warn(f"plan_budget: the plan for budget {budget!r} bends the gradient far (cosine {cosine:.3f} against "
                       "plain's): the parts' errors are too large to add up, and training on it is a gamble; ask for "
-                      "more memory" + ("" if sdpa_floors else ", or keep SDPA's floors"), UserWarning, stacklevel=2)
+                      "more memory" + ("" if attention_floors else ", or keep SDPA's floors"), UserWarning, stacklevel=2)
     planned = tuple(PlannedPart(part.name, part.kind, part.options[index].spec, part.options[0].bytes,
                                 part.options[index].bytes, part.options[index].error, part.members)
                     for part, index in zip(parts, chosen))
@@ -191,14 +191,14 @@ def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
                       tuple(sorted(search.unmeasured)), search.steps, search.forwards)
 
 
-def _fit(search: _Search, parts: list[_Part], capacity: int, budget_bytes: int, sdpa_floors: bool):
+def _fit(search: _Search, parts: list[_Part], capacity: int, budget_bytes: int, attention_floors: bool):
     """The knapsack's choice, its mappings and the bytes it keeps as measured. The parts overlap
     a little (a tensor two ops save is counted once), so a plan that misses is solved again
     against what it kept; the fullest plan within the budget wins."""
     best, kept = None, 0
     for _ in range(_RESOLVES):
         chosen = _knapsack(parts, capacity)
-        pipeline, rest = _pipeline_mapping(parts, chosen), _rest_mapping(parts, chosen, sdpa_floors)
+        pipeline, rest = _pipeline_mapping(parts, chosen), _rest_mapping(parts, chosen, attention_floors)
         kept = search.kept_bytes(pipeline, rest)
         if kept <= budget_bytes and (best is None or kept > best[3]):
             best = (chosen, pipeline, rest, kept)
@@ -253,9 +253,9 @@ class _Search:
     """The measurements: copies of the model converted rung by rung, on the user's batch."""
 
     def __init__(self, model: nn.Module, run: UserBatch, layer_specs: tuple[str, ...], kind_specs: tuple[str, ...],
-                 sdpa_floors: bool = True):
+                 attention_floors: bool = True):
         self.model, self.run, self.layer_specs, self.kind_specs = model, run, layer_specs, kind_specs
-        self.sdpa_floors = sdpa_floors
+        self.attention_floors = attention_floors
         self.plain_bytes = run.memory(copy_model(model)).total_bytes
         self.reference = run.gradients(copy_model(model))
         self.norm = float(sum(grad.square().sum() for grad in self.reference.values()))
@@ -313,7 +313,7 @@ class _Search:
         self.forwards += 1
         pipeline = {"*": layer_spec}
         rest = "exact" if kind_spec is None else _kinds_alone({kind: kind_spec for kind in LOSSY_KINDS},
-                                                              self.sdpa_floors)
+                                                              self.attention_floors)
         return self.run.memory(to_compressed(copy_model(self.model), pipeline, rest=rest, loss="plain"))
 
     def _layer_errors(self, spec: str, layers: list[str]) -> dict[str, float]:
@@ -336,7 +336,7 @@ class _Search:
         return {layer: assumed if layer in self.unmeasured else error for layer, error in errors.items()}
 
     def _kind_error(self, kind: str, spec: str) -> float:
-        rest = _kinds_alone({kind: spec}, self.sdpa_floors)
+        rest = _kinds_alone({kind: spec}, self.attention_floors)
         got = self._gradients(to_compressed(copy_model(self.model), "mink0", rest=rest, loss="plain"))
         return sum(float((got[name] - grad).square().sum()) for name, grad in self.reference.items()) / self.norm
 
@@ -354,9 +354,9 @@ def _rung(specs: tuple[str, ...], rung: int) -> str | None:
     return specs[min(rung, len(specs)) - 1] if specs else None
 
 
-def _kinds_alone(specs: Mapping[str, str], sdpa_floors: bool = True) -> dict[str, Any]:
+def _kinds_alone(specs: Mapping[str, str], attention_floors: bool = True) -> dict[str, Any]:
     """A ``rest`` mapping: the kinds in ``specs`` at their spec ("fewbit4" as 4-bit derivative
-    codes), every other kind exact; ``sdpa_floors=False`` lifts SDPA's floors where attention
+    codes), every other kind exact; ``attention_floors=False`` lifts SDPA's floors where attention
     is lossy.
 
     >>> _kinds_alone({"activation": "fewbit4"})["fewbit"], _kinds_alone({"attention": "int8"})["activation"]
@@ -368,8 +368,8 @@ def _kinds_alone(specs: Mapping[str, str], sdpa_floors: bool = True) -> dict[str
             rest.update({kind: "int4:group=64", "fewbit": 4} if kind == "activation" else {kind: "int4:group=64"})
         else:
             rest[kind] = spec
-    if not sdpa_floors and rest["attention"] != "exact":
-        rest["sdpa_floors"] = False
+    if not attention_floors and rest["attention"] != "exact":
+        rest["attention_floors"] = False
     return rest
 
 
@@ -459,6 +459,6 @@ def _pipeline_mapping(parts: list[_Part], chosen: list[int]) -> dict[str, str | 
     return {**{name: spec for name, spec in specs.items() if spec != common}, "*": common}
 
 
-def _rest_mapping(parts: list[_Part], chosen: list[int], sdpa_floors: bool) -> dict[str, Any]:
+def _rest_mapping(parts: list[_Part], chosen: list[int], attention_floors: bool) -> dict[str, Any]:
     return _kinds_alone({part.name: part.options[index].spec for part, index in zip(parts, chosen)
-                         if part.kind == "kind"}, sdpa_floors)
+                         if part.kind == "kind"}, attention_floors)

@@ -40,15 +40,16 @@ class Lossy:
 
     ``query_key_as_is`` keeps fused attention's query and key as they are (attention only; set
     by :func:`actcomp.to_compressed` on a model carrying LoRA adapters, whose gradient moves
-    with the attention logits' every rounding). ``sdpa_floors`` (attention only, on by default)
-    keeps fused attention's query and key in bf16 at most and its value and output in 8 bits
-    at least, where a trained language model's sink token would turn coarser codes into logit
-    errors of whole units; off (``rest={..., "sdpa_floors": False}``), they take ``pipeline``
-    like the kind's other tensors."""
+    with the attention logits' every rounding). ``attention_floors`` (attention only, on by
+    default) keeps fused attention's query and key in bf16 at most and its value and output in 8
+    bits at least, and an eager attention's query, key and value in 8 bits at least, where a
+    trained language model's sink token would turn coarser codes into logit errors of whole
+    units; off (``rest={..., "attention_floors": False}``), they take ``pipeline`` like the
+    kind's other tensors."""
 
     pipeline: Pipeline
     query_key_as_is: bool = False
-    sdpa_floors: bool = True
+    attention_floors: bool = True
 
     def __str__(self) -> str:
         return self.pipeline.spec
@@ -81,7 +82,7 @@ class RestPolicy:
     >>> print(RestPolicy.parse("int8"))
     8bit
     >>> RestPolicy.parse("4bit").activation
-    Derivative(bits=4, fallback=Lossy(pipeline=Pipeline('int4:group=64'), query_key_as_is=False, sdpa_floors=True))
+    Derivative(bits=4, fallback=Lossy(pipeline=Pipeline('int4:group=64'), query_key_as_is=False, attention_floors=True))
     """
 
     activation: Choice
@@ -119,9 +120,9 @@ class RestPolicy:
             )
         choices = dict(vars(PRESETS["8bit"]))
         for kind, value in rest.items():
-            if kind == "sdpa_floors":
+            if kind == "attention_floors":
                 if not isinstance(value, bool):
-                    raise ActcompError(f"rest['sdpa_floors'] must be True or False, got {value!r}")
+                    raise ActcompError(f"rest['attention_floors'] must be True or False, got {value!r}")
             elif kind == "fewbit":
                 if value is not None and (type(value) is not int or value not in range(1, 5)):
                     raise ActcompError(f"rest['fewbit'] must be a bit width 1 to 4 (or None), got {value!r}")
@@ -130,16 +131,16 @@ class RestPolicy:
             else:
                 raise ActcompError(
                     f"unknown op kind {kind!r} in rest; valid keys: {', '.join(LOSSY_KINDS + EXACT_KINDS)}, fewbit, "
-                    "sdpa_floors "
+                    "attention_floors "
                     "(Linear/Conv inputs take the main pipeline argument)"
                 )
         if rest.get("fewbit") is not None:
             choices["activation"] = Derivative(rest["fewbit"], choices["activation"])
-        if rest.get("sdpa_floors") is False:
+        if rest.get("attention_floors") is False:
             if not isinstance(choices["attention"], Lossy):
-                raise ActcompError(f"rest['sdpa_floors']=False lifts the floors of a lossy attention spec; attention "
+                raise ActcompError(f"rest['attention_floors']=False lifts the floors of a lossy attention spec; attention "
                                    f"is {choices['attention']} here: give rest['attention'] a spec too")
-            choices["attention"] = replace(choices["attention"], sdpa_floors=False)
+            choices["attention"] = replace(choices["attention"], attention_floors=False)
         return cls(**choices)
 
     def __str__(self) -> str:
@@ -148,7 +149,8 @@ class RestPolicy:
             return preset
         text = ", ".join(f"{item.name}={getattr(self, item.name)}" for item in fields(self))
         text += f", fewbit={self.activation.bits}" if isinstance(self.activation, Derivative) else ""
-        return text + (", sdpa_floors=False" if isinstance(self.attention, Lossy) and not self.attention.sdpa_floors else "")
+        lifted = isinstance(self.attention, Lossy) and not self.attention.attention_floors
+        return text + (", attention_floors=False" if lifted else "")
 
     def __setstate__(self, state: dict) -> None:
         if "fewbit" in state:

@@ -142,9 +142,9 @@ def test_check_budget_prints_the_plan_then_checks_it(capsys):
 def test_lifting_sdpas_floors_reaches_lower_and_pins_the_lift():
     model, batch = vit()
     with_floors = actcomp.plan_budget(model, batch, 0.5, kind_specs=("int8", "int4:group=64"))
-    lifted = actcomp.plan_budget(model, batch, 0.5, kind_specs=("int8", "int4:group=64"), sdpa_floors=False)
+    lifted = actcomp.plan_budget(model, batch, 0.5, kind_specs=("int8", "int4:group=64"), attention_floors=False)
     assert lifted.smallest_bytes < 0.9 * with_floors.smallest_bytes
-    assert "sdpa_floors" not in with_floors.rest and lifted.rest.get("sdpa_floors", False) is False
+    assert "attention_floors" not in with_floors.rest and lifted.rest.get("attention_floors", False) is False
     assert actcomp.memory_report(lifted.apply(copy.deepcopy(model)), batch).total_bytes == lifted.kept_bytes
 
 

@@ -23,13 +23,13 @@ from actcomp.whole_model.policy import RestPolicy
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
-def llama(outliers: bool = True, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def llama(outliers: bool = True, dtype: torch.dtype = torch.float32, attention: str = "sdpa") -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=500, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      attn_implementation="sdpa")
+                                      attn_implementation=attention)
     model = transformers.LlamaForCausalLM(config).to(dtype).train()
     if outliers:
         add_outliers(model)
@@ -99,8 +99,8 @@ def test_sdpa_query_and_key_stay_float_value_and_output_take_8_bits(rest, dtype,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sdpa_floors_off_gives_query_key_value_and_output_the_attention_spec(dtype, monkeypatch):
-    rest = {"attention": "int4:group=64", "sdpa_floors": False}
+def test_attention_floors_off_gives_query_key_value_and_output_the_attention_spec(dtype, monkeypatch):
+    rest = {"attention": "int4:group=64", "attention_floors": False}
     model = actcomp.to_compressed(llama(outliers=False, dtype=dtype), "mink0", rest=rest, loss="plain")
     assert codecs_of_sdpa(model, batch(), monkeypatch) == ["int4:group=64"] * 4 * 2
     # It is the floors that keep a trained model's sink token from bending the gradient.
@@ -108,16 +108,32 @@ def test_sdpa_floors_off_gives_query_key_value_and_output_the_attention_spec(dty
     cosines = {}
     for floors in (True, False):
         converted = actcomp.to_compressed(copy.deepcopy(plain), "mink0", loss="plain",
-                                          rest={"attention": "int4:group=64", "sdpa_floors": floors})
+                                          rest={"attention": "int4:group=64", "attention_floors": floors})
         cosines[floors] = float(F.cosine_similarity(gradient(converted, ids), gradient(plain, ids), dim=0))
     assert cosines[True] > 0.99 and cosines[False] < cosines[True] - 0.01, cosines
 
 
-def test_sdpa_floors_reads_as_a_policy_and_refuses_what_it_cannot_mean():
-    policy = RestPolicy.parse({"attention": "int4:group=64", "sdpa_floors": False})
-    assert not policy.attention.sdpa_floors and RestPolicy.parse("8bit").attention.sdpa_floors
-    assert str(policy).endswith(", sdpa_floors=False")
-    with pytest.raises(actcomp.ActcompError, match=r"rest\['sdpa_floors'\] must be True or False"):
-        RestPolicy.parse({"sdpa_floors": "no"})
+def test_attention_floors_reads_as_a_policy_and_refuses_what_it_cannot_mean():
+    policy = RestPolicy.parse({"attention": "int4:group=64", "attention_floors": False})
+    assert not policy.attention.attention_floors and RestPolicy.parse("8bit").attention.attention_floors
+    assert str(policy).endswith(", attention_floors=False")
+    with pytest.raises(actcomp.ActcompError, match=r"rest\['attention_floors'\] must be True or False"):
+        RestPolicy.parse({"attention_floors": "no"})
     with pytest.raises(actcomp.ActcompError, match="give rest\\['attention'\\] a spec too"):
-        RestPolicy.parse({"attention": None, "sdpa_floors": False})
+        RestPolicy.parse({"attention": None, "attention_floors": False})
+
+
+FOUR_BIT = {"activation": "int4:group=64", "normalization": "int4:group=64", "attention": "int4:group=64", "fewbit": 4}
+
+
+def test_eager_attention_keeps_query_key_and_value_in_8_bits_and_holds_the_4bit_floor():
+    # Written out (matmul, softmax, matmul), attention saves its query, key and value inside the
+    # attention module and its probabilities by softmax: the floors give the first three int8.
+    plain, ids = llama(attention="eager"), batch()
+    cosines = {}
+    for floors in (True, False):
+        model = actcomp.to_compressed(copy.deepcopy(plain), "mink0", rest={**FOUR_BIT, "attention_floors": floors},
+                                      loss="plain")
+        cosines[floors] = float(F.cosine_similarity(gradient(model, ids), gradient(plain, ids), dim=0))
+    assert cosines[True] >= 0.97 > cosines[False], cosines
+    assert RestPolicy.parse("4bit") == RestPolicy.parse({**FOUR_BIT, "attention_floors": True})

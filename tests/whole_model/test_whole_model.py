@@ -785,7 +785,7 @@ def test_functional_gelu_layer_norm_and_attention_are_compressed():
 
 @pytest.mark.parametrize("rest, message", [
     ({"conv": "int8"}, r"unknown op kind 'conv' in rest; valid keys: activation, normalization, attention, other, "
-                       r"pooling, dropout, fewbit, sdpa_floors \(Linear/Conv inputs take the main pipeline argument\)"),
+                       r"pooling, dropout, fewbit, attention_floors \(Linear/Conv inputs take the main pipeline argument\)"),
     ({"linear": "int8"}, r"unknown op kind 'linear' in rest"),
     ({3: "int8"}, r"unknown op kind 3 in rest"),
     ({"fewbit": 5}, r"rest\['fewbit'\] must be a bit width 1 to 4 \(or None\), got 5"),
