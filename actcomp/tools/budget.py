@@ -161,7 +161,8 @@ def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
     shows no cost there, where a trained language model's sink token bends the gradient (keep
     the floors unless you plan on a trained checkpoint). The same model, batch and seed give the
     same plan. Where the budget cannot be met the error names the smallest reachable fraction;
-    a plan whose measured cosine falls below 0.9 warns. ``model`` is not modified.
+    a plan whose measured cosine falls below 0.9 warns. Called under ``torch.autocast`` it plans
+    for mixed precision (the bytes and the fraction are autocast's). ``model`` is not modified.
     """
     if compressed_layers(model) or getattr(model, "actcomp_rest", None) is not None:
         raise ActcompError("plan_budget takes the plain model (it converts copies itself); this one is converted "

@@ -152,3 +152,16 @@ def test_a_plan_that_bends_the_gradient_far_warns():
     model, batch = outlier_net()
     with pytest.warns(UserWarning, match="bends the gradient far"):
         actcomp.plan_budget(model, batch, 0.3, layer_specs=("mink0.99+int2",), kind_specs=("int2",))
+
+
+def test_under_autocast_it_plans_for_mixed_precision():
+    model, batch = resnet()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = actcomp.plan_budget(model, batch, 0.25)
+        pinned = actcomp.memory_report(plan.apply(copy.deepcopy(model)), batch).total_bytes
+    assert pinned == plan.kept_bytes and 0.95 * 0.25 <= plan.kept_fraction <= 0.25
+    # The fraction is of what plain keeps under autocast: about half of fp32's.
+    assert plan.plain_bytes < 0.6 * actcomp.memory_report(copy.deepcopy(model), batch).total_bytes
+    # bf16 halves every code's saving over plain, so the same fraction takes BatchNorm inputs lower.
+    fp32 = actcomp.plan_budget(model, batch, 0.25)
+    assert (fp32.rest["normalization"], plan.rest["normalization"]) == ("int8", "int4:group=64")
