@@ -33,6 +33,8 @@ plain steps' time. The plan prints as the call that pins it.
 
 from __future__ import annotations
 
+import fnmatch
+import itertools
 import math
 import statistics
 import warnings
@@ -178,7 +180,8 @@ def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
             f"budget {budget!r} ({format_bytes(budget_bytes)}, {budget_bytes / plain_bytes:.3f} of plain's "
             f"{format_bytes(plain_bytes)}) cannot be met on this model and batch: the smallest reachable is "
             f"{smallest / plain_bytes:.3f} ({format_bytes(smallest)}), every part at its smallest rung"
-            + ("" if not attention_floors else "; attention_floors=False reaches lower on a model with fused attention"))
+            + ("; attention_floors=False reaches lower" if attention_floors and any(
+                part.name == "attention" for part in parts) else ""))
     chosen, pipeline, rest, kept = _fit(search, parts, budget_bytes - fixed, budget_bytes, attention_floors)
     cosine = search.cosine(pipeline, rest)
     if not cosine >= _FAR:
@@ -450,14 +453,44 @@ def _knapsack(parts: list[_Part], capacity: int) -> list[int]:
 
 
 def _pipeline_mapping(parts: list[_Part], chosen: list[int]) -> dict[str, str | None]:
-    """The layers' specs as a ``to_compressed`` mapping: the layers whose spec differs from the
-    most common one by name, then ``"*"`` for the rest (the first pattern that matches wins)."""
+    """The layers' specs as a ``to_compressed`` mapping: ``"*"`` for the most common spec, after
+    a rule for each other (:func:`_short_rules`)."""
     specs = {name: part.options[index].spec for part, index in zip(parts, chosen) if part.kind == "layer"
              for name in part.members}
     if not specs:
         return {"*": None}
     common = Counter(specs.values()).most_common(1)[0][0]
-    return {**{name: spec for name, spec in specs.items() if spec != common}, "*": common}
+    return {**_short_rules(specs, common), "*": common}
+
+
+def _short_rules(specs: dict[str, str | None], common: str | None) -> dict[str, str | None]:
+    """Patterns for the layers whose spec is not ``common``: each layer's name with the most of
+    its numbered path parts made ``*`` that still matches no layer of another spec (so the rules
+    never contradict each other, whatever their order), or the name itself.
+
+    >>> specs = {f"layer1.{i}.conv{j}": "int4" for i in range(3) for j in (1, 2)}
+    >>> specs.update({"layer1.1.conv2": "int8", "layer2.0.conv1": "int8", "layer2.1.conv1": "int8", "fc": None})
+    >>> _short_rules(specs, "int4")
+    {'layer1.1.conv2': 'int8', 'layer2.*.conv1': 'int8', 'fc': None}
+    """
+    rules: dict[str, str | None] = {}
+    for name, spec in specs.items():
+        if spec == common or any(fnmatch.fnmatchcase(name, pattern) for pattern in rules):
+            continue
+        parts = name.split(".")
+        numbered = [index for index, part in enumerate(parts) if part.isdigit()]
+        chosen = name
+        # Most general first: every numbered part a wildcard, then fewer.
+        for count in range(len(numbered), 0, -1):
+            for subset in itertools.combinations(numbered, count):
+                pattern = ".".join("*" if index in subset else part for index, part in enumerate(parts))
+                if all(other == spec for layer, other in specs.items() if fnmatch.fnmatchcase(layer, pattern)):
+                    chosen = pattern
+                    break
+            if chosen != name:
+                break
+        rules[chosen] = spec
+    return rules
 
 
 def _rest_mapping(parts: list[_Part], chosen: list[int], attention_floors: bool) -> dict[str, Any]:
