@@ -49,7 +49,7 @@ from torch import nn
 from actcomp.convert import compressed_layers, to_compressed
 from actcomp.errors import ActcompError
 from actcomp.tools.memory import MemoryReport, format_bytes, parse_bytes
-from actcomp.tools.user_batch import UserBatch, copy_model
+from actcomp.tools.user_batch import UserBatch, copy_model, gradient_cosine
 from actcomp.whole_model.policy import EXACT_KINDS, LOSSY_KINDS
 
 # Rungs from light to heavy. Linear/Conv inputs only serve the weight gradient (DropIT), so
@@ -273,21 +273,22 @@ class _Search:
         """Every part with its options (rung 0: plain layers, exact kind), and the bytes no part
         holds (the model's other saves)."""
         rungs = max(len(self.layer_specs), len(self.kind_specs))
-        reports = [self._report(None if rung == 0 else _rung(self.layer_specs, rung),
-                                None if rung == 0 else _rung(self.kind_specs, rung)) for rung in range(rungs + 1)]
-        first = reports[0]
-        converted = list(compressed_layers(to_compressed(copy_model(self.model), self.layer_specs[0], loss="plain"))
-                         ) if self.layer_specs else []
+        measured = [self._report(None if rung == 0 else _rung(self.layer_specs, rung),
+                                 None if rung == 0 else _rung(self.kind_specs, rung)) for rung in range(rungs + 1)]
+        reports = [report for report, _ in measured]
+        # Every layer a spec converts, named from the first rung's copy (rung 0 converts none).
+        converted = measured[1][1] if self.layer_specs else []
+        first, rows = reports[0], [_row_bytes(report) for report in reports]
         groups = _layer_groups(converted, first)
         kinds = [row.kind for row in first.kinds if row.kind in LOSSY_KINDS and row.kept_bytes > 0]
-        fixed = first.total_bytes - sum(_group_bytes(first, group) for group in groups) - sum(
+        fixed = first.total_bytes - sum(_group_bytes(rows[0], group) for group in groups) - sum(
             _kind_bytes(first, kind) for kind in kinds)
         errors = [self._layer_errors(spec, [name for group in groups for name in group]) for spec in self.layer_specs]
         parts = []
         for group in groups:
-            options = [_Option(None, _group_bytes(first, group), 0.0)]
+            options = [_Option(None, _group_bytes(rows[0], group), 0.0)]
             for rung, spec in enumerate(self.layer_specs, 1):
-                options.append(_Option(spec, _group_bytes(reports[rung], group),
+                options.append(_Option(spec, _group_bytes(rows[rung], group),
                                        sum(errors[rung - 1][name] for name in group)))
             parts.append(_Part("+".join(group), "layer", _lighter_only(options), group))
         for kind in kinds:
@@ -307,18 +308,17 @@ class _Search:
         return self.run.memory(to_compressed(copy_model(self.model), pipeline, rest=rest)).total_bytes
 
     def cosine(self, pipeline: dict, rest: dict) -> float:
-        got = self._gradients(to_compressed(copy_model(self.model), pipeline, rest=rest))
-        names = [name for name in self.reference if name in got]
-        dot = sum(float((got[name] * self.reference[name]).sum()) for name in names)
-        norm = math.sqrt(sum(float(got[name].square().sum()) for name in names))
-        return dot / (norm * math.sqrt(self.norm)) if norm else float("nan")
+        return gradient_cosine(self._gradients(to_compressed(copy_model(self.model), pipeline, rest=rest)),
+                               self.reference)
 
-    def _report(self, layer_spec: str | None, kind_spec: str | None) -> MemoryReport:
+    def _report(self, layer_spec: str | None, kind_spec: str | None) -> tuple[MemoryReport, list[str]]:
+        """The memory report of a copy with every layer at ``layer_spec`` and every lossy kind at
+        ``kind_spec``, and the names of the layers converted."""
         self.forwards += 1
-        pipeline = {"*": layer_spec}
         rest = "exact" if kind_spec is None else _kinds_alone({kind: kind_spec for kind in LOSSY_KINDS},
                                                               self.attention_floors)
-        return self.run.memory(to_compressed(copy_model(self.model), pipeline, rest=rest, loss="plain"))
+        converted = to_compressed(copy_model(self.model), {"*": layer_spec}, rest=rest, loss="plain")
+        return self.run.memory(converted), list(compressed_layers(converted))
 
     def _layer_errors(self, spec: str, layers: list[str]) -> dict[str, float]:
         """Each layer's share of the squared gradient error with every layer at ``spec``. A layer
@@ -390,12 +390,16 @@ def _layer_groups(converted: list[str], plain: MemoryReport) -> list[tuple[str, 
         if len(sharing) > 1:
             merged = tuple(sorted({member for name in sharing for member in group_of[name]}, key=layers.index))
             group_of.update({member: merged for member in merged})
-    groups = list(dict.fromkeys(group_of[name] for name in layers))
-    return [group for group in groups if _group_bytes(plain, group) > 0]
+    groups, rows = list(dict.fromkeys(group_of[name] for name in layers)), _row_bytes(plain)
+    return [group for group in groups if _group_bytes(rows, group) > 0]
 
 
-def _group_bytes(report: MemoryReport, group: tuple[str, ...]) -> int:
-    rows = {row.name: row.nbytes for row in report.rows}
+def _row_bytes(report: MemoryReport) -> dict[str, int]:
+    """The bytes each module keeps, by name."""
+    return {row.name: row.nbytes for row in report.rows}
+
+
+def _group_bytes(rows: dict[str, int], group: tuple[str, ...]) -> int:
     return sum(rows.get(name, 0) for name in group)
 
 
