@@ -269,7 +269,7 @@ def _kind_codec(choice, tensor: torch.Tensor, kind: str, scope: Scope | None) ->
     pipeline = choice.pipeline
     if kind == "attention" and scope is not None and scope.op == "sdpa":
         role = attention_role(tensor, scope)
-        if role == "mask":
+        if role in ("mask", "statistic"):
             return None
         if not choice.attention_floors:
             return CodecChoice(pipeline)
@@ -326,11 +326,14 @@ class AttentionScope(Scope):
 
 def attention_role(tensor: torch.Tensor, scope: Scope) -> str | None:
     """Which of an SDPA call's arguments ``tensor`` is, as far as the codec cares: ``"mask"``
-    (kept as it is), ``"query or key"`` (a float format at most), or None (the kind's spec)."""
+    (kept as it is), ``"statistic"`` (kept as it is), ``"query or key"`` (a float format at most),
+    or None (the kind's spec)."""
     if isinstance(scope, AttentionScope):
         return scope.role
     if _is_attention_mask(tensor, scope):
         return "mask"
+    if _is_statistic(tensor, scope):
+        return "statistic"
     return "query or key" if _is_query_or_key(tensor, scope) else None
 
 
@@ -359,6 +362,17 @@ def _is_attention_mask(tensor: torch.Tensor, scope: Scope) -> bool:
     if isinstance(value, torch.Tensor) and tensor.data_ptr() == value.data_ptr():
         return False
     return view_base(tensor) is not None or tensor.grad_fn is None
+
+
+def _is_statistic(tensor: torch.Tensor, scope: Scope) -> bool:
+    """Whether ``tensor`` is a fused attention's per-row statistic (its log-sum-exp): fewer
+    dimensions than the query. CUDA's memory-efficient attention pads it to rows of 32 and writes
+    +inf past the sequence, so on short sequences or small heads it outgrows the size test that
+    keeps statistics (a quarter of the largest argument), and any finite-range code decoded it
+    to NaN: NaN gradients on gpt2, bert, t5 and maxvit in the H100 zoo run of stop 50. The
+    backward recomputes the probabilities from it, so it is kept as it is."""
+    query = argument(scope, 0, "query", None)
+    return isinstance(query, torch.Tensor) and tensor.dim() < query.dim()
 
 
 def _is_query_or_key(tensor: torch.Tensor, scope: Scope) -> bool:

@@ -446,6 +446,9 @@ def _backward_users(context: dict) -> list[fx.Node]:
 # code turns it to NaN or to steps of 1e36 over the logits, and the backward recomputes the
 # probabilities with it (the H200 zoo run of stop 44 found it in eager mode's twin of this).
 _MASK_ARGUMENTS = frozenset({"attn_bias", "attn_mask"})
+# And the per-row log-sum-exp they recompute the probabilities from (memory-efficient attention
+# pads it with +inf past the sequence): kept as it is, as in eager mode.
+_STATISTIC_ARGUMENTS = frozenset({"logsumexp"})
 
 
 def _attention_scope(users: list[fx.Node], name: str) -> AttentionScope | None:
@@ -457,7 +460,8 @@ def _attention_scope(users: list[fx.Node], name: str) -> AttentionScope | None:
             continue
         bound = [*zip(names, user.args), *user.kwargs.items()]
         roles = {argument for argument, value in bound if isinstance(value, fx.Node) and value.name == name}
-        role = "mask" if roles & _MASK_ARGUMENTS else "query or key" if roles & {"query", "key"} else None
+        role = ("mask" if roles & _MASK_ARGUMENTS else "statistic" if roles & _STATISTIC_ARGUMENTS
+                else "query or key" if roles & {"query", "key"} else None)
         return AttentionScope(role, _largest_input([user]))
     return None
 

@@ -276,3 +276,23 @@ def test_an_sdpa_mask_as_a_fused_kernel_saves_it_is_kept_as_it_is(rest, saved_as
     assert choose_codec(policy, v, "attention", call) is not None
     # Without a mask nothing in the weights' shape is one.
     assert choose_codec(policy, probabilities, "attention", _sdpa_call(None)[0]) is not None
+
+
+@pytest.mark.parametrize("rest", ["8bit", "4bit", {"attention": "int4", "attention_floors": False}])
+def test_an_sdpa_log_sum_exp_is_kept_as_it_is_whatever_its_size(rest):
+    # CUDA's memory-efficient attention saves its log-sum-exp padded to rows of 32 with +inf past
+    # the sequence: on 12 tokens and heads of 8 it is larger than a quarter of the query (the
+    # size test that keeps statistics), and int8 decoded it to NaN gradients on gpt2, bert, t5
+    # and maxvit (the H100 zoo run of stop 50).
+    from actcomp.graph.saved_tensors import Scope
+    from actcomp.whole_model.choosing import choose_codec
+    from actcomp.whole_model.policy import RestPolicy
+
+    q, k, v = (torch.randn(2, 4, 12, 8, requires_grad=True) for _ in range(3))
+    call = Scope("attention", op="sdpa", args=(q, k, v))
+    lse = torch.cat([torch.randn(2, 4, 12), torch.full((2, 4, 20), float("inf"))], dim=-1)
+    assert lse.numel() * 4 >= call.reference
+    policy = RestPolicy.parse(rest)
+    assert choose_codec(policy, lse, "attention", call) is None
+    # The output, in the query's dimensions, still takes a codec.
+    assert choose_codec(policy, torch.randn(2, 4, 12, 8), "attention", call) is not None

@@ -304,6 +304,38 @@ def test_an_attention_mask_the_backward_reads_is_kept_as_it_is(monkeypatch, op, 
     assert in_graph._pack(mask.clamp(min=-1.0), plan.cache_hash)[0].startswith("Pipeline('int8')")
 
 
+@pytest.mark.parametrize("op, position", [
+    (torch.ops.aten._scaled_dot_product_efficient_attention_backward.default, 6),  # CUDA's memory-efficient
+    (torch.ops.aten._scaled_dot_product_flash_attention_backward.default, 5),  # CUDA's flash
+])
+def test_the_log_sum_exp_the_attention_backward_reads_is_kept_as_it_is(monkeypatch, op, position):
+    # Memory-efficient attention pads its log-sum-exp with +inf past the sequence; a finite-range
+    # code decoded it to NaN (the H100 zoo run of stop 50, eager mode's twin of this).
+    from torch import fx
+
+    plan = in_graph._plan("int8", "8bit")
+    in_graph._hooks(plan)
+    lse = torch.cat([torch.randn(64, 4, 12), torch.full((64, 4, 20), float("inf"))], dim=-1)
+
+    def context(read_by):
+        graph = fx.Graph()
+        saved = graph.placeholder("lse")
+        graph.output(read_by(graph, saved))
+        return {"_node": saved, "_bw_graph": graph}
+
+    def attention(graph, saved):
+        args = [graph.placeholder(f"arg{i}") for i in range(12)]
+        args[position] = saved
+        return graph.call_function(op, tuple(args))
+
+    monkeypatch.setattr(in_graph, "aot_saved_tensor_hook_context", lambda: context(attention))
+    assert in_graph._pack(lse, plan.cache_hash) is lse
+    # Read by anything else, the same tensor is packed.
+    monkeypatch.setattr(in_graph, "aot_saved_tensor_hook_context",
+                        lambda: context(lambda graph, saved: graph.call_function(torch.ops.aten.mul.Tensor, (saved, saved))))
+    assert in_graph._pack(lse.clamp(max=1.0), plan.cache_hash)[0].startswith("Pipeline('int8')")
+
+
 class Attention(torch.nn.Module):
     """One attention block (LayerNorm, qkv, SDPA, projection) on rows long enough that the
     norm's statistics (64 x 128 of them) pass the size floor."""
