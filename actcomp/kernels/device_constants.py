@@ -27,7 +27,12 @@ def device_table(values: tuple[float, ...], dtype: torch.dtype, device: torch.de
 
 @functools.lru_cache(maxsize=1024)  # bounded: codecs' settings, not steps, make new tables
 def _made(hex_values: tuple[str, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor([float.fromhex(value) for value in hex_values], dtype=dtype, device=device)
+    values = [float.fromhex(value) for value in hex_values]
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    # One fill per value, not a copy from host memory, which waits for the device: the first
+    # use may come inside a step that must not synchronize (the H100 sync check of stop 50).
+    return torch.stack([torch.full((), value, dtype=dtype, device=device) for value in values])
 
 
 def true_divide(values: torch.Tensor, divisor: float) -> torch.Tensor:

@@ -203,7 +203,9 @@ def _mix_seed_and_size(count: int) -> int:
 
 @torch.library.custom_op("actcomp::seed_and_size_bits", mutates_args=())
 def _seed_and_size_tensor(device: torch.device, count: int) -> torch.Tensor:
-    return torch.tensor(_mix_seed_and_size(count), dtype=torch.int64, device=device)
+    # A fill, not torch.tensor(...): that copies from host memory and waits for the device each
+    # time the graph runs (the H100 sync check of stop 50).
+    return torch.full((), _mix_seed_and_size(count), dtype=torch.int64, device=device)
 
 
 @_seed_and_size_tensor.register_fake
