@@ -75,7 +75,8 @@ def compress_checkpoint_recomputation(capture: Callable[[], Any], recompute: Cal
       the tensor whole) and handed back to backward as ``unpack(form)``.
 
     Installed once for the process; blocks whose ``capture()`` gave None run exactly as torch's.
-    Checked on 2.13.0 and 2.14.1: ``_checkpoint_hook`` (made per checkpointed forward, by name,
+    Checked on 2.13.0 and 2.14.1, and on 2.11.0 (the GPU image), whose frame has no
+    ``get_inputs()`` (:func:`_block_inputs`): ``_checkpoint_hook`` (made per checkpointed forward, by name,
     from ``torch.utils.checkpoint``'s globals), its frame (``weak_holders``, ``recomp_counter``,
     ``recomputed[gid][handle]``, ``get_inputs()`` called just before the recomputation),
     ``_recomputation_hook`` (its pack stores the recomputed tensor in the frame and returns it,
@@ -102,18 +103,23 @@ def compress_checkpoint_recomputation(capture: Callable[[], Any], recompute: Cal
             frame.actcomp_captured = _CHECKPOINT_CALLS[0]()
             if frame.actcomp_captured is None:
                 return
-            unpack_kept, get_inputs, frame_ref = self.unpack_hook, type(frame).get_inputs, weakref.ref(frame)
+            unpack_kept, frame_ref = self.unpack_hook, weakref.ref(frame)
+
+            def unpack_hook(holder):
+                kept = unpack_kept(holder)
+                return kept.unpack() if isinstance(kept, _RecomputedForm) else kept
+
+            self.unpack_hook = unpack_hook
+            get_inputs = getattr(type(frame), "get_inputs", None)
+            if get_inputs is None:
+                return  # torch before 2.13: the recomputation hook reads them off input_saver
 
             def inputs():  # the recomputation's, read by the recomputation hook made next
                 kept_by = frame_ref()
                 kept_by.actcomp_inputs = get_inputs(kept_by)
                 return kept_by.actcomp_inputs
 
-            def unpack_hook(holder):
-                kept = unpack_kept(holder)
-                return kept.unpack() if isinstance(kept, _RecomputedForm) else kept
-
-            frame.get_inputs, self.unpack_hook = inputs, unpack_hook
+            frame.get_inputs = inputs
 
     class _CompressingRecomputationHook(torch_recomputation):
         def __init__(self, target_frame_ref, gid) -> None:
@@ -122,8 +128,8 @@ def compress_checkpoint_recomputation(capture: Callable[[], Any], recompute: Cal
             self.actcomp_context = None
             if frame is None or getattr(frame, "actcomp_captured", None) is None:
                 return
-            inputs = [value for value in getattr(frame, "actcomp_inputs", ()) if isinstance(value, torch.Tensor)]
-            frame.actcomp_inputs = ()  # not held past the recomputation
+            inputs = [value for value in _block_inputs(frame) if isinstance(value, torch.Tensor)]
+            frame.actcomp_inputs = None  # not held past the recomputation
             self.actcomp_context = _CHECKPOINT_CALLS[1](frame.actcomp_captured, inputs)
             self.actcomp_calls = calls = []  # (pack, unpack), once entered
             store = self.pack_hook
@@ -157,6 +163,18 @@ def compress_checkpoint_recomputation(capture: Callable[[], Any], recompute: Cal
     checkpoint._checkpoint_hook = _CompressingCheckpointHook
     checkpoint._recomputation_hook = _CompressingRecomputationHook
     return True
+
+
+def _block_inputs(frame) -> Any:
+    """A checkpointed block's inputs, as its frame's ``get_inputs()`` gave them just before the
+    recomputation (2.13 and later), or read again off the frame's ``input_saver`` (2.11: the
+    recomputation reads them there, ``ctx.get_args(ctx.saved_tensors)``; the H100 image of stop
+    50 runs 2.11)."""
+    kept = getattr(frame, "actcomp_inputs", None)
+    saver = getattr(frame, "input_saver", None)
+    if kept is None and saver is not None and hasattr(saver.grad_fn, "get_args"):
+        kept = saver.grad_fn.get_args(saver.grad_fn.saved_tensors)
+    return kept or ()
 
 
 def drops_saved_tensors(pack_hook: Callable) -> bool:
