@@ -156,9 +156,12 @@ def test_random_encodes_and_decodes_in_three_launches_each():
         assert sum(triton_runtime.LAUNCHES.values()) == 3  # the same passes, the write gathering instead
 
 
-def test_past_one_vector_of_blocks_the_offsets_come_from_prefix_sums(monkeypatch):
-    # Past _SCAN blocks a torch.cumsum sums the blocks' counts (each program would read them all).
+@pytest.mark.parametrize("chunk", [2048, 2])
+def test_past_one_vector_of_blocks_the_offsets_come_from_prefix_sums(monkeypatch, chunk):
+    # Past _SCAN blocks one launch sums the threshold's column of the blocks' counts (each program
+    # would read them all), _OFFSETS_CHUNK blocks a step (2: two steps for 3 blocks).
     monkeypatch.setattr(triton_select, "_SCAN", 2)
+    monkeypatch.setattr(triton_select, "_OFFSETS_CHUNK", chunk)
     x = values(4099, torch.float32, "ties")  # 3 blocks
     x[5] = float("nan")
     for codec in (MinK(0.9), MinK(0.5), SampledMinK(0.9, sample=256), DropITReference(0.9), RandomDrop(0.9)):
