@@ -14,7 +14,9 @@ times alone it cannot tell a slow kernel from a waiting device. This profiles, w
 2. **training steps** (``bench_training_speed``'s workloads: forward, loss, backward, SGD) of
    each model plain and converted: the step's wall time (synchronized, median of ``--steps``
    unprofiled steps), the device's kernel time and launches per step (profiled), the idle share
-   ``1 - kernel time / wall time``, and the kernels taking the most device time.
+   ``1 - kernel time / wall time``, and the kernels taking the most device time;
+3. **the host's Python** in each converted step (``cProfile``, ``--host-top`` functions by own
+   time): where the device waits, what it waits for.
 
 On a CPU there are no device kernels: the tables list the ATen ops' CPU time instead (a smoke
 test of the script, not a figure).
@@ -59,6 +61,8 @@ def _profiled(call, device: torch.device, repeats: int) -> list[tuple[str, int, 
         synchronize(device)
     rows = []
     for event in prof.key_averages():
+        if getattr(event, "is_user_annotation", False):
+            continue  # an autograd Function's range on the device repeats its kernels' time
         micros = _device_us(event) if device.type == "cuda" else float(event.self_cpu_time_total)
         if micros > 0 and (device.type != "cuda" or _device_us(event) > 0):
             rows.append((event.key, event.count / repeats, micros / repeats))
@@ -132,8 +136,34 @@ def steps(models: list[str], specs: list[str], args: argparse.Namespace, device:
             lines += _table(f"{name}, `{spec}`: wall {wall:.1f} ms, kernels {kernel_ms:.1f} ms in {launches:.0f} "
                             f"launches, device idle {idle:.0%} of the step", rows, "ms per step", 1e3)
             print(f"{name} {spec}: wall {wall:.1f} ms, kernels {kernel_ms:.1f} ms, {launches:.0f} launches", flush=True)
+            if args.host_top and spec != "plain":
+                lines += _host_profile(f"{name}, `{spec}`", step, device, args.host_top)
             del model, step
     return lines
+
+
+def _host_profile(heading: str, step, device: torch.device, top: int) -> list[str]:
+    """The host's Python in 3 steps under ``cProfile``: the ``top`` functions by own time, per
+    step (what keeps the device waiting where the idle share is high)."""
+    import cProfile
+    import pstats
+
+    synchronize(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(3):
+        step()
+    synchronize(device)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]
+    total = sum(entry[2] for entry in stats.stats.values()) / 3 * 1e3
+    table = [f"#### host: {heading}, {total:.1f} ms of Python own time per step (cProfile, 3 steps)", "",
+             "| function | calls per step | own ms per step | with callees ms |", "|---|---:|---:|---:|"]
+    for (file, line, function), (_, calls, own, cumulative, _) in rows:
+        where = f"{Path(file).name}:{line} {function}" if line else function
+        table.append(f"| `{where[:90]}` | {calls / 3:.0f} | {own / 3 * 1e3:.2f} | {cumulative / 3 * 1e3:.2f} |")
+    return [*table, ""]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--steps", type=int, default=5, help="unprofiled steps timed for the wall time")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--host-top", type=int, default=25,
+                        help="functions listed from a cProfile of each converted step's host Python (0: none)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
