@@ -13,7 +13,12 @@ model's outliers built in (hidden 256, 4 layers, 2 x 256 tokens, a sink token fi
 - every preset: its kept fraction and cosine, then the plan asked for exactly the preset's bytes
   (``--no-presets`` skips them);
 - with ``--lift-attention-floors``, every budget again with ``attention_floors=False`` (SDPA's query and
-  key no longer bf16 at most, value and output no longer int8 at least).
+  key no longer bf16 at most, value and output no longer int8 at least);
+- with ``--peaks``, what users decide on: each timm model's plans (planned on the batch of 8)
+  trained as a user's script runs them (:func:`actcomp.tools.peak_rss.training_steps`: fresh
+  processes, ``--peak-batch`` images at 224 px, 10 classes, AdamW, 3 steps) beside plain and the
+  ``"mink0.9+int8", rest="8bit"`` preset: peak RSS and step time against plain's, in rounds
+  whose order rotates (``--peak-rounds``).
 
 Writes ``benchmarks/results/budget_<torch>_cpu_t<threads>.{md,csv}``.
 """
@@ -29,6 +34,7 @@ from bench_lm_quality import llama
 from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, write_results
 
 import actcomp
+from actcomp.tools.peak_rss import training_steps
 from actcomp.tools.user_batch import UserBatch, copy_model, gradient_cosine
 
 PRESETS = [("int8", "8bit"), ("mink0.9+int8", "8bit"), ("int4", "4bit"), ("mink0.9+int8", "4bit")]
@@ -75,11 +81,44 @@ def planned(model, batch, budget, step: float, attention_floors: bool = True) ->
     return plan, (time.perf_counter() - started) / step, ""
 
 
+def peaks(name: str, plans: dict[str, actcomp.BudgetPlan], args) -> list[str]:
+    """Fresh-process peak RSS and step time of plain, the 8bit preset and each plan of timm model
+    ``name``: a markdown table, the median over ``--peak-rounds`` rotating rounds."""
+    runs = {"plain": (None, None), '"mink0.9+int8", rest="8bit"': ("mink0.9+int8", "8bit")}
+    runs.update({label: (plan.pipeline, plan.rest) for label, plan in plans.items()})
+    found = {label: [] for label in runs}
+    ratios = {label: [] for label in runs}
+    labels = list(runs)
+    for index in range(args.peak_rounds):
+        seconds = {}
+        for label in labels[index % len(labels):] + labels[:index % len(labels)]:
+            spec, rest = runs[label]
+            peak, steps = training_steps(name, spec, rest=rest, batch=args.peak_batch, img_size=224, steps=3,
+                                         threads=args.threads)
+            found[label].append(peak)
+            seconds[label] = statistics.median(steps[1:])
+            print(f"{name} round {index} {label}: peak {peak / 2**20:.0f} MiB, step {seconds[label]:.2f} s", flush=True)
+        for label in labels:
+            ratios[label].append(seconds[label] / seconds["plain"])
+    plain = statistics.median(found["plain"])
+    table = ["", f"{name}, batch {args.peak_batch} at 224 px, AdamW, fresh processes (median of {args.peak_rounds} "
+                 "rounds): peak RSS and step time against plain's.", "",
+             "| run | peak RSS | x lower | step time vs plain |", "|---|---:|---:|---:|"]
+    for label in labels:
+        peak = statistics.median(found[label])
+        table.append(f"| {label} | {peak / 2**20:.0f} MiB | {plain / peak:.2f}x | {statistics.median(ratios[label]):.2f}x |")
+    return table
+
+
 def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.2, 0.1])
     parser.add_argument("--no-presets", action="store_true")
     parser.add_argument("--lift-attention-floors", action="store_true")
+    parser.add_argument("--peaks", action="store_true", help="the timm models' plans' peaks in fresh processes")
+    parser.add_argument("--peak-batch", type=int, default=32)
+    parser.add_argument("--peak-rounds", type=int, default=2)
+    parser.add_argument("--models", nargs="+", default=None, help="a subset of the models, by name")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS_DIR))
     args = parser.parse_args()
@@ -92,9 +131,12 @@ def main() -> None:
                       "|---|---:|---:|---:|---:|---:|"]
     against = ["", "At a preset's own bytes: the preset's cosine, then the plan's.", "",
                "| model | preset | kept | preset cosine | plan cosine |", "|---|---|---:|---:|---:|"]
-    notes = []
+    notes, peak_tables = [], []
     for name, (model, batch) in models().items():
+        if args.models and name not in args.models:
+            continue
         step = step_seconds(model, batch)
+        plans = {}
         budgets = [(fraction, True) for fraction in args.fractions]
         budgets += [(fraction, False) for fraction in args.fractions] if args.lift_attention_floors else []
         for fraction, floors in budgets:
@@ -115,6 +157,8 @@ def main() -> None:
                   flush=True)
             if fraction == min(args.fractions):
                 notes.append(f"- {name}, budget {asked}: `{plan.call()}`")
+            if floors:
+                plans[f"plan, budget {fraction} (kept {plan.kept_fraction:.3f})"] = plan
         for spec, rest in [] if args.no_presets else PRESETS:
             plain, kept, cosine = preset(model, batch, spec, rest)
             plan, cost, error = planned(model, batch, kept, step)
@@ -126,8 +170,12 @@ def main() -> None:
             against.append(f"| {name} | {label} | {kept / plain:.3f} | {cosine:.4f} | **{plan_cosine:.4f}** |")
             print(f"{name} {label}: kept {kept / plain:.3f} preset {cosine:.4f} plan {plan_cosine:.4f} {error}",
                   flush=True)
+        if args.peaks and not name.startswith("llama"):
+            peak_tables += peaks(name, plans, args)
         del model
     body += against + ["", "The plans asked for the smallest budget, and what could not be met:", "", *notes]
+    if peak_tables:
+        body += ["", "## What a user gets: peaks in fresh processes", *peak_tables]
     device = torch.device("cpu")
     header = header_lines(device, args.threads, 0, time.perf_counter() - started,
                           {"fractions": args.fractions}, load_before)
