@@ -9,6 +9,14 @@ folder and pack it (what stop 44 ran, with ``PYTHONPATH=$PWD ACTCOMP_SOURCE_VERS
 
     python benchmarks/gpu_check.py --out-dir "$OUT/g"; tar czf "$OUT/g.tgz" -C "$OUT" g && rm -rf "$OUT/g"
 
+A session's device time is 15 minutes, machine start included. Stop 50's call ran in 333 s on
+an H100 and left the rest for a second call; the steps it chose (the compiled step, 240 s, the
+LoRA example and the language model left for a call of their own)::
+
+    PYTHONPATH=$PWD ACTCOMP_SOURCE_VERSION=<commit> python3 benchmarks/gpu_check.py --out-dir "$OUT/g" \
+        --budget 480 --only "tests on cuda" "triton kernels on cuda" "zoo exactness on cuda" \
+        "compressor round trips" "training steps" "training steps, bf16 autocast" "profile" "step peaks"
+
 Steps, each a fresh process (with a time limit) whose exit code and output tail go into
 ``gpu_check.md``:
 
