@@ -268,22 +268,35 @@ def test_the_quantizers_pack_inside_the_forward_not_at_its_end(monkeypatch):
     assert min(encodes) < max(matmuls)  # the second Linear's input is packed before the last Linear runs
 
 
-@pytest.mark.parametrize("op, position", [
-    (torch.ops.aten._scaled_dot_product_efficient_attention_backward.default, 4),  # CUDA's memory-efficient
-    (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default, "attn_mask"),
+def _mask(shape=(4, 2, 64, 64)):
+    return torch.where(torch.rand(shape) > 0.3, 0.0, -float("inf"))
+
+
+def _padded_log_sum_exp():
+    return torch.cat([torch.randn(64, 4, 12), torch.full((64, 4, 20), float("inf"))], dim=-1)
+
+
+@pytest.mark.parametrize("op, position, make", [
+    # The H200 zoo run found eager mode's int8 turning SDPA's -inf mask to NaN gradients.
+    (torch.ops.aten._scaled_dot_product_efficient_attention_backward.default, 4, _mask),  # CUDA's memory-efficient
+    (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default, "attn_mask", _mask),
+    # Memory-efficient attention pads its log-sum-exp with +inf past the sequence; a finite-range
+    # code decoded it to NaN (the H100 zoo run of stop 50).
+    (torch.ops.aten._scaled_dot_product_efficient_attention_backward.default, 6, _padded_log_sum_exp),
+    (torch.ops.aten._scaled_dot_product_flash_attention_backward.default, 5, _padded_log_sum_exp),  # CUDA's flash
 ])
-def test_an_attention_mask_the_backward_reads_is_kept_as_it_is(monkeypatch, op, position):
-    # The H200 zoo run found eager mode's int8 turning SDPA's -inf mask to NaN gradients; the
-    # compiled hooks read the backward graph, where the mask is the attention backward's argument.
+def test_a_mask_or_log_sum_exp_the_attention_backward_reads_is_kept_as_it_is(monkeypatch, op, position, make):
+    # The compiled hooks read the backward graph, where the tensor is the attention backward's
+    # argument (eager mode's twin: test_codec_choice).
     from torch import fx
 
     plan = in_graph._plan("int8", "8bit")
     in_graph._hooks(plan)
-    mask = torch.where(torch.rand(4, 2, 64, 64) > 0.3, 0.0, -float("inf"))
+    saved_tensor = make()
 
     def context(read_by):
         graph = fx.Graph()
-        saved = graph.placeholder("mask")
+        saved = graph.placeholder("saved")
         graph.output(read_by(graph, saved))
         return {"_node": saved, "_bw_graph": graph}
 
@@ -297,43 +310,11 @@ def test_an_attention_mask_the_backward_reads_is_kept_as_it_is(monkeypatch, op, 
         return graph.call_function(op, tuple(args), kwargs)
 
     monkeypatch.setattr(in_graph, "aot_saved_tensor_hook_context", lambda: context(attention))
-    assert in_graph._pack(mask, plan.cache_hash) is mask
+    assert in_graph._pack(saved_tensor, plan.cache_hash) is saved_tensor
     # The same tensor read by anything else is packed as before.
     monkeypatch.setattr(in_graph, "aot_saved_tensor_hook_context",
                         lambda: context(lambda graph, saved: graph.call_function(torch.ops.aten.mul.Tensor, (saved, saved))))
-    assert in_graph._pack(mask.clamp(min=-1.0), plan.cache_hash)[0].startswith("Pipeline('int8')")
-
-
-@pytest.mark.parametrize("op, position", [
-    (torch.ops.aten._scaled_dot_product_efficient_attention_backward.default, 6),  # CUDA's memory-efficient
-    (torch.ops.aten._scaled_dot_product_flash_attention_backward.default, 5),  # CUDA's flash
-])
-def test_the_log_sum_exp_the_attention_backward_reads_is_kept_as_it_is(monkeypatch, op, position):
-    # Memory-efficient attention pads its log-sum-exp with +inf past the sequence; a finite-range
-    # code decoded it to NaN (the H100 zoo run of stop 50, eager mode's twin of this).
-    from torch import fx
-
-    plan = in_graph._plan("int8", "8bit")
-    in_graph._hooks(plan)
-    lse = torch.cat([torch.randn(64, 4, 12), torch.full((64, 4, 20), float("inf"))], dim=-1)
-
-    def context(read_by):
-        graph = fx.Graph()
-        saved = graph.placeholder("lse")
-        graph.output(read_by(graph, saved))
-        return {"_node": saved, "_bw_graph": graph}
-
-    def attention(graph, saved):
-        args = [graph.placeholder(f"arg{i}") for i in range(12)]
-        args[position] = saved
-        return graph.call_function(op, tuple(args))
-
-    monkeypatch.setattr(in_graph, "aot_saved_tensor_hook_context", lambda: context(attention))
-    assert in_graph._pack(lse, plan.cache_hash) is lse
-    # Read by anything else, the same tensor is packed.
-    monkeypatch.setattr(in_graph, "aot_saved_tensor_hook_context",
-                        lambda: context(lambda graph, saved: graph.call_function(torch.ops.aten.mul.Tensor, (saved, saved))))
-    assert in_graph._pack(lse.clamp(max=1.0), plan.cache_hash)[0].startswith("Pipeline('int8')")
+    assert in_graph._pack(saved_tensor.clamp(-1.0, 1.0), plan.cache_hash)[0].startswith("Pipeline('int8')")
 
 
 class Attention(torch.nn.Module):
