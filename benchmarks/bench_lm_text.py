@@ -90,15 +90,14 @@ def planning_batch(train_part: torch.Tensor, seed: int, batch: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def kept_fraction(spec, rest, seed: int, batch: dict) -> float:
-    """Bytes kept for backward on ``batch`` by the method, over plain's (``memory_report``)."""
+def kept_bytes(spec, rest, seed: int, batch: dict) -> int:
+    """Bytes the method keeps for backward on ``batch`` (``memory_report``; ``spec`` None: plain)."""
     from actcomp.tools.user_batch import UserBatch
 
-    run = UserBatch(batch)
-    plain = run.memory(model_for(seed)).total_bytes
-    if spec is None:
-        return 1.0
-    return run.memory(actcomp.to_compressed(model_for(seed), spec, rest=rest, loss="chunked")).total_bytes / plain
+    model = model_for(seed)
+    if spec is not None:
+        actcomp.to_compressed(model, spec, rest=rest, loss="chunked")
+    return UserBatch(batch).memory(model).total_bytes
 
 
 def train(spec, rest, seed: int, args: argparse.Namespace, train_part, held_out) -> float:
@@ -152,13 +151,13 @@ def main() -> None:
     for seed in range(args.seeds):
         plain = None
         batch = planning_batch(train_part, seed, args.batch)
-        planned = []
+        planned, plain_bytes = [], kept_bytes(None, None, seed, batch)
         for label, fraction in zip(budget_labels, args.budgets):
             plan = actcomp.plan_budget(model_for(seed), batch, fraction, attention_floors=floors)
             print(f"seed {seed} {label}: {plan.call()} (cosine {plan.cosine:.4f}, {plan.steps} steps)", flush=True)
             planned.append((label, plan.pipeline, plan.rest))
         for label, spec, rest in methods + planned:
-            kept = kept_fraction(spec, rest, seed, batch)
+            kept = kept_bytes(spec, rest, seed, batch) / plain_bytes
             loss = train(spec, rest, seed, args, train_part, held_out)
             plain = loss if spec is None else plain
             rows.append({"method": label, "seed": seed, "validation_loss": loss, "vs_plain": loss / plain,

@@ -71,7 +71,8 @@ DECODE_ROWS = 256
 _ZERO_BLOCK = 1024
 # Up to this many blocks, each program of a write or decode pass sums the counts of the blocks
 # before its own in one vector load (no prefix-sum launch); beyond, its reads would grow with the
-# square of the blocks (for all programs), and a torch.cumsum makes the offsets instead.
+# square of the blocks (for all programs), and one launch makes the offsets instead (the
+# encode's _offsets_kernel, the decode's torch.cumsum of one count a block).
 _SCAN = 1024
 # Blocks :func:`_offsets_kernel` sums a step.
 _OFFSETS_CHUNK = 2048
