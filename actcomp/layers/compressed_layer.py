@@ -229,6 +229,8 @@ def _apply(module: CompressedLayer, op: Op, x: torch.Tensor, weight: torch.Tenso
         # Unbatched input, which plain convolutions accept: add the batch axis around it.
         return _apply(module, op, x.unsqueeze(0), weight, bias, pipeline).squeeze(0)
     device_type, where = x.device.type, _describe(module)
+    # Weight-gradient watchers see the layer by name where the weight is its own parameter.
+    name = None if module.actcomp_own_forward else module.actcomp_name
     try:
         if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
             # Do what autocast does for linear/conv (cast all floating inputs to its dtype; the
@@ -237,8 +239,8 @@ def _apply(module: CompressedLayer, op: Op, x: torch.Tensor, weight: torch.Tenso
             weight = weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
             with torch.autocast(device_type, enabled=False):
-                return compressed_apply(op, pipeline, x, weight, bias, dtype, where=where)
-        return compressed_apply(op, pipeline, x, weight, bias, where=where)
+                return compressed_apply(op, pipeline, x, weight, bias, dtype, where=where, name=name)
+        return compressed_apply(op, pipeline, x, weight, bias, where=where, name=name)
     except ActcompError as error:
         raise ActcompError(f"in layer {where}, input of shape {tuple(x.shape)} {x.dtype}: {error}") from None
 

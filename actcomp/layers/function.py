@@ -43,6 +43,7 @@ from actcomp.graph.saved_tensors import (
 )
 from actcomp.kernels.layouts import is_subclass_tensor, unbroadcast, with_layout_of
 from actcomp.layers.ops import Op
+from actcomp.layers.weight_gradients import WeightGradientCall, notify, watched
 
 # Layers that read one tensor with one pipeline (a ResNet block input read by conv1 and the
 # downsample conv; BERT's query, key and value projections) share one compressed copy of the
@@ -134,6 +135,8 @@ class _Context(FunctionCtx):
     x_dtype: torch.dtype
     compute_dtype: torch.dtype | None
     where: str
+    # The layer's name for weight-gradient watchers; None where the weight is not the layer's own.
+    name: str | None
     x_like: torch.Tensor
     # The input's packed layout; None when no packed copy is kept (no weight gradient, or recast).
     layout: PackedLayout | None
@@ -144,8 +147,9 @@ class _Context(FunctionCtx):
 class CompressedInputFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: _Context, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: Op,
-                pipeline: Pipeline | None, compute_dtype: torch.dtype | None, where: str) -> torch.Tensor:
-        ctx.op, ctx.pipeline, ctx.x_dtype, ctx.where = op, pipeline, x.dtype, where
+                pipeline: Pipeline | None, compute_dtype: torch.dtype | None, where: str,
+                name: str | None) -> torch.Tensor:
+        ctx.op, ctx.pipeline, ctx.x_dtype, ctx.where, ctx.name = op, pipeline, x.dtype, where, name
         ctx.compute_dtype = compute_dtype
         uncast = x
         # The cast happens in here, not before, so the input gradient is cast back before the
@@ -202,18 +206,22 @@ class CompressedInputFunction(torch.autograd.Function):
                 raise ActcompError(f"in the backward of layer {ctx.where}: {error}") from None
             x = with_layout_of(x, ctx.x_like)
         grad_input, grad_weight, grad_bias = ctx.op.backward(grad, x, weight, ctx.x_like, ctx.x_dtype, needs)
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        if watched() and x is not None and grad_weight is not None:
+            notify(WeightGradientCall(ctx.name, ctx.op, grad, x, weight, ctx.x_like, ctx.x_dtype, grad_weight))
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 def compressed_apply(op: Op, pipeline: Pipeline | None, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     compute_dtype: torch.dtype | None = None, where: str = "(unnamed)"):
+                     compute_dtype: torch.dtype | None = None, where: str = "(unnamed)", name: str | None = None):
     """Apply ``op`` to ``(x, weight, bias)`` keeping only a compressed copy of ``x``.
 
     ``pipeline=None`` keeps ``x`` itself, before the cast to ``compute_dtype`` (for data the
     caller keeps anyway: autocast's low-precision copy of it is then never stored).
 
-    ``where`` names the layer in errors raised during backward.
+    ``where`` names the layer in errors raised during backward; ``name`` is the layer's name for
+    weight-gradient watchers (:mod:`actcomp.layers.weight_gradients`), given only where ``weight``
+    is the layer's own.
     """
     # What the Function saves is already its compressed form: whole-model hooks leave it alone.
     with saving_compressed_layer():
-        return CompressedInputFunction.apply(x, weight, bias, op, pipeline, compute_dtype, where)
+        return CompressedInputFunction.apply(x, weight, bias, op, pipeline, compute_dtype, where, name)

@@ -47,7 +47,10 @@ import torch
 from torch import nn
 
 from actcomp.convert import compressed_layers, to_compressed
+from actcomp.core.pipeline import as_pipeline
 from actcomp.errors import ActcompError
+from actcomp.graph.adapters import adapter_pipeline
+from actcomp.layers.weight_gradients import WeightGradientCall, watching_weight_gradients
 from actcomp.tools.memory import MemoryReport, format_bytes, parse_bytes
 from actcomp.tools.user_batch import UserBatch, copy_model, gradient_cosine
 from actcomp.whole_model.policy import EXACT_KINDS, LOSSY_KINDS
@@ -285,7 +288,7 @@ class _Search:
         kinds = [row.kind for row in first.kinds if row.kind in LOSSY_KINDS and row.kept_bytes > 0]
         fixed = first.total_bytes - sum(_group_bytes(rows[0], group) for group in groups) - sum(
             _kind_bytes(first, kind) for kind in kinds)
-        errors = [self._layer_errors(spec, [name for group in groups for name in group]) for spec in self.layer_specs]
+        errors = self._layer_errors([name for group in groups for name in group])
         parts = []
         for group in groups:
             options = [_Option(None, _group_bytes(rows[0], group), 0.0)]
@@ -322,24 +325,66 @@ class _Search:
         converted = to_compressed(copy_model(self.model), {"*": layer_spec}, rest=rest, loss="plain")
         return self.run.memory(converted), list(compressed_layers(converted))
 
-    def _layer_errors(self, spec: str, layers: list[str]) -> dict[str, float]:
-        """Each layer's share of the squared gradient error with every layer at ``spec``. A layer
-        whose plain weight gradient is zero on this batch (a zero-initialised norm after it, as
-        timm's ResNets start) shows no error, so it is given what can be measured: the median
-        relative error of the layers that have a gradient, at their median gradient share."""
-        got = self._gradients(to_compressed(copy_model(self.model), spec, loss="plain"))
-        errors, relative, shares = {}, [], []
-        for layer in layers:
-            own = [name for name in self.reference if name.rpartition(".")[0] == layer]
-            share = sum(float(self.reference[name].square().sum()) for name in own) / self.norm
-            errors[layer] = sum(float((got[name] - self.reference[name]).square().sum()) for name in own) / self.norm
+    def _layer_errors(self, layers: list[str]) -> list[dict[str, float]]:
+        """Each layer's share of the squared gradient error at each rung of the layer ladder.
+
+        One step measures every rung: a copy whose layers keep their inputs exactly
+        (``"mink0"``), the gradient flowing back as plain's, and at each layer's backward the
+        weight gradient from every rung's round trip of its input against the exact one
+        (:mod:`actcomp.layers.weight_gradients`). A layer that step cannot measure so (called
+        more than once a step, whose errors add as tensors, or with its own forward, whose weight
+        is not the parameter) is measured as stop 49 measured every layer: one step per rung
+        with every such layer converted.
+
+        A layer whose plain weight gradient is zero on this batch (a zero-initialised norm after
+        it, as timm's ResNets start) shows no error, so it is given what can be measured: the
+        median relative error of the layers that have a gradient, at their median gradient share."""
+        pipelines = [as_pipeline(spec, "layer_specs") for spec in self.layer_specs]
+        squared = [dict.fromkeys(layers, 0.0) for _ in pipelines]
+        calls: Counter[str] = Counter()
+
+        def watch(call: WeightGradientCall) -> None:
+            if call.name not in squared[0]:
+                return
+            calls[call.name] += 1
+            exact = call.grad_weight.double()
+            for rung, pipeline in enumerate(pipelines):
+                chosen = adapter_pipeline(call.name, pipeline)  # LoRA adapters' layers as to_compressed does
+                if chosen is not None:
+                    error = call.weight_gradient_through(chosen.fresh()).double() - exact
+                    squared[rung][call.name] += float(error.square().sum())
+
+        own_forward = set()
+        if layers and pipelines:
+            probe = to_compressed(copy_model(self.model), "mink0", loss="plain")
+            own_forward = {name for name, module in probe.named_modules() if getattr(module, "actcomp_own_forward", 0)}
+            with watching_weight_gradients(watch):
+                self._gradients(probe)
+        # Unseen layers ran plain (on the model's input, first_layer="auto"): no error, as converted.
+        stepped = [layer for layer in layers if calls[layer] > 1 or layer in own_forward]
+        for rung, spec in enumerate(self.layer_specs if stepped else ()):
+            got = self._gradients(to_compressed(copy_model(self.model), {layer: spec for layer in stepped},
+                                                loss="plain"))
+            for layer in stepped:
+                squared[rung][layer] = sum(float((got[name] - self.reference[name]).square().sum())
+                                           for name in self._own(layer))
+        return [self._fill_unmeasured({layer: error / self.norm for layer, error in rung.items()}) for rung in squared]
+
+    def _own(self, layer: str) -> list[str]:
+        return [name for name in self.reference if name.rpartition(".")[0] == layer]
+
+    def _fill_unmeasured(self, errors: dict[str, float]) -> dict[str, float]:
+        relative, shares, unmeasured = [], [], []
+        for layer, error in errors.items():
+            share = sum(float(self.reference[name].square().sum()) for name in self._own(layer)) / self.norm
             if share > 0:
-                relative.append(errors[layer] / share)
+                relative.append(error / share)
                 shares.append(share)
             else:
-                self.unmeasured.add(layer)
+                unmeasured.append(layer)
+        self.unmeasured.update(unmeasured)
         assumed = statistics.median(relative) * statistics.median(shares) if relative else 0.0
-        return {layer: assumed if layer in self.unmeasured else error for layer, error in errors.items()}
+        return {layer: assumed if layer in unmeasured else error for layer, error in errors.items()}
 
     def _kind_error(self, kind: str, spec: str) -> float:
         rest = _kinds_alone({kind: spec}, self.attention_floors)

@@ -165,3 +165,41 @@ def test_under_autocast_it_plans_for_mixed_precision():
     # bf16 halves every code's saving over plain, so the same fraction takes BatchNorm inputs lower.
     fp32 = actcomp.plan_budget(model, batch, 0.25)
     assert (fp32.rest["normalization"], plan.rest["normalization"]) == ("int8", "int4:group=64")
+
+
+class _TwiceAndOwnForward(nn.Module):
+    """A layer called twice a step, and one with its own forward (its weight is computed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(16, 32)
+        self.shared = nn.Linear(32, 32)
+        self.std = timm.layers.StdConv2d(2, 4, 3, padding=1)
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.shared(torch.relu(self.shared(torch.relu(self.stem(x))))))
+        return self.head(torch.relu(self.std(h.view(-1, 2, 4, 4))).flatten(1))
+
+
+@pytest.mark.parametrize("build", [resnet, lambda: (_TwiceAndOwnForward(), torch.randn(6, 16))],
+                         ids=["resnet18", "repeated and own forward"])
+def test_one_watched_step_measures_each_layers_error_as_a_step_per_rung_does(build):
+    """The layer errors from one step's weight-gradient watchers equal those of stop 49's step per
+    rung (every layer converted to the rung), the costly way it measured them."""
+    from actcomp.tools.budget import LAYER_SPECS, _Search
+    from actcomp.tools.user_batch import UserBatch
+
+    model, batch = build()
+    search = _Search(model, UserBatch(batch), LAYER_SPECS, ())
+    layers = list(actcomp.compressed_layers(actcomp.to_compressed(copy.deepcopy(model), "int8", loss="plain")))
+    errors = search._layer_errors(layers)
+    stepped = 2 + (len(LAYER_SPECS) if build is not resnet else 0)
+    assert search.steps == stepped  # the reference, the watched step, and a step per rung for the rest
+    for rung, spec in enumerate(LAYER_SPECS):
+        got = UserBatch(batch).gradients(actcomp.to_compressed(copy.deepcopy(model), spec, loss="plain"))
+        expected = search._fill_unmeasured({layer: sum(
+            float((got[name] - search.reference[name]).square().sum()) for name in search._own(layer)) / search.norm
+            for layer in layers})
+        assert errors[rung] == pytest.approx(expected, rel=1e-6, abs=1e-12), spec
+        assert any(errors[rung].values())
