@@ -13,8 +13,8 @@ so each new one costs page faults: it took ViT-S's compress_in_graph step from 1
 plain's, its extern codec calls allocating where Inductor's generated code reuses buffers).
 Reported: the median over rounds of the step time over plain (and under the threshold), the
 step's peak RSS above what it starts from (parameters and optimizer state, no gradients) and
-plain's peak over it, and the first call's time (the compile; Inductor's caches are warm after
-the first round).
+plain's peak over it, and the first call's time (the compile): cold in the first round (Inductor's
+and Triton's caches in a fresh directory), with the caches warm in the last.
 
 - ``plain``: ``torch.compile(model)``;
 - ``fp8-pass``: Inductor's ``activation_quantization_aten_pass`` (saved fp32 activations of at
@@ -27,7 +27,9 @@ the first round).
 
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,8 +63,13 @@ def main() -> None:
             program = [str(PROBE), "--model", args.model, "--config", name, "--batch", str(args.batch),
                        "--img-size", str(args.img_size), "--steps", str(args.steps), "--threads", str(args.threads),
                        "--device", args.device]
-            peak = run_probe(program, what=f"compiled step probe ({name})", package_root=str(REPO_ROOT),
-                             env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=1800)
+            with tempfile.TemporaryDirectory() as fresh:
+                # The first round compiles truly cold: Inductor's and Triton's caches in a fresh
+                # directory (the default one holds what earlier runs compiled, of plain's graphs too).
+                cold = {"TORCHINDUCTOR_CACHE_DIR": fresh, "TRITON_CACHE_DIR": os.path.join(fresh, "triton")} \
+                    if index == 0 else {}
+                peak = run_probe(program, what=f"compiled step probe ({name})", package_root=str(REPO_ROOT),
+                                 env={"MALLOC_MMAP_THRESHOLD_": "65536", **cold}, timeout=1800)
             # On CUDA the host allocator does not hold the activations: one process.
             timed = peak if args.device != "cpu" else run_probe(
                 program, what=f"compiled step probe ({name})", package_root=str(REPO_ROOT),
