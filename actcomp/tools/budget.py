@@ -9,17 +9,20 @@ loss, one seed), in three steps:
    op kinds (activation, normalization, attention, other: what their ops save); pooling and
    dropout always take their exact codecs.
 2. **error**: the squared gradient error each part adds alone, ``|g - g_plain|^2 / |g_plain|^2``.
-   A Linear/Conv layer's input serves only its own weight gradient, so one step with every
-   layer on one rung measures every layer at once; an op kind bends the gradient flowing back
-   through it, so each kind takes one step per rung.
+   A Linear/Conv layer's input serves only its own weight gradient, so one step measures every
+   layer on every rung: each layer's backward recomputes its weight gradient through each rung's
+   round trip of its input (:mod:`actcomp.layers.weight_gradients`). An op kind bends the
+   gradient flowing back through it, so a kind's rung takes a step of its own, run only when a
+   choice in step 3 wants that rung (until then it counts as bending the gradient no less than
+   the kind's lighter rungs).
 3. **choice**: one rung per part minimising the summed error within the budget (an exact
    multiple-choice knapsack over the bytes), then one run of the plan itself to measure what it
    keeps and its gradient cosine; a plan that misses the budget by the parts' overlaps is
    re-solved against what it kept.
 
-The search costs ``2 + len(layer_specs) + (rungs per kind present)`` steps, a forward per rung
-of the longer ladder and one per plan measured: 12-25 steps and 8-10 forwards on our models, 22-57
-plain steps' time. The plan prints as the call that pins it.
+The search costs ``3 +`` (the kinds' rungs a choice wanted) steps, a forward per rung of the
+longer ladder and one per plan measured (``BudgetPlan.steps``, ``.forwards``); the docs quote
+what that is on our models. The plan prints as the call that pins it.
 
 >>> import torch, actcomp
 >>> _ = torch.manual_seed(0)
@@ -40,7 +43,7 @@ import statistics
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -67,6 +70,9 @@ _UNITS = 16384
 # Solves against the plan's measured bytes (the parts' bytes overlap a little), and how far under
 # the budget a re-solve aims after a plan that went over (a fraction of the budget).
 _RESOLVES, _MARGIN = 6, 0.002
+# An unmeasured rung's error above its lighter rungs' (relative, and absolute over an exact rung's
+# zero): a tie then goes to the measured rung, and the loop in _solve measures only what can win.
+_UNMEASURED, _UNMEASURED_FLOOR = 1e-6, 1e-12
 # A plan whose measured cosine falls below this warns: the errors no longer add, the plan is a guess.
 _FAR = 0.9
 
@@ -206,7 +212,7 @@ def _fit(search: _Search, parts: list[_Part], capacity: int, budget_bytes: int, 
     against what it kept; the fullest plan within the budget wins."""
     best, kept = None, 0
     for _ in range(_RESOLVES):
-        chosen = _knapsack(parts, capacity)
+        chosen = _solve(search, parts, capacity)
         pipeline, rest = _pipeline_mapping(parts, chosen), _rest_mapping(parts, chosen, attention_floors)
         kept = search.kept_bytes(pipeline, rest)
         if kept <= budget_bytes and (best is None or kept > best[3]):
@@ -219,6 +225,41 @@ def _fit(search: _Search, parts: list[_Part], capacity: int, budget_bytes: int, 
         raise ActcompError(f"the closest plan keeps {format_bytes(kept)} ({kept / plain:.3f} of plain's), over the "
                            f"budget's {format_bytes(budget_bytes)}; ask for at least {kept / plain:.3f}")
     return best
+
+
+def _solve(search: _Search, parts: list[_Part], capacity: int) -> list[int]:
+    """The knapsack's choice, measuring an op kind's rung only when a choice wants it.
+
+    An unmeasured rung counts as bending the gradient a hair more than the heaviest-erring
+    lighter rung measured (a coarser code of the same tensors bends it no less), so the loop
+    ends with a choice whose every rung is measured and which no other choice beats as long as
+    a kind's errors grow along its ladder: the full search's choice, for a fraction of its steps.
+    ``parts`` is updated in place with what was measured."""
+    while True:
+        chosen = _knapsack([_bounded(part) for part in parts], capacity)
+        wanted = [(at, index) for at, index in enumerate(chosen) if parts[at].options[index].error is None]
+        if not wanted:
+            return chosen
+        for at, index in wanted:
+            part = parts[at]
+            error = search.kind_error(part.name, part.options[index].spec)
+            options = list(part.options)
+            options[index] = replace(options[index], error=error)
+            parts[at] = replace(part, options=tuple(options))
+
+
+def _bounded(part: _Part) -> _Part:
+    """``part`` with each unmeasured option's error bounded below by its lighter rungs'."""
+    if all(option.error is not None for option in part.options):
+        return part
+    options, floor = [], 0.0
+    for option in part.options:
+        if option.error is None:
+            options.append(replace(option, error=floor * (1 + _UNMEASURED) + _UNMEASURED_FLOOR))
+        else:
+            floor = max(floor, option.error)
+            options.append(option)
+    return replace(part, options=tuple(options))
 
 
 def _budget_bytes(budget: float | int | str, plain_bytes: int) -> int:
@@ -246,7 +287,7 @@ def _budget_bytes(budget: float | int | str, plain_bytes: int) -> int:
 class _Option:
     spec: str | None
     bytes: int
-    error: float
+    error: float | None  # None: not measured yet (an op kind's rung no choice has wanted)
 
 
 @dataclass(frozen=True)
@@ -304,7 +345,7 @@ class _Search:
                 kept = _kind_bytes(reports[rung], kind)
                 # A rung that keeps no fewer bytes than a lighter one is never worth a step.
                 if kept < min(option.bytes for option in options):
-                    options.append(_Option(spec, kept, self._kind_error(kind, spec)))
+                    options.append(_Option(spec, kept, None))  # measured when a choice wants it
             parts.append(_Part(kind, "kind", tuple(options), (kind,)))
         return parts, fixed
 
@@ -386,7 +427,7 @@ class _Search:
         assumed = statistics.median(relative) * statistics.median(shares) if relative else 0.0
         return {layer: assumed if layer in unmeasured else error for layer, error in errors.items()}
 
-    def _kind_error(self, kind: str, spec: str) -> float:
+    def kind_error(self, kind: str, spec: str) -> float:
         rest = _kinds_alone({kind: spec}, self.attention_floors)
         got = self._gradients(to_compressed(copy_model(self.model), "mink0", rest=rest, loss="plain"))
         return sum(float((got[name] - grad).square().sum()) for name, grad in self.reference.items()) / self.norm

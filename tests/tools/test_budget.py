@@ -203,3 +203,46 @@ def test_one_watched_step_measures_each_layers_error_as_a_step_per_rung_does(bui
             for layer in layers})
         assert errors[rung] == pytest.approx(expected, rel=1e-6, abs=1e-12), spec
         assert any(errors[rung].values())
+
+
+@pytest.mark.parametrize("build", [vit, outlier_net], ids=["vit_tiny", "outlier net"])
+def test_measuring_kinds_lazily_chooses_as_well_as_measuring_every_rung(build):
+    """_solve measures an op kind's rung only when a choice wants it, and its choice bends the
+    gradient no more than the full search's (every rung measured) at every budget, measuring
+    fewer rungs. (The outlier net's "other" kind errs less at int2:group=32 than at int4:group=64:
+    the bound the loop relies on does not hold there, and the choice is still as good.)"""
+    from actcomp.tools.budget import LAYER_SPECS, KIND_SPECS, _knapsack, _Search, _solve
+    from actcomp.tools.user_batch import UserBatch
+
+    model, batch = build()
+    search = _Search(model, UserBatch(batch), LAYER_SPECS, KIND_SPECS)
+    parts, fixed = search.parts()
+    full = [replace_errors(part, search) for part in parts]
+    unmeasured = sum(option.error is None for part in parts for option in part.options)
+    assert unmeasured >= 6
+
+    def error(chosen):
+        return sum(part.options[index].error for part, index in zip(full, chosen))
+
+    smallest = sum(min(option.bytes for option in part.options) for part in parts)
+    largest = sum(part.options[0].bytes for part in parts)
+    measured_at = []
+    for fraction in (0.0, 0.05, 0.2, 0.4, 0.7, 1.0):
+        capacity = int(smallest + fraction * (largest - smallest))
+        lazy = list(parts)
+        chosen = _solve(search, lazy, capacity)
+        assert all(part.options[index].error is not None for part, index in zip(lazy, chosen))
+        # Within the knapsack's resolution: each part's bytes are rounded down to 1/16384 of the capacity.
+        assert sum(part.options[index].bytes for part, index in zip(full, chosen)) <= capacity * (1 + len(parts) / 16384)
+        assert error(chosen) <= error(_knapsack(full, capacity)) * (1 + 1e-9), fraction
+        measured_at.append(sum(option.error is None for part in lazy for option in part.options))
+    assert max(measured_at) > 0  # some rung was never measured at any budget
+
+
+def replace_errors(part, search):
+    """``part`` with every rung measured, as the search measured them before it was lazy."""
+    from dataclasses import replace
+
+    return replace(part, options=tuple(
+        replace(option, error=search.kind_error(part.name, option.spec)) if option.error is None else option
+        for option in part.options))
