@@ -40,7 +40,7 @@ from actcomp.core import backends
 from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_compressor
-from actcomp.kernels import eager_cpu
+from actcomp.kernels import eager_cpu, native_cpu
 from actcomp.kernels.chunks import aligned_length, spans
 from actcomp.kernels.eager_select import exact_kept_positions, sampled_kept_positions, worth_it
 from actcomp.kernels.positions import (
@@ -131,17 +131,31 @@ def _cpu_form(codec: _ElementSparsifier, x: torch.Tensor) -> Bitmask | EliasFano
     form = codec.position_form(count, kept, codec.chunk_length(x.device, count))
     if isinstance(form, (Bitmask, EliasFano, Indices)) and worth_it(count, kept, x.element_size()):
         return form
+    if _keeps_densely(codec, x, form):
+        return form
     return None
+
+
+def _keeps_densely(codec: _ElementSparsifier, x: torch.Tensor, form: PositionForm) -> bool:
+    """Whether exact min-k keeps too many for candidates (more than about 15%: Bitmask
+    positions) and the native kernels take ``x``: a radix select over the data itself, then one
+    pass that writes the bits and the kept values (native_cpu's select_data and bitmask_keep)."""
+    return isinstance(form, Bitmask) and type(codec) is MinK and native_cpu.selects(x)
 
 
 def _cpu_encode(codec: _ElementSparsifier, x: torch.Tensor, hints: Hints) -> Encoded:
     """The static path's codes from the CPU selection: candidates found with ``nonzero``, the
     positions written by the native kernels where they are built."""
     flat = x.reshape(-1)
+    form = _cpu_form(codec, x)
+    if not worth_it(flat.numel(), codec.kept_count(flat.numel()), x.element_size()) and _keeps_densely(codec, x, form):
+        flat, kept = flat.contiguous(), codec.kept_count(flat.numel())
+        values, bits = native_cpu.bitmask_keep(flat, *native_cpu.select_data(flat, kept), kept)
+        return Encoded(values, (bits,), form)
     positions = codec.kept_positions(flat, codec.kept_count(flat.numel()))
     if positions is None:  # the sample missed (about once in 30,000 tensors): the static path
         return codec.encode(x, hints)
-    return Encoded(*encode_positions(flat, positions, _cpu_form(codec, x)))
+    return Encoded(*encode_positions(flat, positions, form))
 
 
 # The CPU implementation of the element sparsifiers: the candidate search and Elias-Fano's
@@ -150,7 +164,7 @@ register_implementation(
     _ElementSparsifier, "native", encode=_cpu_encode,
     encodes=lambda codec, x, hints: _cpu_form(codec, x) is not None,
     decode=lambda codec, payload, saved, meta: meta.scatter_on_cpu(payload, saved),
-    decodes=lambda codec, payload, saved, meta: isinstance(meta, EliasFano) and eager_cpu.applies(payload)
+    decodes=lambda codec, payload, saved, meta: isinstance(meta, (EliasFano, Bitmask)) and eager_cpu.applies(payload)
     and type(codec).decode is _ElementSparsifier.decode)
 
 

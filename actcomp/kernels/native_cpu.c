@@ -875,6 +875,178 @@ EF_SCATTER(actcomp_ef_scatter_32, uint32_t)
 SELECT(actcomp_select_32, int32_t)
 SELECT(actcomp_select_16, int16_t)
 
+/* select_threshold over the magnitude keys of the data itself (x[i] with the sign bit cleared):
+ * the SELECT above without the keys materialized, each thread counting its share of the
+ * elements into a histogram of its own. Min-k keeping more than about 15% of the elements
+ * (Bitmask positions) starts here: its candidates would weigh more than the input. */
+#define SELECT_DATA(NAME, WORD, SIGN_MASK)                                                           \
+    int64_t NAME(const WORD *x, int64_t count, int64_t kept, int key_bits, int threads, int64_t *ties) { \
+        const int low_bits = key_bits > 16 ? 16 : 0;                                                  \
+        const int64_t top_bins = (int64_t)1 << (key_bits - low_bits);                                 \
+        const int64_t bins = top_bins > 65536 ? top_bins : 65536;                                     \
+        uint32_t *histograms = calloc((size_t)(bins * threads), sizeof(uint32_t));                    \
+        if (!histograms) return -1;                                                                   \
+        uint32_t *histogram = histograms;                                                             \
+        /* A share of the elements per thread (no OpenMP call: the build may lack its header). */   \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                             \
+        for (int t = 0; t < threads; t++) {                                                           \
+            uint32_t *own = histograms + bins * t;                                                    \
+            const int64_t stop = count * (t + 1) / threads;                                           \
+            for (int64_t i = count * t / threads; i < stop; i++) own[(x[i] & SIGN_MASK) >> low_bits]++; \
+        }                                                                                             \
+        for (int t = 1; t < threads; t++)                                                             \
+            for (int64_t b = 0; b < top_bins; b++) histogram[b] += histograms[bins * t + b];           \
+        int64_t above = 0, digit = top_bins - 1;                                                      \
+        for (; digit > 0 && above + histogram[digit] < kept; digit--) above += histogram[digit];      \
+        int64_t wanted = kept - above, key = digit;                                                   \
+        if (low_bits) {                                                                               \
+            memset(histograms, 0, (size_t)(bins * threads) * sizeof(uint32_t));                        \
+            _Pragma("omp parallel for num_threads(threads) schedule(static)")                         \
+            for (int t = 0; t < threads; t++) {                                                       \
+                uint32_t *own = histograms + bins * t;                                                \
+                const int64_t stop = count * (t + 1) / threads;                                       \
+                for (int64_t i = count * t / threads; i < stop; i++) {                                \
+                    const uint32_t key_i = x[i] & SIGN_MASK;                                          \
+                    if ((key_i >> low_bits) == (uint32_t)digit) own[key_i & 0xFFFF]++;                \
+                }                                                                                     \
+            }                                                                                         \
+            for (int t = 1; t < threads; t++)                                                         \
+                for (int64_t b = 0; b < 65536; b++) histogram[b] += histograms[bins * t + b];          \
+            int64_t below_top = 0, rest = 65535;                                                      \
+            for (; rest > 0 && below_top + histogram[rest] < wanted; rest--) below_top += histogram[rest]; \
+            wanted -= below_top;                                                                      \
+            key = (digit << low_bits) | rest;                                                         \
+        }                                                                                             \
+        free(histograms);                                                                             \
+        *ties = wanted;                                                                               \
+        return key;                                                                                   \
+    }
+
+SELECT_DATA(actcomp_select_data_32, uint32_t, 0x7FFFFFFFu)
+SELECT_DATA(actcomp_select_data_16, uint16_t, 0x7FFFu)
+
+/* positions.py's encode_kept with Bitmask positions under an exact threshold: the elements whose
+ * key is above key, and the first ties equal to it in position order, set in bits (a bit per
+ * element, little-end first, zeroed by the caller) and their values written to values in
+ * position order. Blocks of SELECT_BLOCK elements (a multiple of 8: each writes whole bytes)
+ * count their kept first, so each thread writes from its own slot. Returns how many were kept,
+ * or -1 if out of memory. */
+#define BITMASK_KEEP(NAME, WORD, SIGN_MASK)                                                          \
+    int64_t NAME(const WORD *x, int64_t count, int64_t key, int64_t ties, uint8_t *bits, WORD *values, \
+                 int threads) {                                                                      \
+        const int64_t blocks = (count + SELECT_BLOCK - 1) / SELECT_BLOCK;                           \
+        int64_t *above = malloc((size_t)(3 * blocks + 3) * sizeof(int64_t));                        \
+        if (!above) return -1;                                                                      \
+        int64_t *equal = above + blocks + 1, *tied_in = equal + blocks + 1;                         \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                           \
+        for (int64_t b = 0; b < blocks; b++) {                                                      \
+            const int64_t stop = (b + 1) * SELECT_BLOCK < count ? (b + 1) * SELECT_BLOCK : count;   \
+            int64_t over = 0, same = 0;                                                             \
+            for (int64_t i = b * SELECT_BLOCK; i < stop; i++) {                                     \
+                const int64_t key_i = x[i] & SIGN_MASK;                                             \
+                over += key_i > key;                                                                \
+                same += key_i == key;                                                               \
+            }                                                                                       \
+            above[b] = over;                                                                        \
+            equal[b] = same;                                                                        \
+        }                                                                                           \
+        /* Each block's first slot, in place of its count above, and the ties it keeps: the first \
+         * ones equal to the key in position order, so a block keeps what the ones before left. */ \
+        int64_t slot = 0, left = ties;                                                              \
+        for (int64_t b = 0; b < blocks; b++) {                                                      \
+            const int64_t tied = equal[b] < left ? equal[b] : left;                                 \
+            const int64_t kept = above[b] + tied;                                                   \
+            above[b] = slot;                                                                        \
+            tied_in[b] = tied;                                                                      \
+            slot += kept;                                                                           \
+            left -= tied;                                                                           \
+        }                                                                                           \
+        /* The bits first (a compare per element; a running tie count only in the blocks that   \
+         * keep ties, and only until they are kept), then the kept values copied  \
+         * by visiting the set bits a word at a time. */                                         \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                           \
+        for (int64_t b = 0; b < blocks; b++) {                                                      \
+            const int64_t begin = b * SELECT_BLOCK;                                                 \
+            const int64_t stop = begin + SELECT_BLOCK < count ? begin + SELECT_BLOCK : count;       \
+            int64_t may_tie = tied_in[b];                                                           \
+            for (int64_t start = begin; start < stop; start += 8) {                                 \
+                const int64_t end = start + 8 < stop ? start + 8 : stop;                            \
+                uint32_t byte = 0;                                                                  \
+                if (may_tie > 0) {                                                                  \
+                    for (int64_t i = start; i < end; i++) {                                         \
+                        const int64_t key_i = x[i] & SIGN_MASK;                                     \
+                        const int tie = (key_i == key) & (may_tie > 0);                             \
+                        may_tie -= tie;                                                             \
+                        byte |= (uint32_t)((key_i > key) | tie) << (i - start);                     \
+                    }                                                                               \
+                } else {                                                                            \
+                    for (int64_t i = start; i < end; i++)                                           \
+                        byte |= (uint32_t)((int64_t)(x[i] & SIGN_MASK) > key) << (i - start);       \
+                }                                                                                   \
+                bits[start >> 3] = (uint8_t)byte;                                                   \
+            }                                                                                       \
+            int64_t at = above[b];                                                                  \
+            for (int64_t byte = begin / 8; byte < (stop + 7) / 8; byte += 8) {                      \
+                uint64_t word = 0;                                                                  \
+                const int64_t bytes = (stop + 7) / 8 - byte;                                        \
+                memcpy(&word, bits + byte, (size_t)(bytes < 8 ? bytes : 8));                        \
+                while (word) {                                                                      \
+                    values[at++] = x[byte * 8 + __builtin_ctzll(word)];                             \
+                    word &= word - 1;                                                               \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        free(above);                                                                                \
+        return slot;                                                                                \
+    }
+
+BITMASK_KEEP(actcomp_bitmask_keep_32, uint32_t, 0x7FFFFFFFu)
+BITMASK_KEEP(actcomp_bitmask_keep_16, uint16_t, 0x7FFFu)
+
+/* Bitmask.scatter: count zeros (all bits clear), and value slot j at the j-th set bit of bits.
+ * Returns -1 if out of memory. */
+#define BITMASK_EXPAND(NAME, WORD)                                                                   \
+    int64_t NAME(const uint8_t *bits, const WORD *values, int64_t slots, int64_t count, WORD *out,   \
+                 int threads) {                                                                      \
+        const int64_t blocks = (count + SELECT_BLOCK - 1) / SELECT_BLOCK;                           \
+        int64_t *first = malloc((size_t)(blocks + 1) * sizeof(int64_t));                            \
+        if (!first) return -1;                                                                      \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                           \
+        for (int64_t b = 0; b < blocks; b++) {                                                      \
+            const int64_t stop = (b + 1) * SELECT_BLOCK < count ? (b + 1) * SELECT_BLOCK : count;   \
+            int64_t ones = 0;                                                                       \
+            for (int64_t byte = b * (SELECT_BLOCK / 8); byte < (stop + 7) / 8; byte++)              \
+                ones += __builtin_popcount(bits[byte]);                                             \
+            first[b + 1] = ones;                                                                    \
+        }                                                                                           \
+        first[0] = 0;                                                                               \
+        for (int64_t b = 0; b < blocks; b++) first[b + 1] += first[b];                              \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                           \
+        for (int64_t b = 0; b < blocks; b++) {                                                      \
+            const int64_t stop = (b + 1) * SELECT_BLOCK < count ? (b + 1) * SELECT_BLOCK : count;   \
+            int64_t slot = first[b];                                                                \
+            /* Zeros, then the set bits visited a word at a time by count-trailing-zeros. */      \
+            memset(out + b * SELECT_BLOCK, 0, (size_t)(stop - b * SELECT_BLOCK) * sizeof(WORD));   \
+            for (int64_t byte = b * (SELECT_BLOCK / 8); byte < (stop + 7) / 8; byte += 8) {         \
+                uint64_t word = 0;                                                                  \
+                const int64_t bytes = (stop + 7) / 8 - byte;                                        \
+                memcpy(&word, bits + byte, (size_t)(bytes < 8 ? bytes : 8));                        \
+                while (word) {                                                                      \
+                    /* Never past the block or the slots, whatever bits a caller hands in. */      \
+                    const int64_t position = byte * 8 + __builtin_ctzll(word);                      \
+                    if (position < stop && slot < slots) out[position] = values[slot];              \
+                    slot++;                                                                         \
+                    word &= word - 1;                                                               \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        free(first);                                                                                \
+        return 0;                                                                                   \
+    }
+
+BITMASK_EXPAND(actcomp_bitmask_expand_16, uint16_t)
+BITMASK_EXPAND(actcomp_bitmask_expand_32, uint32_t)
+
 /* positions.py's encode_positions: the values at the slots' positions, +0 (all bits clear) for
  * an empty slot (position count). */
 #define GATHER(NAME, WORD)                                                                            \

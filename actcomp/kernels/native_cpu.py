@@ -337,6 +337,49 @@ def select(keys: torch.Tensor, kept: int) -> tuple[int, int]:
     return key, ties.value
 
 
+def select_data(flat: torch.Tensor, kept: int) -> tuple[int, int]:
+    """:func:`select` over the magnitude keys of contiguous ``flat`` itself (a tensor
+    :func:`selects` takes), without making them: :func:`~actcomp.kernels.thresholds.exact_threshold`'s
+    ``(key, ties)``, for a min-k that keeps too many for candidates."""
+    width = _KEY_WIDTHS[flat.element_size()][1]
+    ties = ctypes.c_int64(0)
+    key = _call(f"actcomp_select_data_{width}", (flat,), _pointer(flat), ctypes.c_int64(flat.numel()),
+                ctypes.c_int64(kept), ctypes.c_int(8 * flat.element_size() - 1), _threads(), ctypes.byref(ties))
+    if key < 0:
+        raise MemoryError("actcomp's native radix select could not allocate its histograms")
+    return key, ties.value
+
+
+def bitmask_keep(flat: torch.Tensor, key: int, ties: int, kept: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``kept`` values of contiguous ``flat`` whose magnitude key is above ``key``, with the
+    first ``ties`` equal to it, in position order, and the bit per element that says which
+    (:class:`~actcomp.kernels.positions.Bitmask`'s): ``encode_kept``'s outputs under that threshold."""
+    width = _KEY_WIDTHS[flat.element_size()][1]
+    values = torch.empty(kept, dtype=flat.dtype)
+    bits = torch.empty((flat.numel() + 7) // 8, dtype=torch.uint8)
+    written = _call(f"actcomp_bitmask_keep_{width}", (flat, bits, values), _pointer(flat),
+                    ctypes.c_int64(flat.numel()), ctypes.c_int64(key), ctypes.c_int64(ties), _pointer(bits),
+                    _pointer(values), _threads(), data_sized=True)
+    if written < 0:
+        raise MemoryError("actcomp's native bitmask encode could not allocate its block counts")
+    if written != kept:
+        raise ActcompError(f"native bitmask encode kept {written} values where the threshold keeps {kept}")
+    return values, bits
+
+
+def bitmask_expand(bits: torch.Tensor, values: torch.Tensor, count: int) -> torch.Tensor:
+    """:meth:`Bitmask.scatter <actcomp.kernels.positions.Bitmask.scatter>`: ``count`` zeros with
+    the contiguous ``values`` at the set bits of ``bits``, in order."""
+    width = _KEY_WIDTHS[values.element_size()][1]
+    out = torch.empty(count, dtype=values.dtype)
+    if not values.numel():
+        return out.zero_()
+    if _call(f"actcomp_bitmask_expand_{width}", (bits, values, out), _pointer(bits), _pointer(values),
+             ctypes.c_int64(values.numel()), ctypes.c_int64(count), _pointer(out), _threads()) < 0:
+        raise MemoryError("actcomp's native bitmask scatter could not allocate its block counts")
+    return out
+
+
 def gather(flat: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The values of contiguous ``flat`` at int32 ``positions``, bit for bit, and +0.0 where a
     position is ``flat.numel()`` (an empty slot)."""
@@ -500,7 +543,9 @@ def _cpu_flags() -> str:
 def _declare(native: ctypes.CDLL) -> None:
     native.actcomp_vector_bits.restype = ctypes.c_int
     for name in ("actcomp_candidates_32", "actcomp_candidates_16", "actcomp_ef_scatter_16", "actcomp_ef_scatter_32",
-                 "actcomp_compact_32", "actcomp_compact_16", "actcomp_select_32", "actcomp_select_16"):
+                 "actcomp_compact_32", "actcomp_compact_16", "actcomp_select_32", "actcomp_select_16",
+                 "actcomp_select_data_32", "actcomp_select_data_16", "actcomp_bitmask_keep_32",
+                 "actcomp_bitmask_keep_16", "actcomp_bitmask_expand_16", "actcomp_bitmask_expand_32"):
         getattr(native, name).restype = ctypes.c_int64
     for name in ("actcomp_noise_seed",
                  "actcomp_quantize_f32", "actcomp_quantize_bf16", "actcomp_dequantize_f32", "actcomp_dequantize_bf16",

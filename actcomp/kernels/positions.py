@@ -86,6 +86,13 @@ class Bitmask:
                  for start, stop in spans(self.count, length))
         return expand_kept(values, self.count, masks)
 
+    def scatter_on_cpu(self, values: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """:meth:`scatter` on a CPU (:mod:`~actcomp.kernels.eager_cpu`): one pass of the native
+        kernel where it is built."""
+        if native_cpu.scatters(values) and values.numel() >= self.capacity:
+            return native_cpu.bitmask_expand(saved[0].contiguous(), values.contiguous(), self.count)
+        return self.scatter(values, saved)
+
 
 @dataclass(frozen=True)
 class EliasFano:

@@ -186,6 +186,49 @@ def test_sparsifiers_with_native_kernels_give_the_reference_bytes(spec, dtype, m
                             "elias_fano_scatter"}
 
 
+@needs_native
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec", ["mink0.5", "mink0.3", "mink0.7+int8", "mink0.01"])
+@pytest.mark.parametrize("kind", ["ties", "special"])
+def test_dense_min_k_gives_the_reference_bytes(spec, dtype, kind, threads, monkeypatch):
+    """Min-k keeping more than candidates can hold (Bitmask positions): a radix select over the
+    data itself, the bits and values in one kernel, the scatter in another; the reference's bytes."""
+    native_calls = set()
+    for name in ("select_data", "bitmask_keep", "bitmask_expand"):
+        kernel = getattr(native_cpu, name)
+        monkeypatch.setattr(native_cpu, name, lambda *a, _k=kernel, _n=name, **k: native_calls.add(_n) or _k(*a, **k))
+    torch.set_num_threads(threads)
+    try:
+        if kind == "ties":  # thousands of ties at every magnitude, the threshold's too, across blocks
+            x = (values(65536 * 5 + 3, torch.float32).clamp(-1e38, 1e38) * 2).round().div(2).to(dtype)
+        else:  # NaN and infinities (the largest keys), zeros of both signs
+            x = values(65536 * 3 + 11, torch.float32, seed=1).to(dtype)
+            x[100:200], x[70_000], x[70_001], x[130_000:130_004] = float("nan"), float("inf"), -float("inf"), -0.0
+        assert_same(*both_ways(spec, x))
+    finally:
+        torch.set_num_threads(2)
+    assert native_calls == {"select_data", "bitmask_keep", "bitmask_expand"}
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("count", [1, 9, 65536 + 9])
+def test_the_bitmask_scatter_never_writes_past_the_elements_or_reads_past_the_values(dtype, count):
+    """Bits set past the last element, or more set bits than values: a foreign packed form
+    cannot make the kernel write out of bounds; what it writes is the reference's."""
+    from actcomp.kernels.positions import Bitmask
+
+    bits = torch.full(((count + 7) // 8 + 8,), 0xFF, dtype=torch.uint8)  # every bit set, and more bytes
+    values = torch.arange(1, count // 2 + 2, dtype=torch.float32).to(dtype)
+    got = native_cpu.bitmask_expand(bits, values, count)
+    expected = torch.zeros(count, dtype=dtype)
+    expected[:values.numel()] = values[:count]
+    assert torch.equal(got, expected)
+    form = Bitmask(count, values.numel())
+    assert torch.equal(form.scatter_on_cpu(values, (bits,)), expected)
+
+
 def test_without_a_compiler_the_references_run_after_one_warning(monkeypatch):
     monkeypatch.setattr(native_cpu, "_loaded", [])
     monkeypatch.setattr(native_cpu, "_compiler", lambda: None)

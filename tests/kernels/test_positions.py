@@ -233,7 +233,7 @@ def inputs_of(kind: str, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(shape, generator=generator).clamp(min=1.5).sub(1.5).to(dtype)  # ~93% zeros
 
 
-@pytest.mark.parametrize("rate", [0.9, 0.99])
+@pytest.mark.parametrize("rate", [0.9, 0.99, 0.5])
 @pytest.mark.parametrize("kind", ["distinct", "ties", "zeros", "mostly_zeros"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", ELEMENT_STAGES)
@@ -250,8 +250,9 @@ def test_the_eager_cpu_path_gives_the_static_paths_codes(name, dtype, kind, rate
                        static_y.view(torch.int16 if dtype.itemsize == 2 else torch.int32))
 
 
-@pytest.mark.parametrize("name", ["mink", "smink", "dropit", "pmink"])
-def test_min_k_on_cpu_takes_the_eager_path_without_the_static_pass(name, monkeypatch):
+@pytest.mark.parametrize("name, rate", [("mink", 0.9), ("smink", 0.9), ("dropit", 0.9), ("pmink", 0.9),
+                                        ("mink", 0.5), ("mink", 0.3)])
+def test_min_k_on_cpu_takes_the_eager_path_without_the_static_pass(name, rate, monkeypatch):
     """The comparison above means something only if the eager path runs."""
     def static_pass(*args, **kwargs):
         raise AssertionError("the static chunk pass ran")
@@ -259,7 +260,7 @@ def test_min_k_on_cpu_takes_the_eager_path_without_the_static_pass(name, monkeyp
     monkeypatch.setattr(elements, "encode_kept", static_pass)
     x = distinct((4, CPU_CHUNK), torch.float32)
 
-    actcomp.parse(f"{name}0.9").compress(x)
+    actcomp.parse(f"{name}{rate}").compress(x)
 
 
 def test_a_sample_that_misses_hands_the_tensor_to_the_static_path(monkeypatch):
