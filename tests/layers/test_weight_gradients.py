@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import actcomp
-from actcomp.layers.weight_gradients import watching_weight_gradients, watched
+from actcomp.layers.weight_gradients import watched, watching_weight_gradients
 
 
 class _Gpt2Conv1D(nn.Module):

@@ -211,7 +211,7 @@ def test_measuring_kinds_lazily_chooses_as_well_as_measuring_every_rung(build):
     gradient no more than the full search's (every rung measured) at every budget, measuring
     fewer rungs. (The outlier net's "other" kind errs less at int2:group=32 than at int4:group=64:
     the bound the loop relies on does not hold there, and the choice is still as good.)"""
-    from actcomp.tools.budget import LAYER_SPECS, KIND_SPECS, _knapsack, _Search, _solve
+    from actcomp.tools.budget import KIND_SPECS, LAYER_SPECS, _knapsack, _Search, _solve
     from actcomp.tools.user_batch import UserBatch
 
     model, batch = build()
