@@ -137,10 +137,11 @@ def _cpu_form(codec: _ElementSparsifier, x: torch.Tensor) -> Bitmask | EliasFano
 
 
 def _keeps_densely(codec: _ElementSparsifier, x: torch.Tensor, form: PositionForm) -> bool:
-    """Whether exact min-k keeps too many for candidates (more than about 15%: Bitmask
-    positions) and the native kernels take ``x``: a radix select over the data itself, then one
-    pass that writes the bits and the kept values (native_cpu's select_data and bitmask_keep)."""
-    return isinstance(form, Bitmask) and type(codec) is MinK and native_cpu.selects(x)
+    """Whether exact min-k keeps too many for candidates (more than about 15% of fp32, 10% of
+    16-bit elements) and the native kernels take ``x``: a radix select over the data's own keys,
+    then one kernel writes the bits and the kept values (Bitmask positions, over about 25% kept),
+    or the kept positions for the Elias-Fano writer (between the two)."""
+    return isinstance(form, (Bitmask, EliasFano)) and type(codec) is MinK and native_cpu.selects(x)
 
 
 def _cpu_encode(codec: _ElementSparsifier, x: torch.Tensor, hints: Hints) -> Encoded:
@@ -148,10 +149,14 @@ def _cpu_encode(codec: _ElementSparsifier, x: torch.Tensor, hints: Hints) -> Enc
     positions written by the native kernels where they are built."""
     flat = x.reshape(-1)
     form = _cpu_form(codec, x)
-    if not worth_it(flat.numel(), codec.kept_count(flat.numel()), x.element_size()) and _keeps_densely(codec, x, form):
-        flat, kept = flat.contiguous(), codec.kept_count(flat.numel())
-        values, bits = native_cpu.bitmask_keep(flat, *native_cpu.select_data(flat, kept), kept)
-        return Encoded(values, (bits,), form)
+    kept = codec.kept_count(flat.numel())
+    if not worth_it(flat.numel(), kept, x.element_size()) and _keeps_densely(codec, x, form):
+        flat = flat.contiguous()
+        key, ties = native_cpu.select_data(flat, kept)
+        if isinstance(form, Bitmask):
+            values, bits = native_cpu.bitmask_keep(flat, key, ties, kept)
+            return Encoded(values, (bits,), form)
+        return Encoded(*encode_positions(flat, native_cpu.kept_positions(flat, key, ties, kept), form))
     positions = codec.kept_positions(flat, codec.kept_count(flat.numel()))
     if positions is None:  # the sample missed (about once in 30,000 tensors): the static path
         return codec.encode(x, hints)

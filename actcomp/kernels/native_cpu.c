@@ -1003,6 +1003,55 @@ SELECT_DATA(actcomp_select_data_16, uint16_t, 0x7FFFu)
 BITMASK_KEEP(actcomp_bitmask_keep_32, uint32_t, 0x7FFFFFFFu)
 BITMASK_KEEP(actcomp_bitmask_keep_16, uint16_t, 0x7FFFu)
 
+/* The ascending int32 positions of the elements BITMASK_KEEP keeps (key above key, the first ties
+ * equal to it), for the forms that store positions (Elias-Fano): min-k between what candidates
+ * hold and what a bitmask stores better. Returns how many, or -1 if out of memory. */
+#define KEPT_POSITIONS(NAME, WORD, SIGN_MASK)                                                        \
+    int64_t NAME(const WORD *x, int64_t count, int64_t key, int64_t ties, int32_t *positions,        \
+                 int threads) {                                                                      \
+        const int64_t blocks = (count + SELECT_BLOCK - 1) / SELECT_BLOCK;                           \
+        int64_t *above = malloc((size_t)(2 * blocks + 2) * sizeof(int64_t));                        \
+        if (!above) return -1;                                                                      \
+        int64_t *equal = above + blocks + 1;                                                        \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                           \
+        for (int64_t b = 0; b < blocks; b++) {                                                      \
+            const int64_t stop = (b + 1) * SELECT_BLOCK < count ? (b + 1) * SELECT_BLOCK : count;   \
+            int64_t over = 0, same = 0;                                                             \
+            for (int64_t i = b * SELECT_BLOCK; i < stop; i++) {                                     \
+                const int64_t key_i = x[i] & SIGN_MASK;                                             \
+                over += key_i > key;                                                                \
+                same += key_i == key;                                                               \
+            }                                                                                       \
+            above[b] = over;                                                                        \
+            equal[b] = same;                                                                        \
+        }                                                                                           \
+        int64_t slot = 0, left = ties;                                                              \
+        for (int64_t b = 0; b < blocks; b++) {                                                      \
+            const int64_t tied = equal[b] < left ? equal[b] : left;                                 \
+            const int64_t kept = above[b] + tied;                                                   \
+            above[b] = slot;                                                                        \
+            equal[b] = tied;                                                                        \
+            slot += kept;                                                                           \
+            left -= tied;                                                                           \
+        }                                                                                           \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                           \
+        for (int64_t b = 0; b < blocks; b++) {                                                      \
+            const int64_t stop = (b + 1) * SELECT_BLOCK < count ? (b + 1) * SELECT_BLOCK : count;   \
+            int64_t at = above[b], may_tie = equal[b];                                              \
+            for (int64_t i = b * SELECT_BLOCK; i < stop; i++) {                                     \
+                const int64_t key_i = x[i] & SIGN_MASK;                                             \
+                const int tie = (key_i == key) & (may_tie > 0);                                     \
+                may_tie -= tie;                                                                     \
+                if ((key_i > key) | tie) positions[at++] = (int32_t)i;                              \
+            }                                                                                       \
+        }                                                                                           \
+        free(above);                                                                                \
+        return slot;                                                                                \
+    }
+
+KEPT_POSITIONS(actcomp_kept_positions_32, uint32_t, 0x7FFFFFFFu)
+KEPT_POSITIONS(actcomp_kept_positions_16, uint16_t, 0x7FFFu)
+
 /* Bitmask.scatter: count zeros (all bits clear), and value slot j at the j-th set bit of bits.
  * Returns -1 if out of memory. */
 #define BITMASK_EXPAND(NAME, WORD)                                                                   \

@@ -367,6 +367,21 @@ def bitmask_keep(flat: torch.Tensor, key: int, ties: int, kept: int) -> tuple[to
     return values, bits
 
 
+def kept_positions(flat: torch.Tensor, key: int, ties: int, kept: int) -> torch.Tensor:
+    """The ascending int32 positions of the elements :func:`bitmask_keep` keeps, for the forms
+    that store positions."""
+    width = _KEY_WIDTHS[flat.element_size()][1]
+    positions = torch.empty(kept, dtype=torch.int32)
+    written = _call(f"actcomp_kept_positions_{width}", (flat, positions), _pointer(flat),
+                    ctypes.c_int64(flat.numel()), ctypes.c_int64(key), ctypes.c_int64(ties), _pointer(positions),
+                    _threads(), data_sized=True)
+    if written < 0:
+        raise MemoryError("actcomp's native position search could not allocate its block counts")
+    if written != kept:
+        raise ActcompError(f"native position search kept {written} where the threshold keeps {kept}")
+    return positions
+
+
 def bitmask_expand(bits: torch.Tensor, values: torch.Tensor, count: int) -> torch.Tensor:
     """:meth:`Bitmask.scatter <actcomp.kernels.positions.Bitmask.scatter>`: ``count`` zeros with
     the contiguous ``values`` at the set bits of ``bits``, in order."""
@@ -545,7 +560,8 @@ def _declare(native: ctypes.CDLL) -> None:
     for name in ("actcomp_candidates_32", "actcomp_candidates_16", "actcomp_ef_scatter_16", "actcomp_ef_scatter_32",
                  "actcomp_compact_32", "actcomp_compact_16", "actcomp_select_32", "actcomp_select_16",
                  "actcomp_select_data_32", "actcomp_select_data_16", "actcomp_bitmask_keep_32",
-                 "actcomp_bitmask_keep_16", "actcomp_bitmask_expand_16", "actcomp_bitmask_expand_32"):
+                 "actcomp_bitmask_keep_16", "actcomp_bitmask_expand_16", "actcomp_bitmask_expand_32",
+                 "actcomp_kept_positions_32", "actcomp_kept_positions_16"):
         getattr(native, name).restype = ctypes.c_int64
     for name in ("actcomp_noise_seed",
                  "actcomp_quantize_f32", "actcomp_quantize_bf16", "actcomp_dequantize_f32", "actcomp_dequantize_bf16",

@@ -189,13 +189,14 @@ def test_sparsifiers_with_native_kernels_give_the_reference_bytes(spec, dtype, m
 @needs_native
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("spec", ["mink0.5", "mink0.3", "mink0.7+int8", "mink0.01"])
+@pytest.mark.parametrize("spec", ["mink0.5", "mink0.3", "mink0.7+int8", "mink0.01", "mink0.8", "mink0.83+int4"])
 @pytest.mark.parametrize("kind", ["ties", "special"])
 def test_dense_min_k_gives_the_reference_bytes(spec, dtype, kind, threads, monkeypatch):
-    """Min-k keeping more than candidates can hold (Bitmask positions): a radix select over the
-    data itself, the bits and values in one kernel, the scatter in another; the reference's bytes."""
+    """Min-k keeping more than candidates can hold: a radix select over the data itself, then
+    the bits and values in one kernel and the scatter in another (Bitmask positions), or the kept
+    positions for the Elias-Fano writer (between candidates and a bitmask); the reference's bytes."""
     native_calls = set()
-    for name in ("select_data", "bitmask_keep", "bitmask_expand"):
+    for name in ("select_data", "bitmask_keep", "bitmask_expand", "kept_positions", "elias_fano_encode"):
         kernel = getattr(native_cpu, name)
         monkeypatch.setattr(native_cpu, name, lambda *a, _k=kernel, _n=name, **k: native_calls.add(_n) or _k(*a, **k))
     torch.set_num_threads(threads)
@@ -208,7 +209,10 @@ def test_dense_min_k_gives_the_reference_bytes(spec, dtype, kind, threads, monke
         assert_same(*both_ways(spec, x))
     finally:
         torch.set_num_threads(2)
-    assert native_calls == {"select_data", "bitmask_keep", "bitmask_expand"}
+    from actcomp.kernels.positions import Bitmask
+    form = actcomp.parse(spec).stages[0].position_form(x.numel(), actcomp.parse(spec).stages[0].kept_count(x.numel()), 1)
+    assert native_calls == ({"select_data", "bitmask_keep", "bitmask_expand"} if isinstance(form, Bitmask) else
+                            {"select_data", "kept_positions", "elias_fano_encode"}), type(form).__name__
 
 
 @needs_native

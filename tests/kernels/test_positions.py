@@ -233,7 +233,7 @@ def inputs_of(kind: str, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(shape, generator=generator).clamp(min=1.5).sub(1.5).to(dtype)  # ~93% zeros
 
 
-@pytest.mark.parametrize("rate", [0.9, 0.99, 0.5])
+@pytest.mark.parametrize("rate", [0.9, 0.99, 0.5, 0.8])
 @pytest.mark.parametrize("kind", ["distinct", "ties", "zeros", "mostly_zeros"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", ELEMENT_STAGES)
@@ -251,7 +251,7 @@ def test_the_eager_cpu_path_gives_the_static_paths_codes(name, dtype, kind, rate
 
 
 @pytest.mark.parametrize("name, rate", [("mink", 0.9), ("smink", 0.9), ("dropit", 0.9), ("pmink", 0.9),
-                                        ("mink", 0.5), ("mink", 0.3)])
+                                        ("mink", 0.5), ("mink", 0.3), ("mink", 0.8)])
 def test_min_k_on_cpu_takes_the_eager_path_without_the_static_pass(name, rate, monkeypatch):
     """The comparison above means something only if the eager path runs."""
     def static_pass(*args, **kwargs):
