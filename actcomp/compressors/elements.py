@@ -140,8 +140,15 @@ def _keeps_densely(codec: _ElementSparsifier, x: torch.Tensor, form: PositionFor
     """Whether exact min-k keeps too many for candidates (more than about 15% of fp32, 10% of
     16-bit elements) and the native kernels take ``x``: a radix select over the data's own keys,
     then one kernel writes the bits and the kept values (Bitmask positions, over about 25% kept),
-    or the kept positions for the Elias-Fano writer (between the two)."""
-    return isinstance(form, (Bitmask, EliasFano)) and type(codec) is MinK and native_cpu.selects(x)
+    or the kept positions for the Elias-Fano writer (between the two, where those positions stay
+    within the temporaries' budget)."""
+    if type(codec) is not MinK or not native_cpu.selects(x):
+        return False
+    if isinstance(form, EliasFano):
+        # The int32 positions are a temporary: within 0.35x the input's bytes, as candidates are
+        # (bf16 up to 17.5% kept; the static path past it, up to the bitmask's 25%).
+        return codec.kept_count(x.numel()) * 4 <= 0.35 * x.numel() * x.element_size()
+    return isinstance(form, Bitmask)
 
 
 def _cpu_encode(codec: _ElementSparsifier, x: torch.Tensor, hints: Hints) -> Encoded:

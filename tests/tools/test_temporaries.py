@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 # Every registered stage alone, and the chains the README and the benchmarks use.
 SPECS = [f"{name}0.9" if compressor_class(name).takes_rate else name for name in actcomp.list_compressors()] + [
     "mink0.9+int8", "pmink0.9+int8", "smink0.9+int8", "random0.9+int4", "channel0.9+int8", "mink0.9+fp8",
-    "smink0.8+int2",
+    "smink0.8+int2", "mink0.5+int8", "mink0.8+int8", "mink0.83",
 ]
 BUDGET = 0.5
 
