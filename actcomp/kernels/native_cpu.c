@@ -925,19 +925,14 @@ SELECT(actcomp_select_16, int16_t)
 SELECT_DATA(actcomp_select_data_32, uint32_t, 0x7FFFFFFFu)
 SELECT_DATA(actcomp_select_data_16, uint16_t, 0x7FFFu)
 
-/* positions.py's encode_kept with Bitmask positions under an exact threshold: the elements whose
- * key is above key, and the first ties equal to it in position order, set in bits (a bit per
- * element, little-end first, zeroed by the caller) and their values written to values in
- * position order. Blocks of SELECT_BLOCK elements (a multiple of 8: each writes whole bytes)
- * count their kept first, so each thread writes from its own slot. Returns how many were kept,
- * or -1 if out of memory. */
-#define BITMASK_KEEP(NAME, WORD, SIGN_MASK)                                                          \
-    int64_t NAME(const WORD *x, int64_t count, int64_t key, int64_t ties, uint8_t *bits, WORD *values, \
-                 int threads) {                                                                      \
+/* Min-k under an exact threshold, per block of SELECT_BLOCK elements (a multiple of 8: a bitmask's
+ * blocks write whole bytes): into slot[b] the block's first slot, into tied[b] how many of its keys
+ * equal to key it keeps (the first ties ones in position order over the whole tensor). Returns how
+ * many are kept. BITMASK_KEEP and KEPT_POSITIONS then write each block from its own slot. */
+#define KEPT_BLOCKS(NAME, WORD, SIGN_MASK)                                                           \
+    static int64_t NAME(const WORD *x, int64_t count, int64_t key, int64_t ties, int64_t *slot,      \
+                        int64_t *tied, int threads) {                                                \
         const int64_t blocks = (count + SELECT_BLOCK - 1) / SELECT_BLOCK;                           \
-        int64_t *above = malloc((size_t)(3 * blocks + 3) * sizeof(int64_t));                        \
-        if (!above) return -1;                                                                      \
-        int64_t *equal = above + blocks + 1, *tied_in = equal + blocks + 1;                         \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                           \
         for (int64_t b = 0; b < blocks; b++) {                                                      \
             const int64_t stop = (b + 1) * SELECT_BLOCK < count ? (b + 1) * SELECT_BLOCK : count;   \
@@ -947,20 +942,38 @@ SELECT_DATA(actcomp_select_data_16, uint16_t, 0x7FFFu)
                 over += key_i > key;                                                                \
                 same += key_i == key;                                                               \
             }                                                                                       \
-            above[b] = over;                                                                        \
-            equal[b] = same;                                                                        \
+            slot[b] = over;                                                                         \
+            tied[b] = same;                                                                         \
         }                                                                                           \
-        /* Each block's first slot, in place of its count above, and the ties it keeps: the first \
-         * ones equal to the key in position order, so a block keeps what the ones before left. */ \
-        int64_t slot = 0, left = ties;                                                              \
+        int64_t kept = 0, left = ties;                                                              \
         for (int64_t b = 0; b < blocks; b++) {                                                      \
-            const int64_t tied = equal[b] < left ? equal[b] : left;                                 \
-            const int64_t kept = above[b] + tied;                                                   \
-            above[b] = slot;                                                                        \
-            tied_in[b] = tied;                                                                      \
-            slot += kept;                                                                           \
-            left -= tied;                                                                           \
+            const int64_t keeps_tied = tied[b] < left ? tied[b] : left;                             \
+            const int64_t keeps = slot[b] + keeps_tied;                                             \
+            slot[b] = kept;                                                                         \
+            tied[b] = keeps_tied;                                                                   \
+            kept += keeps;                                                                          \
+            left -= keeps_tied;                                                                     \
         }                                                                                           \
+        return kept;                                                                                \
+    }
+
+KEPT_BLOCKS(kept_blocks_32, uint32_t, 0x7FFFFFFFu)
+KEPT_BLOCKS(kept_blocks_16, uint16_t, 0x7FFFu)
+
+/* positions.py's encode_kept with Bitmask positions under an exact threshold: the elements whose
+ * key is above key, and the first ties equal to it in position order, set in bits (a bit per
+ * element, little-end first, zeroed by the caller) and their values written to values in
+ * position order. Blocks of SELECT_BLOCK elements (a multiple of 8: each writes whole bytes)
+ * count their kept first, so each thread writes from its own slot. Returns how many were kept,
+ * or -1 if out of memory. */
+#define BITMASK_KEEP(NAME, BLOCKS, WORD, SIGN_MASK)                                                  \
+    int64_t NAME(const WORD *x, int64_t count, int64_t key, int64_t ties, uint8_t *bits, WORD *values, \
+                 int threads) {                                                                      \
+        const int64_t blocks = (count + SELECT_BLOCK - 1) / SELECT_BLOCK;                           \
+        int64_t *above = malloc((size_t)(2 * blocks + 2) * sizeof(int64_t));                        \
+        if (!above) return -1;                                                                      \
+        int64_t *tied_in = above + blocks + 1;                                                      \
+        const int64_t slot = BLOCKS(x, count, key, ties, above, tied_in, threads);                  \
         /* The bits first (a compare per element; a running tie count only in the blocks that   \
          * keep ties, and only until they are kept), then the kept values copied  \
          * by visiting the set bits a word at a time. */                                         \
@@ -1000,40 +1013,20 @@ SELECT_DATA(actcomp_select_data_16, uint16_t, 0x7FFFu)
         return slot;                                                                                \
     }
 
-BITMASK_KEEP(actcomp_bitmask_keep_32, uint32_t, 0x7FFFFFFFu)
-BITMASK_KEEP(actcomp_bitmask_keep_16, uint16_t, 0x7FFFu)
+BITMASK_KEEP(actcomp_bitmask_keep_32, kept_blocks_32, uint32_t, 0x7FFFFFFFu)
+BITMASK_KEEP(actcomp_bitmask_keep_16, kept_blocks_16, uint16_t, 0x7FFFu)
 
 /* The ascending int32 positions of the elements BITMASK_KEEP keeps (key above key, the first ties
  * equal to it), for the forms that store positions (Elias-Fano): min-k between what candidates
  * hold and what a bitmask stores better. Returns how many, or -1 if out of memory. */
-#define KEPT_POSITIONS(NAME, WORD, SIGN_MASK)                                                        \
+#define KEPT_POSITIONS(NAME, BLOCKS, WORD, SIGN_MASK)                                                \
     int64_t NAME(const WORD *x, int64_t count, int64_t key, int64_t ties, int32_t *positions,        \
                  int threads) {                                                                      \
         const int64_t blocks = (count + SELECT_BLOCK - 1) / SELECT_BLOCK;                           \
         int64_t *above = malloc((size_t)(2 * blocks + 2) * sizeof(int64_t));                        \
         if (!above) return -1;                                                                      \
         int64_t *equal = above + blocks + 1;                                                        \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                           \
-        for (int64_t b = 0; b < blocks; b++) {                                                      \
-            const int64_t stop = (b + 1) * SELECT_BLOCK < count ? (b + 1) * SELECT_BLOCK : count;   \
-            int64_t over = 0, same = 0;                                                             \
-            for (int64_t i = b * SELECT_BLOCK; i < stop; i++) {                                     \
-                const int64_t key_i = x[i] & SIGN_MASK;                                             \
-                over += key_i > key;                                                                \
-                same += key_i == key;                                                               \
-            }                                                                                       \
-            above[b] = over;                                                                        \
-            equal[b] = same;                                                                        \
-        }                                                                                           \
-        int64_t slot = 0, left = ties;                                                              \
-        for (int64_t b = 0; b < blocks; b++) {                                                      \
-            const int64_t tied = equal[b] < left ? equal[b] : left;                                 \
-            const int64_t kept = above[b] + tied;                                                   \
-            above[b] = slot;                                                                        \
-            equal[b] = tied;                                                                        \
-            slot += kept;                                                                           \
-            left -= tied;                                                                           \
-        }                                                                                           \
+        const int64_t slot = BLOCKS(x, count, key, ties, above, equal, threads);                    \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                           \
         for (int64_t b = 0; b < blocks; b++) {                                                      \
             const int64_t stop = (b + 1) * SELECT_BLOCK < count ? (b + 1) * SELECT_BLOCK : count;   \
@@ -1049,8 +1042,8 @@ BITMASK_KEEP(actcomp_bitmask_keep_16, uint16_t, 0x7FFFu)
         return slot;                                                                                \
     }
 
-KEPT_POSITIONS(actcomp_kept_positions_32, uint32_t, 0x7FFFFFFFu)
-KEPT_POSITIONS(actcomp_kept_positions_16, uint16_t, 0x7FFFu)
+KEPT_POSITIONS(actcomp_kept_positions_32, kept_blocks_32, uint32_t, 0x7FFFFFFFu)
+KEPT_POSITIONS(actcomp_kept_positions_16, kept_blocks_16, uint16_t, 0x7FFFu)
 
 /* Bitmask.scatter: count zeros (all bits clear), and value slot j at the j-th set bit of bits.
  * Returns -1 if out of memory. */
