@@ -329,7 +329,14 @@ class _Search:
         kinds = [row.kind for row in first.kinds if row.kind in LOSSY_KINDS and row.kept_bytes > 0]
         fixed = first.total_bytes - sum(_group_bytes(rows[0], group) for group in groups) - sum(
             _kind_bytes(first, kind) for kind in kinds)
-        errors = self._layer_errors([name for group in groups for name in group])
+        # A rung keeping no fewer bytes than a lighter one is never chosen: its round trips are
+        # not worth a watcher's time (mink0.5+int8 keeps more than int4 on every layer).
+        wanted = {}
+        for group in groups:
+            kept = [_group_bytes(rows[rung], group) for rung in range(len(self.layer_specs) + 1)]
+            useful = {rung - 1 for rung in range(1, len(kept)) if kept[rung] < min(kept[:rung])}
+            wanted.update({name: useful for name in group})
+        errors = self._layer_errors([name for group in groups for name in group], wanted)
         parts = []
         for group in groups:
             options = [_Option(None, _group_bytes(rows[0], group), 0.0)]
@@ -366,7 +373,8 @@ class _Search:
         converted = to_compressed(copy_model(self.model), {"*": layer_spec}, rest=rest, loss="plain")
         return self.run.memory(converted), list(compressed_layers(converted))
 
-    def _layer_errors(self, layers: list[str]) -> list[dict[str, float]]:
+    def _layer_errors(self, layers: list[str],
+                      wanted: Mapping[str, set[int]] | None = None) -> list[dict[str, float]]:
         """Each layer's share of the squared gradient error at each rung of the layer ladder.
 
         One step measures every rung: a copy whose layers keep their inputs exactly
@@ -375,7 +383,8 @@ class _Search:
         (:mod:`actcomp.layers.weight_gradients`). A layer that step cannot measure so (called
         more than once a step, whose errors add as tensors, or with its own forward, whose weight
         is not the parameter) is measured as stop 49 measured every layer: one step per rung
-        with every such layer converted.
+        with every such layer converted. ``wanted``: the rungs (0-based) worth measuring for each
+        layer (every rung where not given); the others are left at 0, and are never chosen.
 
         A layer whose plain weight gradient is zero on this batch (a zero-initialised norm after
         it, as timm's ResNets start) shows no error, so it is given what can be measured: the
@@ -390,6 +399,8 @@ class _Search:
             calls[call.name] += 1
             exact = call.grad_weight.double()
             for rung, pipeline in enumerate(pipelines):
+                if wanted is not None and rung not in wanted.get(call.name, ()):
+                    continue
                 chosen = adapter_pipeline(call.name, pipeline)  # LoRA adapters' layers as to_compressed does
                 if chosen is not None:
                     error = call.weight_gradient_through(chosen.fresh()).double() - exact
@@ -409,19 +420,23 @@ class _Search:
             for layer in stepped:
                 squared[rung][layer] = sum(float((got[name] - self.reference[name]).square().sum())
                                            for name in self._own(layer))
-        return [self._fill_unmeasured({layer: error / self.norm for layer, error in rung.items()}) for rung in squared]
+        return [self._fill_unmeasured({layer: error / self.norm for layer, error in errors.items()},
+                                      {layer for layer in layers if wanted is None or rung in wanted.get(layer, ())})
+                for rung, errors in enumerate(squared)]
 
     def _own(self, layer: str) -> list[str]:
         return [name for name in self.reference if name.rpartition(".")[0] == layer]
 
-    def _fill_unmeasured(self, errors: dict[str, float]) -> dict[str, float]:
+    def _fill_unmeasured(self, errors: dict[str, float], measured: set[str] | None = None) -> dict[str, float]:
+        """``errors`` with each layer that has no gradient given the median measured one's; the
+        median over the layers ``measured`` at this rung (every layer where not given)."""
         relative, shares, unmeasured = [], [], []
         for layer, error in errors.items():
             share = sum(float(self.reference[name].square().sum()) for name in self._own(layer)) / self.norm
-            if share > 0:
+            if share > 0 and (measured is None or layer in measured):
                 relative.append(error / share)
                 shares.append(share)
-            else:
+            elif share == 0:
                 unmeasured.append(layer)
         self.unmeasured.update(unmeasured)
         assumed = statistics.median(relative) * statistics.median(shares) if relative else 0.0

@@ -246,3 +246,27 @@ def replace_errors(part, search):
     return replace(part, options=tuple(
         replace(option, error=search.kind_error(part.name, option.spec)) if option.error is None else option
         for option in part.options))
+
+
+def test_rungs_no_choice_can_take_are_not_measured(monkeypatch):
+    """A layer rung keeping no fewer bytes than a lighter one (mink0.5+int8 beside int4) is never
+    chosen: the watcher skips its round trips, and the other rungs' errors are as measured alone."""
+    from actcomp.layers.weight_gradients import WeightGradientCall
+    from actcomp.tools.budget import LAYER_SPECS, _Search
+    from actcomp.tools.user_batch import UserBatch
+
+    model, batch = resnet()
+    layers = list(actcomp.compressed_layers(actcomp.to_compressed(copy.deepcopy(model), "int8", loss="plain")))
+    full = _Search(model, UserBatch(batch), LAYER_SPECS, ())._layer_errors(layers)
+    through = WeightGradientCall.weight_gradient_through
+    specs = []
+    monkeypatch.setattr(WeightGradientCall, "weight_gradient_through",
+                        lambda self, pipeline: specs.append(pipeline.spec) or through(self, pipeline))
+    search = _Search(model, UserBatch(batch), LAYER_SPECS, ())
+    search.parts()
+    # On resnet18 mink0.5+int8 keeps more than int4 on 19 of its 20 layer groups.
+    assert specs.count("mink0.5+int8") <= 1 < specs.count("int4")
+    specs.clear()
+    pruned = search._layer_errors(layers, {layer: {0, 4} for layer in layers})
+    assert set(specs) == {"bf16", "mink0.9+int8"}
+    assert pruned[0] == pytest.approx(full[0], rel=1e-9) and pruned[4] == pytest.approx(full[4], rel=1e-9)
