@@ -155,16 +155,16 @@ def _cpu_encode(codec: _ElementSparsifier, x: torch.Tensor, hints: Hints) -> Enc
     """The static path's codes from the CPU selection: candidates found with ``nonzero``, the
     positions written by the native kernels where they are built."""
     flat = x.reshape(-1)
-    form = _cpu_form(codec, x)
+    form = _cpu_form(codec, x)  # not None: this implementation's encodes() said so
     kept = codec.kept_count(flat.numel())
-    if not worth_it(flat.numel(), kept, x.element_size()) and _keeps_densely(codec, x, form):
+    if not worth_it(flat.numel(), kept, x.element_size()):  # _cpu_form took it for _keeps_densely
         flat = flat.contiguous()
         key, ties = native_cpu.select_data(flat, kept)
         if isinstance(form, Bitmask):
             values, bits = native_cpu.bitmask_keep(flat, key, ties, kept)
             return Encoded(values, (bits,), form)
         return Encoded(*encode_positions(flat, native_cpu.kept_positions(flat, key, ties, kept), form))
-    positions = codec.kept_positions(flat, codec.kept_count(flat.numel()))
+    positions = codec.kept_positions(flat, kept)
     if positions is None:  # the sample missed (about once in 30,000 tensors): the static path
         return codec.encode(x, hints)
     return Encoded(*encode_positions(flat, positions, form))

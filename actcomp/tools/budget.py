@@ -37,6 +37,7 @@ what that is on our models. The plan prints as the call that pins it.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import itertools
 import math
 import statistics
@@ -333,8 +334,9 @@ class _Search:
         # not worth a watcher's time (mink0.5+int8 keeps more than int4 on every layer).
         wanted = {}
         for group in groups:
-            kept = [_group_bytes(rows[rung], group) for rung in range(len(self.layer_specs) + 1)]
-            useful = {rung - 1 for rung in range(1, len(kept)) if kept[rung] < min(kept[:rung])}
+            options = [_Option(str(rung), _group_bytes(rows[rung], group), 0.0)
+                       for rung in range(len(self.layer_specs) + 1)]
+            useful = {int(option.spec) - 1 for option in _lighter_only(options)[1:]}
             wanted.update({name: useful for name in group})
         errors = self._layer_errors([name for group in groups for name in group], wanted)
         parts = []
@@ -427,12 +429,21 @@ class _Search:
     def _own(self, layer: str) -> list[str]:
         return [name for name in self.reference if name.rpartition(".")[0] == layer]
 
+    @functools.cached_property
+    def _shares(self) -> dict[str, float]:
+        """Each layer's share of plain's squared gradient norm, by layer name (made once)."""
+        squared: dict[str, float] = {}
+        for name, grad in self.reference.items():
+            layer = name.rpartition(".")[0]
+            squared[layer] = squared.get(layer, 0.0) + float(grad.square().sum())
+        return {layer: total / self.norm for layer, total in squared.items()}
+
     def _fill_unmeasured(self, errors: dict[str, float], measured: set[str] | None = None) -> dict[str, float]:
         """``errors`` with each layer that has no gradient given the median measured one's; the
         median over the layers ``measured`` at this rung (every layer where not given)."""
         relative, shares, unmeasured = [], [], []
         for layer, error in errors.items():
-            share = sum(float(self.reference[name].square().sum()) for name in self._own(layer)) / self.norm
+            share = self._shares.get(layer, 0.0)
             if share > 0 and (measured is None or layer in measured):
                 relative.append(error / share)
                 shares.append(share)
