@@ -60,9 +60,14 @@ from actcomp.kernels.triton_affine import _lowbias32
 from actcomp.kernels.triton_runtime import cdiv, device_guard, launch
 
 # A radix select's digits, from the top: ``wide`` bits each but the last, which takes what is left
-# of the key's bits (as ``(passes, wide, last)``): three passes over fp32's 31-bit magnitudes with
-# at most 2048 bins, two over the 15-bit ones of fp16 and bf16 and random's 16-bit hashes.
-_DIGITS = {4: (3, 11, 9), 2: (2, 8, 8)}  # by the keys' bytes
+# of the key's bits (as ``(passes, wide, last)``): four passes over fp32's 31-bit magnitudes with
+# at most 256 bins, two over the 15-bit ones of fp16 and bf16 and random's 16-bit hashes. A pass
+# costs with its bins, not its keys: ``tl.histogram`` works bin by bin, and every program of the
+# later passes reads the earlier histograms whole. With 2048-bin digits (3, 11, 9) an H200 took
+# 80 us a histogram pass over 2.4M fp32 keys, and 28 us over a sample of 24K (one program's
+# time), where a 256-bin pass over as many bf16 keys took 11 us and 5 us (stop 52's profile): one
+# launch more for four passes of about the bf16 cost.
+_DIGITS = {4: (4, 8, 7), 2: (2, 8, 8)}  # by the keys' bytes
 # Keys a program of a histogram pass counts; rows of 8 elements (a bitmask byte) a program of
 # the count and write passes takes, and bitmask (or high-stream) bytes a decode program takes.
 HISTOGRAM_BLOCK = 4096
