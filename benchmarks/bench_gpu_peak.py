@@ -18,7 +18,9 @@ time: the allocator's counters are per process, so neighbours do not move them. 
 
 Methods: ``plain``; ``checkpoint`` (timm's ``set_grad_checkpointing()``, per block,
 non-reentrant); ``SPEC@REST`` (``to_compressed(model, SPEC, rest=REST)``) and ``SPEC`` (Linear/Conv
-mode); ``checkpoint+SPEC@REST`` (both).
+mode); ``checkpoint+SPEC@REST`` (both). A ``REST`` of ``KIND=SPEC`` pairs (``other=int8``) is a
+``rest`` mapping, which overrides the ``"8bit"`` preset for the kinds it names:
+``checkpoint+mink0.9+int8@other=int8`` codes checkpoint's stored block inputs (kind ``other``) too.
 
 Writes ``benchmarks/results/gpu_peak_<torch>_cuda_t<threads>.{md,csv}``.
 """
@@ -40,7 +42,8 @@ from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, wr
 import actcomp
 from actcomp.tools.probe import run_probe
 
-DEFAULT_METHODS = ["plain", "checkpoint", "smink0.9+int8", "mink0.9+int8@8bit", "checkpoint+mink0.9+int8@8bit"]
+DEFAULT_METHODS = ["plain", "checkpoint", "smink0.9+int8", "mink0.9+int8@8bit", "checkpoint+mink0.9+int8@8bit",
+                   "checkpoint+mink0.9+int8@other=int8"]
 COLUMNS = ["model", "batch", "img_size", "method", "step_peak_mib", "peak_vs_plain", "process_peak_mib",
            "reserved_peak_mib", "reserved_vs_plain", "reserved_slack_mib"]
 
@@ -53,9 +56,22 @@ def build(name: str, method: str, args: argparse.Namespace):
         model.set_grad_checkpointing(True)
         method = method.removeprefix("checkpoint").removeprefix("+") or "plain"
     if method != "plain":
-        spec, _, rest = method.partition("@")
-        model = actcomp.to_compressed(copy.deepcopy(model), spec, rest=rest or None)
+        model = actcomp.to_compressed(copy.deepcopy(model), *_spec_and_rest(method))
     return step_fn(model, inputs, loss)
+
+
+def _spec_and_rest(method: str) -> tuple[str, str | dict | None]:
+    """``to_compressed``'s spec and ``rest`` from a method's ``SPEC@REST``.
+
+    >>> _spec_and_rest("mink0.9+int8@other=int8,norm=int4")
+    ('mink0.9+int8', {'other': 'int8', 'norm': 'int4'})
+    >>> _spec_and_rest("int8")
+    ('int8', None)
+    """
+    spec, _, rest = method.partition("@")
+    if "=" in rest:
+        return spec, dict(pair.split("=", 1) for pair in rest.split(","))
+    return spec, rest or None
 
 
 def probe(settings: dict) -> None:
