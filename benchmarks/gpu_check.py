@@ -15,7 +15,11 @@ LoRA example and the language model left for a call of their own)::
 
     PYTHONPATH=$PWD ACTCOMP_SOURCE_VERSION=<commit> python3 benchmarks/gpu_check.py --out-dir "$OUT/g" \
         --budget 480 --only "tests on cuda" "triton kernels on cuda" "zoo exactness on cuda" \
-        "compressor round trips" "training steps" "training steps, bf16 autocast" "profile" "step peaks"
+        "compressor round trips" "host costs" "training steps" "training steps, bf16 autocast" "profile" "step peaks"
+
+Stop 52's first call ran those steps (but the host costs, added after) in 273 s on an H200; a
+second call ran the compiled step, the LoRA example and the language model (304 s: the language
+model ran out of its 120 s; 2,048 tokens alone take about 60 s).
 
 Steps, each a fresh process (with a time limit) whose exit code and output tail go into
 ``gpu_check.md``:
@@ -32,8 +36,10 @@ Steps, each a fresh process (with a time limit) whose exit code and output tail 
    bit-identical logits and gradients for lossless conversions and ``rest="exact"``, fp32 and
    bf16 autocast, and the lossy presets' gradient floors;
 3. ``bench_compressors.py --device cuda``: round trips against ``clone()`` and stored bytes;
-4. ``bench_training_speed.py --device cuda``: training steps against the plain model, in fp32 and
-   under bf16 autocast;
+4. ``bench_host_overhead.py --device cuda``: the host's µs per layer, per saved tensor, per
+   round trip and per launch, with the Triton launches run and stubbed (where the device's idle
+   time goes); ``bench_training_speed.py --device cuda``: training steps against the plain model,
+   in fp32 and under bf16 autocast;
 5. ``gpu_profile.py``: per kernel, its launches and device time in each codec's round trip and
    in whole converted steps, and the share of a step the device sits idle waiting on the host;
 6. ``bench_gpu_peak.py``: each method's step peak (``max_memory_allocated``) and the process's reserved
@@ -75,6 +81,8 @@ def steps(out_dir: Path) -> list[tuple[str, list[str], dict, int]]:
         ("zoo exactness on cuda", [*pytest, "-n", "8", "tests/integration/test_zoo.py"], {"ACTCOMP_TEST_DEVICE": "cuda"}, 120),
         ("compressor round trips", [python, "benchmarks/bench_compressors.py", "--device", "cuda", "--out-dir", out],
          {}, 45),
+        ("host costs", [python, "benchmarks/bench_host_overhead.py", "--device", "cuda", "--rounds", "10",
+                        "--out-dir", out], {}, 60),
         ("training steps", [python, "benchmarks/bench_training_speed.py", "--device", "cuda", "--models", "resnet50",
                             "vit_small_patch16_224", "llama_bf16", "--batch", "64", "--specs", "smink0.9+int8",
                             "mink0.9+int8@8bit", "int8", "--rounds", "5", "--no-costs", "--out-dir", out], {}, 75),
