@@ -15,7 +15,8 @@ LoRA example and the language model left for a call of their own)::
 
     PYTHONPATH=$PWD ACTCOMP_SOURCE_VERSION=<commit> python3 benchmarks/gpu_check.py --out-dir "$OUT/g" \
         --budget 480 --only "tests on cuda" "triton kernels on cuda" "zoo exactness on cuda" \
-        "compressor round trips" "host costs" "training steps" "training steps, bf16 autocast" "profile" "step peaks"
+        "compressor round trips" "host costs" "training steps" "training steps, bf16 autocast" "profile" \
+        "cuda graphs" "step peaks"
 
 Stop 52's first call ran those steps (but the host costs, added after) in 273 s on an H200; a
 second call ran the compiled step, the LoRA example and the language model (304 s: the language
@@ -29,7 +30,8 @@ Steps, each a fresh process (with a time limit) whose exit code and output tail 
    ``torch.cuda.set_sync_debug_mode("error")``, eager and compiled, and whole converted training
    steps (resnet18, ViT-tiny, a tiny Llama, and the issues' resnet50, ViT-S and bf16 Llama at
    small sizes; ``rest="8bit"`` and ``"exact"``) counting no more synchronizations than the plain
-   model's step;
+   model's step; ``tests/core/test_cuda_graphs.py``: those steps captured into CUDA graphs,
+   whose replays give an eager step's gradients;
    ``tests/core/test_dispatch.py`` on CUDA tensors: every implementation (the Triton kernels
    for real) against the reference, bit for bit (these and the zoo run side by side, first);
 2. the zoo exactness harness on ``cuda`` (``ACTCOMP_TEST_DEVICE=cuda``, deterministic kernels):
@@ -42,6 +44,7 @@ Steps, each a fresh process (with a time limit) whose exit code and output tail 
    in fp32 and under bf16 autocast;
 5. ``gpu_profile.py``: per kernel, its launches and device time in each codec's round trip and
    in whole converted steps, and the share of a step the device sits idle waiting on the host;
+   ``bench_cuda_graphs.py``: the same steps replayed from CUDA graphs (the host out of the step);
 6. ``bench_gpu_peak.py``: each method's step peak (``max_memory_allocated``) and the process's reserved
    peak (``max_memory_reserved``), fresh processes;
 7. ``bench_compiled.py --device cuda``: ViT-S's compiled step with ``compress_in_graph`` beside the
@@ -74,8 +77,9 @@ def steps(out_dir: Path) -> list[tuple[str, list[str], dict, int]]:
     python, out = sys.executable, str(out_dir)
     pytest = [python, "-m", "pytest", "-q", "-m", "", "-rfxXs", "-p", "no:cacheprovider"]
     return [
-        ("tests on cuda", [*pytest, "-n", "4", "tests/core/test_cuda_sync.py", "tests/compressors/test_compressors.py",
-                           "tests/kernels/test_noise.py", "-k", "cuda or sync"], {}, 120),
+        ("tests on cuda", [*pytest, "-n", "4", "tests/core/test_cuda_sync.py", "tests/core/test_cuda_graphs.py",
+                           "tests/compressors/test_compressors.py", "tests/kernels/test_noise.py", "-k", "cuda or sync"],
+         {}, 120),
         ("triton kernels on cuda", [*pytest, "-n", "4", "tests/core/test_dispatch.py", "tests/kernels/test_triton_casts.py",
                                     "tests/kernels/test_triton_flags.py", "-k", "cuda or triton"], {}, 150),
         ("zoo exactness on cuda", [*pytest, "-n", "8", "tests/integration/test_zoo.py"], {"ACTCOMP_TEST_DEVICE": "cuda"}, 120),
@@ -91,6 +95,7 @@ def steps(out_dir: Path) -> list[tuple[str, list[str], dict, int]]:
                                            "mink0.9+int8@8bit", "--rounds", "5", "--no-costs", "--autocast", "bf16",
                                            "--out-dir", out], {}, 60),
         ("profile", [python, "benchmarks/gpu_profile.py", "--device", "cuda", "--out-dir", out], {}, 120),
+        ("cuda graphs", [python, "benchmarks/bench_cuda_graphs.py", "--out-dir", out], {}, 90),
         ("step peaks", [python, "benchmarks/bench_gpu_peak.py", "--out-dir", out], {}, 90),
         # The H200 run of stop 44 compiled plain and the fp8 pass in about 100 s and ran out of
         # its 150 s inside compress_in_graph's compile.
