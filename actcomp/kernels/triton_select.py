@@ -227,13 +227,24 @@ def _offsets_kernel(hist_ptr, counts_ptr, offsets_ptr, blocks, rank, PASSES: tl.
 
 
 @triton.jit
-def _set_code(words_ptr, code, first_bit, BITS: tl.constexpr, mask):
-    """Or ``BITS``-bit ``code`` in at ``first_bit`` of a little-endian stream of int32 words."""
-    offset = first_bit & 31
-    word = first_bit >> 5
-    tl.atomic_or(words_ptr + word, code << offset, mask=mask)
-    spill = mask & (offset + BITS > 32)
-    tl.atomic_or(words_ptr + word + 1, code >> tl.where(spill, 32 - offset, 0), mask=spill)
+def _or_codes(words_ptr, first_bit, code, mask, WORDS: tl.constexpr, ROWS: tl.constexpr):
+    """Or each ``code`` under ``mask`` in at its ``first_bit`` (int64, never decreasing along the
+    block) of a little-endian stream of int32 words: one ``atomic_or`` per word a run of 32
+    elements reaches (``WORDS`` at most), where one a code put every code of a word through the
+    same address in turn (Elias-Fano's high stream takes about 16 positions a word at 10% kept).
+    A word's codes have disjoint bits, so their sum is their or."""
+    bit = tl.reshape(first_bit, (ROWS // 4, 32))
+    keep = tl.reshape(mask, (ROWS // 4, 32))
+    value = tl.reshape(code, (ROWS // 4, 32)).to(tl.int64) << (bit & 31)
+    word = bit >> 5
+    low = value & 0xFFFFFFFF
+    spill = value >> 32  # the part past its word, into the next
+    first = tl.min(tl.where(keep, word, 2**62), axis=1)
+    for step in tl.static_range(WORDS):
+        target = first + step
+        merged = tl.sum(tl.where(keep & (word == target[:, None]), low, 0)
+                        + tl.where(keep & (word + 1 == target[:, None]), spill, 0), axis=1)
+        tl.atomic_or(words_ptr + target, merged.to(tl.int32), mask=merged != 0)
 
 
 @triton.jit
@@ -302,12 +313,13 @@ def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, offsets_ptr, values_
         tl.store(values_ptr + index, tl.zeros((ROWS, 8), values_ptr.dtype.element_ty), mask=is_empty)
         if FORM == 1:
             low_mask: tl.constexpr = (1 << LOW_BITS) - 1
-            high_bit = (index >> LOW_BITS) + slot
-            tl.atomic_or(high_ptr + (high_bit >> 5), 1 << (high_bit & 31), mask=stored)
-            _set_code(low_ptr, index & low_mask, slot * LOW_BITS, LOW_BITS, stored)
-            empty_bit = (count >> LOW_BITS) + index
-            tl.atomic_or(high_ptr + (empty_bit >> 5), 1 << (empty_bit & 31), mask=is_empty)
-            _set_code(low_ptr, (index * 0 + count) & low_mask, index * LOW_BITS, LOW_BITS, is_empty)
+            # A run of 32 elements reaches 3 words of the high stream (its positions' high parts
+            # grow by at most 16, their slots by 32) and LOW_BITS + 2 of the low one.
+            wide_index, wide_slot = index.to(tl.int64), slot.to(tl.int64)
+            _or_codes(high_ptr, (wide_index >> LOW_BITS) + wide_slot, index * 0 + 1, stored, 3, ROWS)
+            _or_codes(low_ptr, wide_slot * LOW_BITS, index & low_mask, stored, LOW_BITS + 2, ROWS)
+            _or_codes(high_ptr, (count >> LOW_BITS) + wide_index, index * 0 + 1, is_empty, 3, ROWS)
+            _or_codes(low_ptr, wide_index * LOW_BITS, (index * 0 + count) & low_mask, is_empty, LOW_BITS + 2, ROWS)
         elif FORM == 2:
             tl.store(mask_ptr + slot, index, mask=stored)
             tl.store(mask_ptr + index, tl.zeros((ROWS, 8), tl.int32), mask=is_empty)
