@@ -38,7 +38,7 @@ Steps, each a fresh process (with a time limit) whose exit code and output tail 
    bit-identical logits and gradients for lossless conversions and ``rest="exact"``, fp32 and
    bf16 autocast, and the lossy presets' gradient floors;
 3. ``bench_compressors.py --device cuda``: round trips against ``clone()`` and stored bytes;
-4. ``bench_host_overhead.py --device cuda``: the host's µs per layer, per saved tensor, per
+4. ``bench_host_overhead.py --device cuda``: the host's µs per layer (fp32 and bf16 autocast), per saved tensor, per
    round trip and per launch, with the Triton launches run and stubbed (where the device's idle
    time goes); ``bench_training_speed.py --device cuda``: training steps against the plain model,
    in fp32 and under bf16 autocast;
