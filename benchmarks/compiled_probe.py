@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--device", default="cpu", help="cpu (peak RSS) or cuda (peak allocated)")
+    parser.add_argument("--mode", default="default", choices=["default", "reduce-overhead"],
+                        help="torch.compile's mode (reduce-overhead: CUDA graphs, on CUDA)")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
@@ -51,7 +53,7 @@ def main() -> None:
     model = timm.create_model(args.model, pretrained=False, num_classes=10, **kwargs).train().to(device)
     if args.config == "converted-8bit":  # as users write it: torch.compile(to_compressed(...))
         model = actcomp.to_compressed(model, "int8", rest="8bit")
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, mode=None if args.mode == "default" else args.mode)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(args.batch, 3, args.img_size, args.img_size, device=device)
     y = torch.randint(0, 10, (args.batch,), device=device)

@@ -20,7 +20,10 @@ LoRA example and the language model left for a call of their own)::
 
 Stop 52's first call ran those steps (but the host costs, added after) in 273 s on an H200; a
 second call ran the compiled step, the LoRA example and the language model (304 s: the language
-model ran out of its 120 s; 2,048 tokens alone take about 60 s).
+model ran out of its 120 s; 2,048 tokens alone take about 60 s). The next second call::
+
+    PYTHONPATH=$PWD ACTCOMP_SOURCE_VERSION=<commit> python3 benchmarks/gpu_check.py --out-dir "$OUT/h" \
+        --budget 450 --only "compiled step" "compiled step, cuda graphs" "lora example" "language model"
 
 Steps, each a fresh process (with a time limit) whose exit code and output tail go into
 ``gpu_check.md``:
@@ -48,7 +51,8 @@ Steps, each a fresh process (with a time limit) whose exit code and output tail 
 6. ``bench_gpu_peak.py``: each method's step peak (``max_memory_allocated``) and the process's reserved
    peak (``max_memory_reserved``), fresh processes;
 7. ``bench_compiled.py --device cuda``: ViT-S's compiled step with ``compress_in_graph`` beside the
-   compiled plain step and Inductor's fp8 activation pass (time and peak allocated);
+   compiled plain step and Inductor's fp8 activation pass (time and peak allocated); the first two
+   again under ``mode="reduce-overhead"`` (CUDA graphs);
 8. ``examples/lora_trainer.py --tiny``: PEFT LoRA through the Trainer, with its CUDA peak column;
 9. ``bench_lm_loss.py --device cuda``: the Llama-shaped model in bf16 at 2,048 tokens (3 rounds:
    62 s on stop 52's H200, where 2,048 and 4,096 tokens at 5 rounds ran out of 120 s).
@@ -103,6 +107,9 @@ def steps(out_dir: Path) -> list[tuple[str, list[str], dict, int]]:
         ("compiled step", [python, "benchmarks/bench_compiled.py", "--device", "cuda", "--batch", "64",
                            "--img-size", "224", "--rounds", "1", "--configs", "plain", "fp8-pass", "actcomp-8bit",
                            "--out-dir", out], {}, 240),
+        ("compiled step, cuda graphs", [python, "benchmarks/bench_compiled.py", "--device", "cuda", "--batch", "64",
+                                        "--img-size", "224", "--rounds", "1", "--configs", "plain", "actcomp-8bit",
+                                        "--mode", "reduce-overhead", "--out-dir", out], {}, 150),
         ("lora example", [python, "examples/lora_trainer.py", "--tiny"], {}, 90),
         ("language model", [python, "benchmarks/bench_lm_loss.py", "--device", "cuda", "--dtypes", "bf16",
                             "--tokens", "2048", "--rounds", "3", "--out", out], {}, 90),
