@@ -72,6 +72,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 TAIL = 3000  # characters of each step's output kept in the summary
@@ -182,6 +183,7 @@ def main() -> None:
     lines = [f"# GPU check on {device}", "",
              f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              f"- torch: {torch.__version__}, CUDA: {torch.version.cuda}, actcomp: git {commit}",
+             f"- host CPU: {cpu_name()}, {os.cpu_count()} cores (the host's Python and launches set a converted step)",
              "- command: `python benchmarks/gpu_check.py`", ""]
     chosen = [step for step in steps(out_dir) if not args.only or step[0] in args.only]
     for name, verdict, elapsed, output, command in run_steps(chosen, args.budget):
