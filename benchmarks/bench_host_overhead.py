@@ -186,7 +186,7 @@ class _HookClock:
         self.session._Session.pack, self.model_module._unpack = self.pack, self.unpack
 
 
-def whole_model(rests: list[str], rounds: int, device: torch.device) -> list[dict]:
+def whole_model(rests: list[str], rounds: int, device: torch.device, whole_steps: bool | None = None) -> list[dict]:
     """Per saved tensor, the hooks' own time (pack and unpack, the codec's included), measured
     inside them: a step's time less the plain step's is mostly compute here and was bimodal
     across processes (7-13 or 30-36 ms for one figure)."""
@@ -211,7 +211,7 @@ def whole_model(rests: list[str], rounds: int, device: torch.device) -> list[dic
             rows.append({"what": f"saved tensor {which} ({clock.calls[which]} a step), pack + unpack",
                          "spec": f"int8@{rest}", "host_us": min(per_step[which]) * 1e6,
                          "launches": launches_of(step) if which == "compressed" else float("nan")})
-        if device.type == "cuda":
+        if device.type == "cuda" if whole_steps is None else whole_steps:
             # A whole step less plain's: on a GPU, at this size, the host's time (on a CPU the
             # compute's, which is why the rows above time the hooks from inside).
             def plain_step():

@@ -57,3 +57,67 @@ def test_training_speed_times_steps_under_bf16_autocast(tmp_path):
                                "--out-dir", str(tmp_path)])
     text = next(tmp_path.glob("training_speed_b2_img32_bf16autocast_*.md")).read_text()
     assert "autocast: bf16" in text and "| `int8` |" in text
+
+
+def test_cuda_graphs_bench_reports_each_spec_and_a_failed_capture(monkeypatch):
+    # bench_cuda_graphs on a CPU, capture and timing stood in for: its rows and ratios, and a
+    # capture that fails recorded in its row rather than ending the run.
+    import argparse
+
+    import bench_cuda_graphs
+    import torch
+
+    captures = []
+
+    def graphed(step):
+        captures.append(step)
+        if len(captures) == 2:
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        return step
+
+    monkeypatch.setattr(bench_cuda_graphs, "graphed", graphed)
+    monkeypatch.setattr(bench_cuda_graphs, "timed", lambda call, steps: (call(), 0.01)[1])
+    args = argparse.Namespace(batch=2, img_size=32, rounds=2, steps=1, autocast="none", seed=0)
+    rows = bench_cuda_graphs.bench_model("resnet18", ["int8", "int8@8bit"], args, torch.device("cpu"))
+    by_spec = {row["spec"]: row for row in rows}
+    assert list(by_spec) == ["plain", "int8", "int8@8bit"]
+    assert by_spec["int8"]["note"].startswith("capture failed: RuntimeError: operation not permitted")
+    assert by_spec["int8@8bit"]["replay_over_plain_replay"] == 1.0 and by_spec["int8@8bit"]["note"] == ""
+
+
+def test_host_overhead_times_launches_and_whole_steps_on_a_cpu():
+    # The parts bench_host_overhead runs only with --device cuda, run here under Triton's
+    # interpreter (tests/conftest.py): one launch bare and through actcomp's launch, the CUDA
+    # calls beside it, and a whole converted step less plain's.
+    import bench_host_overhead
+    import torch
+
+    from actcomp.core.backends import use_backend
+
+    assert bench_host_overhead._asks_for_cuda(["x", "--device", "cuda"])
+    assert not bench_host_overhead._asks_for_cuda(["x", "--device", "cpu", "cuda"])
+    cpu = torch.device("cpu")
+    with use_backend("triton"):
+        calls = bench_host_overhead.launch_costs(1, cpu)
+        with bench_host_overhead.launches_stubbed():
+            rows = bench_host_overhead.whole_model(["8bit"], 1, cpu, whole_steps=True)
+    assert [row["spec"] for row in calls] == ["kernel[grid](...)", "triton_runtime.launch", "torch.empty",
+                                              "device guard"]
+    assert rows[-1]["what"].startswith("step less plain's") and rows[-1]["launches"] > 0
+
+
+def test_gpu_scripts_small_helpers():
+    import bench_gpu_peak
+    import gpu_profile
+    from torch.autograd import DeviceType
+
+    assert bench_gpu_peak._spec_and_rest("mink0.9+int8@other=int8") == ("mink0.9+int8", {"other": "int8"})
+    assert bench_gpu_peak._spec_and_rest("mink0.9+int8@8bit") == ("mink0.9+int8", "8bit")
+
+    class Event:
+        def __init__(self, name, device_type):
+            self.name, self.device_type = name, device_type
+
+    names = gpu_profile._host_names([Event("CompressedInputFunction", DeviceType.CPU),
+                                     Event("_quantize_kernel", DeviceType.CUDA)])
+    assert names == {"CompressedInputFunction"}
