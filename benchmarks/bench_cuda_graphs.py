@@ -13,7 +13,9 @@ converted step's replay gives an eager step's gradients.
 Each model, plain and converted (``SPEC`` or ``SPEC@REST`` as in ``bench_training_speed.py``),
 runs eagerly and from its graph, in interleaved rounds of ``--steps`` steps each; reported, as
 medians over rounds: each step's time over plain's eager step and over plain's replayed step in
-the same round. A configuration whose capture fails says why in its row.
+the same round; and the captured step's peak allocation above what was allocated before it (a
+replay's step peak: whether the graph keeps actcomp's memory saving). A configuration whose
+capture fails says why in its row.
 
 Writes ``benchmarks/results/cuda_graphs_<torch>_cuda_t<threads>.{md,csv}``.
 """
@@ -31,22 +33,27 @@ from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, wr
 import actcomp
 
 COLUMNS = ["model", "spec", "eager_over_plain", "replay_over_plain", "replay_over_plain_replay", "replay_over_eager",
-           "eager_ms", "replay_ms", "note"]
+           "eager_ms", "replay_ms", "capture_peak_mib", "note"]
 
 
-def graphed(step) -> callable:
+def graphed(step) -> tuple[callable, int]:
     """``step`` captured into a CUDA graph after three warm-up steps on a side stream; returns
-    the replay (the step's inputs are the tensors it was captured with)."""
+    the replay (the step's inputs are the tensors it was captured with) and the bytes the capture
+    allocated at its peak above what was allocated before it: the step's peak as a replay has it
+    (the graph's pool keeps what the captured step allocated, reused within the step as eagerly)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
             step()
     torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return graph.replay
+    return graph.replay, torch.cuda.max_memory_allocated() - before
 
 
 def timed(call, steps: int) -> float:
@@ -69,10 +76,10 @@ def bench_model(name: str, specs: list[str], args, device: torch.device) -> list
                                              return_freed_memory=False)
     autocast = torch.bfloat16 if args.autocast == "bf16" and name not in TOKEN_MODELS else None
     eager = {label: step_fn(model, inputs, loss, autocast) for label, model in models.items()}
-    replays, notes = {}, {}
+    replays, notes, peaks = {}, {}, {}
     for label, model in models.items():
         try:
-            replays[label] = graphed(step_fn(copy.deepcopy(model), inputs, loss, autocast))
+            replays[label], peaks[label] = graphed(step_fn(copy.deepcopy(model), inputs, loss, autocast))
         except Exception as error:  # noqa: BLE001 - a failed capture is a result, said in its row
             notes[label] = f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
     for step in eager.values():
@@ -98,6 +105,7 @@ def bench_model(name: str, specs: list[str], args, device: torch.device) -> list
         row["replay_over_eager"] = ratio((label, "replay"), (label, "eager"))
         row["eager_ms"] = statistics.median(times[label, "eager"]) * 1e3
         row["replay_ms"] = statistics.median(times[label, "replay"]) * 1e3 if times[label, "replay"] else float("nan")
+        row["capture_peak_mib"] = peaks[label] / 2**20 if label in peaks else float("nan")
         rows.append(row)
     plain_row = {"model": name, "spec": "plain", "note": notes.get("plain", ""), "eager_over_plain": 1.0,
                  "replay_over_plain": statistics.median(r / e for r, e in zip(times["plain", "replay"],
@@ -105,7 +113,7 @@ def bench_model(name: str, specs: list[str], args, device: torch.device) -> list
                  if times["plain", "replay"] else float("nan"),
                  "replay_over_plain_replay": 1.0, "eager_ms": statistics.median(times["plain", "eager"]) * 1e3,
                  "replay_ms": statistics.median(times["plain", "replay"]) * 1e3 if times["plain", "replay"]
-                 else float("nan")}
+                 else float("nan"), "capture_peak_mib": peaks["plain"] / 2**20 if "plain" in peaks else float("nan")}
     plain_row["replay_over_eager"] = plain_row["replay_over_plain"]
     return [plain_row, *rows]
 
@@ -129,10 +137,10 @@ def main() -> None:
     body = ["`eager`: the step as it runs; `replay`: the same step replayed from a CUDA graph. Ratios are medians "
             "over interleaved rounds of (the row's step time / the reference's in the same round).", "",
             "| model | spec | eager / plain eager | replay / plain eager | replay / plain replay | replay / its eager "
-            "| eager ms | replay ms | note |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+            "| eager ms | replay ms | captured step's peak MiB | note |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     body += [f"| {r['model']} | `{r['spec']}` | {r['eager_over_plain']:.2f}x | {r['replay_over_plain']:.2f}x | "
              f"**{r['replay_over_plain_replay']:.2f}x** | {r['replay_over_eager']:.2f}x | {r['eager_ms']:.1f} | "
-             f"{r['replay_ms']:.1f} | {r['note']} |" for r in rows]
+             f"{r['replay_ms']:.1f} | {r['capture_peak_mib']:.0f} | {r['note']} |" for r in rows]
     device = torch.device("cuda")
     header = header_lines(device, torch.get_num_threads(), args.seed, time.perf_counter() - started,
                           {"batch": args.batch, "img_size": args.img_size, "rounds": args.rounds, "steps": args.steps,

@@ -73,7 +73,7 @@ def test_cuda_graphs_bench_reports_each_spec_and_a_failed_capture(monkeypatch):
         captures.append(step)
         if len(captures) == 2:
             raise RuntimeError("operation not permitted when stream is capturing\nmore")
-        return step
+        return step, 2**20
 
     monkeypatch.setattr(bench_cuda_graphs, "graphed", graphed)
     monkeypatch.setattr(bench_cuda_graphs, "timed", lambda call, steps: (call(), 0.01)[1])
@@ -83,6 +83,7 @@ def test_cuda_graphs_bench_reports_each_spec_and_a_failed_capture(monkeypatch):
     assert list(by_spec) == ["plain", "int8", "int8@8bit"]
     assert by_spec["int8"]["note"].startswith("capture failed: RuntimeError: operation not permitted")
     assert by_spec["int8@8bit"]["replay_over_plain_replay"] == 1.0 and by_spec["int8@8bit"]["note"] == ""
+    assert by_spec["int8@8bit"]["capture_peak_mib"] == 1.0 and by_spec["int8"]["capture_peak_mib"] != 1.0
 
 
 def test_host_overhead_times_launches_and_whole_steps_on_a_cpu():
