@@ -228,11 +228,11 @@ def _offsets_kernel(hist_ptr, counts_ptr, offsets_ptr, blocks, rank, PASSES: tl.
 
 @triton.jit
 def _or_codes(words_ptr, first_bit, code, mask, WORDS: tl.constexpr, ROWS: tl.constexpr):
-    """Or each ``code`` under ``mask`` in at its ``first_bit`` (int64, never decreasing along the
-    block) of a little-endian stream of int32 words: one ``atomic_or`` per word a run of 32
-    elements reaches (``WORDS`` at most), where one a code put every code of a word through the
-    same address in turn (Elias-Fano's high stream takes about 16 positions a word at 10% kept).
-    A word's codes have disjoint bits, so their sum is their or."""
+    """Or each ``code`` under ``mask`` in at its ``first_bit`` (int64) of a little-endian stream of
+    int32 words, one ``atomic_or`` per word that a run of 32 elements reaches: the caller bounds
+    those words to ``WORDS`` from the run's first. An atomic per code sent every code of a word
+    to the same address one after another (Elias-Fano's high stream holds about 16 positions a
+    word at 10% kept). A word's codes have disjoint bits, so their sum is their or."""
     bit = tl.reshape(first_bit, (ROWS // 4, 32))
     keep = tl.reshape(mask, (ROWS // 4, 32))
     value = tl.reshape(code, (ROWS // 4, 32)).to(tl.int64) << (bit & 31)
@@ -318,8 +318,10 @@ def _write_kernel(bits_ptr, seed_ptr, hist_ptr, counts_ptr, offsets_ptr, values_
             wide_index, wide_slot = index.to(tl.int64), slot.to(tl.int64)
             _or_codes(high_ptr, (wide_index >> LOW_BITS) + wide_slot, index * 0 + 1, stored, 3, ROWS)
             _or_codes(low_ptr, wide_slot * LOW_BITS, index & low_mask, stored, LOW_BITS + 2, ROWS)
-            _or_codes(high_ptr, (count >> LOW_BITS) + wide_index, index * 0 + 1, is_empty, 3, ROWS)
-            _or_codes(low_ptr, wide_index * LOW_BITS, (index * 0 + count) & low_mask, is_empty, LOW_BITS + 2, ROWS)
+            if SAMPLED:  # only smink leaves slots empty: mink and dropit fill all ``kept``
+                _or_codes(high_ptr, (count >> LOW_BITS) + wide_index, index * 0 + 1, is_empty, 3, ROWS)
+                _or_codes(low_ptr, wide_index * LOW_BITS, (index * 0 + count) & low_mask, is_empty, LOW_BITS + 2,
+                          ROWS)
         elif FORM == 2:
             tl.store(mask_ptr + slot, index, mask=stored)
             tl.store(mask_ptr + index, tl.zeros((ROWS, 8), tl.int32), mask=is_empty)
