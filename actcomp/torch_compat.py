@@ -274,6 +274,32 @@ def gelu_node_approximate(node: Any) -> str:
     return getattr(node, "_saved_approximate", "none")
 
 
+# Fused attention whose output and log-sum-exp whole-model mode recomputes in backward from the
+# node's own (compressed) query, key and value, by node name (checked on 2.13.0 and 2.14.1): the
+# CPU's flash kernel. The CUDA kernels (flash, memory-efficient, cuDNN) are not on this list
+# until a GPU run has checked them; theirs keep the attention floors. A renamed node is treated
+# as unknown: the floors again, correct and larger.
+_RECOMPUTABLE_ATTENTION_NODES = frozenset({"ScaledDotProductFlashAttentionForCpuBackward0"})
+
+
+def recomputable_attention(node: Any) -> tuple[bool, float | None, torch.Tensor | None] | None:
+    """``(is_causal, scale, attn_mask)`` of a fused attention backward node whose forward
+    :func:`recompute_attention` can run again, or None (another node, or dropout on: its mask
+    cannot be drawn again). Checked on 2.13.0 and 2.14.1 (``_saved_is_causal``, ``_saved_scale``,
+    ``_saved_attn_mask``, ``_saved_dropout_p``)."""
+    if autograd_node_name(node) not in _RECOMPUTABLE_ATTENTION_NODES or getattr(node, "_saved_dropout_p", 1.0):
+        return None
+    return bool(node._saved_is_causal), node._saved_scale, node._saved_attn_mask
+
+
+def recompute_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool,
+                        scale: float | None, attn_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel's forward again: ``(output, logsumexp)`` in the layouts its backward
+    reads. Checked on 2.13.0 and 2.14.1 (``aten._scaled_dot_product_flash_attention_for_cpu``)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+
+
 # --- nn.Module ----------------------------------------------------------------------------------
 
 

@@ -221,21 +221,29 @@ def saved_codecs():
 
 @contextlib.contextmanager
 def sdpa_codecs(monkeypatch):
-    """The spec each tensor SDPA saves gets while the block runs (None: kept as is), in saving
-    order; not its log-sum-exp (a statistic, always kept)."""
+    """What each tensor SDPA saves gets while the block runs, in saving order: a codec's spec,
+    ``"recomputed"`` (the output and log-sum-exp of a call run again in backward), or None (kept
+    as it is); a log-sum-exp kept as it is (a statistic) is left out."""
+    from actcomp.graph.saved_tensors import innermost_kind
     from actcomp.whole_model import session
+    from actcomp.whole_model.attention_recompute import RecomputedAttention
+    from actcomp.whole_model.kept_forms import Compressed
 
     choices: list[str | None] = []
-    original = session.choose_codec
+    original = session._Session.choose
 
-    def recording(policy, tensor, kind, scope):
-        choice = original(policy, tensor, kind, scope)
-        if scope is not None and scope.op == "sdpa" and tensor.numel() * 4 >= scope.reference:
-            choices.append(None if choice is None else choice.codec.spec)
-        return choice
+    def recording(self, tensor):
+        kind, kept = original(self, tensor)
+        scope = innermost_kind()
+        if scope is not None and scope.op == "sdpa":
+            if isinstance(kept, RecomputedAttention):
+                choices.append("recomputed")
+            elif tensor.numel() * 4 >= scope.reference:
+                choices.append(kept.packed.layout.spec if isinstance(kept, Compressed) else None)
+        return kind, kept
 
     with monkeypatch.context() as patch:
-        patch.setattr(session, "choose_codec", recording)
+        patch.setattr(session._Session, "choose", recording)
         yield choices
 
 

@@ -282,7 +282,7 @@ def _kind_codec(choice, tensor: torch.Tensor, kind: str, scope: Scope | None) ->
         return _SDPA_VALUES  # an eager attention's query, key or value (below)
     unit = _normalized_unit(tensor, scope) if kind == "normalization" else None
     if unit is not None:
-        grouped = _grouped_by_rows(pipeline, unit.row)
+        grouped = grouped_by_rows(pipeline, unit.row)
         if grouped is None:
             unit = None
         else:
@@ -409,7 +409,7 @@ def frees_memory(tensor: torch.Tensor) -> bool:
 _REGROUPED: dict[tuple[Pipeline, int], Pipeline] = {}
 
 
-def _grouped_by_rows(pipeline: Pipeline, row: int) -> Pipeline | None:
+def grouped_by_rows(pipeline: Pipeline, row: int) -> Pipeline | None:
     """``pipeline`` with its quantizer's groups dividing rows of ``row`` elements (cached), or
     None when rows do not apply: a sparsifier first (its kept values have lost their rows) or
     a quantizer without groups (fp8, fp16, bf16 scale nothing across elements)."""

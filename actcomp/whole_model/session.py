@@ -34,10 +34,17 @@ from actcomp.graph.saved_tensors import (
     unseen_by_scopes,
 )
 from actcomp.kernels.layouts import storage_key
-from actcomp.torch_compat import activation_of_node, gelu_node_approximate
-from actcomp.whole_model.choosing import argument, choose_codec, frees_memory
+from actcomp.torch_compat import activation_of_node, autograd_node_name, gelu_node_approximate
+from actcomp.whole_model.attention_recompute import (
+    AttentionCall,
+    RecomputedAttention,
+    input_codec,
+    roles_of,
+    warn_not_recomputed,
+)
+from actcomp.whole_model.choosing import CodecChoice, argument, choose_codec, frees_memory, grouped_by_rows
 from actcomp.whole_model.kept_forms import AsIs, Compressed, Recomputed
-from actcomp.whole_model.policy import RestPolicy
+from actcomp.whole_model.policy import Derivative, Lossy, RestPolicy
 
 
 class _Session:
@@ -54,12 +61,16 @@ class _Session:
         # (autograd node, output index) of a SiLU/GELU input -> its compressed form and the op's
         # settings, for the gate product that saves the activation's output (Recomputed).
         self.activation_inputs: dict[tuple[Any, int], tuple[Compressed, str, str]] = {}
+        # Fused attention calls whose inputs are coded for recomputation, by the call's scope,
+        # until the call's output is saved (attention_recompute).
+        self.attention_calls: dict[Scope, AttentionCall] = {}
 
     def close(self) -> None:
         """Forget the forward's tensors: the saved variables alone now decide what stays alive."""
         self.cache.clear()
         self.excluded.clear()
         self.activation_inputs.clear()
+        self.attention_calls.clear()
 
     def pack(self, tensor: torch.Tensor):
         if in_compressed_layer() and not listened():
@@ -78,6 +89,9 @@ class _Session:
                 elif isinstance(kept, Recomputed):
                     # Its bytes are its source's, counted once where the activation saved them.
                     event = SavedEvent(tensor, kept.source.packed.tensors, kind, f"{kept.op} of a kept input")
+                elif isinstance(kept, RecomputedAttention):
+                    # Nothing of its own: the log-sum-exp the call may still hold is a row statistic.
+                    event = SavedEvent(tensor, (), kind, "recomputed")
                 else:
                     event = SavedEvent(tensor, kept.packed.tensors, kind, kept.packed.layout.spec)
                 announce(event)
@@ -99,6 +113,10 @@ class _Session:
             recomputed = self.recomputed(tensor)
             if recomputed is not None:
                 return kind, recomputed
+        if scope is not None and scope.op == "sdpa" and kind == "attention":
+            held = self.attention_save(tensor, scope)
+            if held is not None:
+                return kind, held
         kept = self.cached(tensor, kind, scope)
         if scope is not None and scope.op in ("silu", "gelu"):
             self.note_activation_input(tensor, kept, scope)
@@ -130,13 +148,48 @@ class _Session:
             return None
         return Recomputed(source, op, approximate)
 
+    def attention_save(self, tensor: torch.Tensor, scope: Scope) -> Compressed | AsIs | RecomputedAttention | None:
+        """What a fused attention call keeps of ``tensor`` when the call is recomputed in
+        backward (:mod:`~actcomp.whole_model.attention_recompute`): its query, key and value
+        coded, its log-sum-exp and output as :class:`RecomputedAttention`; None for a save this
+        leaves to the kind's choice."""
+        choice = self.policy.attention
+        choice = choice.fallback if isinstance(choice, Derivative) else choice
+        # LoRA's attention keeps query and key as they are: its logits move the adapters.
+        if not isinstance(choice, Lossy) or choice.query_key_as_is or not _recomputable_call(scope):
+            return None
+        call = self.attention_calls.get(scope)
+        roles = roles_of(tensor, *(argument(scope, index, name, None)
+                                   for index, name in enumerate(("query", "key", "value"))))
+        if roles:
+            if call is None:
+                call = self.attention_calls[scope] = AttentionCall()
+            role = "value" if roles == ("value",) else "query"
+            pipeline = input_codec(choice.pipeline, role, choice.attention_floors)
+            kept = self.encoded(tensor, CodecChoice(grouped_by_rows(pipeline, tensor.shape[-1]) or pipeline))
+            held = AsIs(tensor) if kept is None else kept
+            call.inputs.update(dict.fromkeys(roles, held))
+            return held
+        if call is None or not call.complete:
+            return None
+        if tensor.grad_fn is None:  # the log-sum-exp (the node's only save without history)
+            call.logsumexp = AsIs(tensor)
+            return RecomputedAttention(call, 1)
+        del self.attention_calls[scope]
+        if call.confirm(tensor):
+            return RecomputedAttention(call, 0)
+        warn_not_recomputed(autograd_node_name(tensor.grad_fn))
+        return None
+
     def cached(self, tensor: torch.Tensor, kind: str, scope: Scope | None) -> Compressed | None:
         choice = choose_codec(self.policy, tensor, kind, scope)
-        if choice is None:
-            return None
-        # The key is everything the codec reads besides the tensor's values (its settings: a
-        # clamp's range, GELU's approximation, a pool's geometry, a norm's unit), so two saves
-        # of one tensor under one op with other arguments never share a code.
+        return None if choice is None else self.encoded(tensor, choice)
+
+    def encoded(self, tensor: torch.Tensor, choice: CodecChoice) -> Compressed | None:
+        """``tensor`` under ``choice``, encoded once per forward and choice: the key is everything
+        the codec reads besides the tensor's values (its settings: a clamp's range, GELU's
+        approximation, a pool's geometry, a norm's unit), so two saves of one tensor under one op
+        with other arguments never share a code."""
         kept = self.cache.get(tensor, choice)
         if kept is None:
             # Compressing must not record autograd history (nor save tensors of its own).
@@ -145,6 +198,18 @@ class _Session:
             if kept is not None:
                 self.cache.put(tensor, choice, kept)
         return kept
+
+
+def _recomputable_call(scope: Scope) -> bool:
+    """Whether an SDPA call may run the CPU's flash kernel, which whole-model mode recomputes:
+    CPU tensors of 4 dimensions, one floating dtype, unit last strides, no dropout. The
+    output's node confirms it (:meth:`AttentionCall.confirm`)."""
+    tensors = [argument(scope, index, name, None) for index, name in enumerate(("query", "key", "value"))]
+    if not all(isinstance(tensor, torch.Tensor) for tensor in tensors) or argument(scope, 4, "dropout_p", 0.0):
+        return False
+    query = tensors[0]
+    return (query.device.type == "cpu" and query.dtype.is_floating_point and query.dim() == 4
+            and all(tensor.dtype == query.dtype and tensor.dim() == 4 and tensor.stride(-1) == 1 for tensor in tensors))
 
 
 @not_compiled

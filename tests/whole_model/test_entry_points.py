@@ -63,7 +63,7 @@ FAMILIES = [
            lambda: timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, num_classes=3,
                                      proj_drop_rate=0.1),
            lambda model, x: model.blocks(model.patch_embed(x)).mean(1),
-           lambda model: model.blocks[0], (2, 5, 192), {"int8", "fewbit3", "dropout-mask"}, {"dropout-mask"}),
+           lambda model: model.blocks[0], (2, 5, 192), {"int8:group=64", "fewbit3", "dropout-mask"}, {"dropout-mask"}),
     Family("resnet18",
            lambda: timm.create_model("resnet18", pretrained=False, num_classes=3),
            lambda model, x: model.layer1(model.maxpool(model.act1(model.bn1(model.conv1(x))))).mean((2, 3)),
@@ -403,7 +403,7 @@ def test_copies_keep_their_entries_and_train_identically(clone):
     copied = clone(model)
     inputs = torch.randn(2, 3, 32, 32)
 
-    assert {"int8", "fewbit3", "dropout-mask"} <= codecs_of(lambda: step(Split(copied), copied, inputs))
+    assert {"int8:group=64", "fewbit3", "dropout-mask"} <= codecs_of(lambda: step(Split(copied), copied, inputs))
     assert entry_hook_counts(copied) == {(1, 1)}
     assert list(copied.state_dict()) == state and isinstance(copied, timm.models.VisionTransformer)
     assert_same(*step(Split(copied), copied, inputs), *step(Split(model), model, inputs))

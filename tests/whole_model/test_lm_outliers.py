@@ -4,7 +4,9 @@
 Fused attention's backward is where they bite: it recomputes the probabilities from the saved
 query and key against the forward's log-sum-exp (errors there are multiplied by the sink's huge
 logits), and subtracts two near-equal sums built from value and output on sink-dominated rows.
-So SDPA's query and key are kept in bf16 at most, its value and output in 8 bits at least.
+So whole-model mode runs the CPU's fused attention again in backward from its coded query, key
+and value (``actcomp.whole_model.attention_recompute``), which keeps both consistent; where it
+cannot, SDPA's query and key are kept in bf16 at most, its value and output in 8 bits at least.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from models import sdpa_codecs
 
 import actcomp
 from actcomp.tools.llm_outliers import add_outliers
+from actcomp.whole_model import choosing, session
 from actcomp.whole_model.policy import RestPolicy
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -86,23 +89,53 @@ def codecs_of_sdpa(model: torch.nn.Module, ids: torch.Tensor, monkeypatch) -> li
     return choices
 
 
-@pytest.mark.parametrize(("rest", "dtype", "query_key", "value_output"), [
-    ("8bit", torch.float32, "bf16", "int8"),
-    ("4bit", torch.float32, "bf16", "int8"),
-    ("8bit", torch.bfloat16, None, "int8"),
+@pytest.mark.parametrize(("rest", "dtype", "value"), [
+    ("8bit", torch.float32, "int8:group=32"),
+    ("4bit", torch.float32, "int4:group=32"),
+    ("8bit", torch.bfloat16, "int8:group=32"),
 ])
-def test_sdpa_query_and_key_stay_float_value_and_output_take_8_bits(rest, dtype, query_key, value_output,
-                                                                   monkeypatch):
+def test_sdpa_keeps_8_bit_query_and_key_and_recomputes_its_output(rest, dtype, value, monkeypatch):
     model = actcomp.to_compressed(llama(outliers=False, dtype=dtype), "mink0", rest=rest, loss="plain")
-    # Per layer, in SDPA's saving order: query, key, value, output.
-    assert codecs_of_sdpa(model, batch(), monkeypatch) == [query_key, query_key, value_output, value_output] * 2
+    # Per layer, in SDPA's saving order: key, query (8 bits at least, a group a head's row),
+    # value (the spec, by rows), log-sum-exp and output (run again in backward).
+    expected = ["int8:group=32", "int8:group=32", value, "recomputed", "recomputed"] * 2
+    assert codecs_of_sdpa(model, batch(), monkeypatch) == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_floors_off_gives_query_key_value_and_output_the_attention_spec(dtype, monkeypatch):
+def test_sdpa_the_floors_keep_where_the_call_cannot_be_recomputed(dtype, monkeypatch):
+    # The floors of the kernels that cannot be run again (CUDA's, until a GPU checks them; the
+    # compiled engine's): query and key in bf16 at most, value and output 8 bits at least.
+    monkeypatch.setattr(session, "_recomputable_call", lambda scope: False)
+    model = actcomp.to_compressed(llama(outliers=False, dtype=dtype), "mink0", rest="4bit", loss="plain")
+    query_key = "bf16" if dtype == torch.float32 else None
+    assert codecs_of_sdpa(model, batch(), monkeypatch) == [query_key, query_key, "int8", "int8"] * 2
+
+
+@pytest.mark.parametrize("rest", ["8bit", "4bit"])
+def test_recomputing_is_what_lets_8_bit_query_and_key_keep_the_gradient(rest, monkeypatch):
+    # Against the forward's saved log-sum-exp, 8-bit query and key codes meet the sink's logits:
+    # emulated by the same codes with the call's own statistics kept (recomputation switched off
+    # and the floors lifted to int8), attention alone falls far below what recomputing gives.
+    plain, ids = llama(), batch()
+    attention_alone = {"activation": None, "normalization": None, "attention": "int8"}
+    cosines = {}
+    for recomputed in (True, False):
+        with monkeypatch.context() as patch:
+            if not recomputed:
+                patch.setattr(session, "_recomputable_call", lambda scope: False)
+                patch.setattr(choosing, "_LOGIT_SAFE", choosing.CodecChoice(actcomp.parse("int8:group=32")))
+            model = actcomp.to_compressed(copy.deepcopy(plain), "mink0", rest=attention_alone, loss="plain")
+            cosines[recomputed] = float(F.cosine_similarity(gradient(model, ids), gradient(plain, ids), dim=0))
+    assert cosines[True] >= 0.995 and cosines[False] < cosines[True] - 0.01, cosines
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_floors_off_gives_query_key_and_value_the_attention_spec(dtype, monkeypatch):
     rest = {"attention": "int4:group=64", "attention_floors": False}
     model = actcomp.to_compressed(llama(outliers=False, dtype=dtype), "mink0", rest=rest, loss="plain")
-    assert codecs_of_sdpa(model, batch(), monkeypatch) == ["int4:group=64"] * 4 * 2
+    assert codecs_of_sdpa(model, batch(), monkeypatch) == ["int4:group=32"] * 3 + ["recomputed"] * 2 + [
+        "int4:group=32"] * 3 + ["recomputed"] * 2
     # It is the floors that keep a trained model's sink token from bending the gradient.
     plain, ids = llama(), batch()
     cosines = {}

@@ -769,13 +769,14 @@ def test_functional_gelu_layer_norm_and_attention_are_compressed():
         codecs.setdefault(storage.op_kind, set()).add(storage.codec)
     assert codecs["activation"] == {"int8"}  # F.gelu's input
     assert "int8:group=32" in codecs["normalization"]  # F.layer_norm's input, a group a row (its mean and rstd stay)
-    # F.scaled_dot_product_attention's value and output in int8, its query and key in bf16 (the
-    # fused backward multiplies their errors by the logits: tests/whole_model/test_lm_outliers.py).
-    assert {"int8", "bf16"} <= codecs["attention"]
+    # F.scaled_dot_product_attention's query, key and value in int8 by a head's rows, its output
+    # and log-sum-exp recomputed from them in backward (tests/whole_model/test_attention_recompute.py).
+    assert codecs["attention"] == {"int8:group=8"}
     # A storage two kinds save counts as plain for the first saver only (SDPA's output is the
     # GELU's input here), so compare the three kinds together.
     rows = [row for row in report.kinds if row.kind in ("activation", "normalization", "attention")]
-    # int8 at 1 + 6/32 bytes an element (a range per 32-element row), bf16 at 2, against fp32's 4.
+    # int8 at 1 + 6/32 bytes an element (a range per 32-element row), 1 + 6/8 for attention's,
+    # against fp32's 4.
     assert sum(row.kept_bytes for row in rows) < sum(row.plain_bytes for row in rows) / 2.25
 
 
