@@ -33,7 +33,7 @@ from actcomp.tools.llm_outliers import add_outliers
 # (label, Linear/Conv spec, rest)
 CONFIGS = [
     ('"mink0.9+int8" (Linear/Conv mode)', "mink0.9+int8", None),
-    ('"mink0.9+int8", rest="8bit" (the default preset: on LoRA, SDPA query/key as is, value/output bf16)',
+    ('"mink0.9+int8", rest="8bit" (the default preset: on LoRA, SDPA query/key/value bf16, output recomputed)',
      "mink0.9+int8", "8bit"),
     ('"mink0.9+int8", rest={"attention": "bf16"} (all of SDPA bf16)', "mink0.9+int8", {"attention": "bf16"}),
     ('"mink0.9+int4", rest="8bit"', "mink0.9+int4", "8bit"),

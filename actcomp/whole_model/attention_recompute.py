@@ -42,24 +42,30 @@ import torch
 from actcomp.core.pipeline import Pipeline, parse
 from actcomp.torch_compat import recomputable_attention, recompute_attention
 from actcomp.whole_model.kept_forms import AsIs, Compressed
+from actcomp.whole_model.policy import Lossy
 
 ROLES = ("query", "key", "value")
 # Query and key err into the logits against each other: 8 bits at least, in rows of the head
 # (a sink token's row then sets no other token's steps). A 16-bit float spec is kept as it is.
-_LOGITS_FLOOR = parse("int8")
+_LOGITS_FLOOR, _SIXTEEN_BIT_LOGITS = parse("int8"), parse("bf16")
 _SIXTEEN_BITS = frozenset({"bf16", "fp16"})
 
 
-def input_codec(pipeline: Pipeline, role: str, floors: bool) -> Pipeline:
-    """The pipeline for ``role``'s tensor of a recomputed call (before grouping by rows): the
-    value takes the kind's ``pipeline``; the query and key too with the floors off, else 8 bits
-    at least (a 16-bit float spec as it is).
+def input_codec(choice: Lossy, role: str) -> Pipeline:
+    """The pipeline for ``role``'s tensor of a recomputed call under the attention ``choice``
+    (before grouping by rows): the value takes the kind's pipeline; the query and key too with
+    the floors off, else 8 bits at least (a 16-bit float spec as it is), and bf16 where the choice
+    keeps them at 16 bits (a LoRA model's: its adapters' gradient cosine 0.9936 with 8-bit query
+    and key, 0.9997 with bf16, ``bench_lora.py``).
 
-    >>> str(input_codec(parse("int4:group=64"), "key", True)), str(input_codec(parse("int4:group=64"), "value", True))
+    >>> str(input_codec(Lossy(parse("int4:group=64")), "key")), str(input_codec(Lossy(parse("int4:group=64")), "value"))
     ('int8', 'int4:group=64')
     """
-    if role == "value" or not floors:
+    pipeline = choice.pipeline
+    if role == "value" or not choice.attention_floors:
         return pipeline
+    if choice.query_key_as_is:
+        return _SIXTEEN_BIT_LOGITS
     stages = pipeline.stages
     if len(stages) == 1 and stages[0].name in _SIXTEEN_BITS:
         return pipeline

@@ -38,14 +38,16 @@ class Exact:
 class Lossy:
     """The exact codecs where an op has one, ``pipeline`` for every other tensor of the kind.
 
-    ``query_key_as_is`` keeps fused attention's query and key as they are (attention only; set
+    ``query_key_as_is`` keeps fused attention's query and key at 16 bits (attention only; set
     by :func:`actcomp.to_compressed` on a model carrying LoRA adapters, whose gradient moves
-    with the attention logits' every rounding). ``attention_floors`` (attention only, on by
-    default) keeps fused attention's query and key in bf16 at most and its value and output in 8
-    bits at least, and an eager attention's query, key and value in 8 bits at least, where a
-    trained language model's sink token would turn coarser codes into logit errors of whole
-    units; off (``rest={..., "attention_floors": False}``), they take ``pipeline`` like the
-    kind's other tensors."""
+    with the attention logits' every rounding): as they are, or in bf16 where the call is run
+    again in backward (:mod:`~actcomp.whole_model.attention_recompute`). ``attention_floors``
+    (attention only, on by default) keeps fused attention's query and key in 8 bits at least
+    where the call is run again in backward, and where it is not (CUDA's kernels, compiled
+    graphs) its query and key in bf16 at most and its value and output in 8 bits at least; an
+    eager attention's query, key and value in 8 bits at least: a trained language model's sink
+    token would turn coarser codes into logit errors of whole units. Off (``rest={...,
+    "attention_floors": False}``), they take ``pipeline`` like the kind's other tensors."""
 
     pipeline: Pipeline
     query_key_as_is: bool = False

@@ -155,8 +155,7 @@ class _Session:
         leaves to the kind's choice."""
         choice = self.policy.attention
         choice = choice.fallback if isinstance(choice, Derivative) else choice
-        # LoRA's attention keeps query and key as they are: its logits move the adapters.
-        if not isinstance(choice, Lossy) or choice.query_key_as_is or not _recomputable_call(scope):
+        if not isinstance(choice, Lossy) or not _recomputable_call(scope):
             return None
         call = self.attention_calls.get(scope)
         roles = roles_of(tensor, *(argument(scope, index, name, None)
@@ -165,7 +164,7 @@ class _Session:
             if call is None:
                 call = self.attention_calls[scope] = AttentionCall()
             role = "value" if roles == ("value",) else "query"
-            pipeline = input_codec(choice.pipeline, role, choice.attention_floors)
+            pipeline = input_codec(choice, role)
             kept = self.encoded(tensor, CodecChoice(grouped_by_rows(pipeline, tensor.shape[-1]) or pipeline))
             held = AsIs(tensor) if kept is None else kept
             call.inputs.update(dict.fromkeys(roles, held))

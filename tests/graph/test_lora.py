@@ -16,6 +16,7 @@ from models import sdpa_codecs  # noqa: E402
 import actcomp  # noqa: E402
 from actcomp.layers.compressed_layer import CompressedLayer  # noqa: E402
 from actcomp.losses.causal_lm import is_routed  # noqa: E402
+from actcomp.whole_model import session  # noqa: E402
 
 
 def lora_llama():
@@ -131,9 +132,15 @@ def test_the_default_preset_keeps_the_adapters_gradient_with_outliers_built_in(t
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_on_a_lora_model_sdpa_keeps_query_and_key_as_they_are(monkeypatch):
+def test_on_a_lora_model_sdpa_keeps_query_and_key_at_16_bits(monkeypatch):
     input_ids = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(1))
     model = actcomp.to_compressed(lora_llama(), "mink0.9+int8", rest="8bit")
+    with sdpa_codecs(monkeypatch) as choices:
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+    # Key, query and value in bf16, the output and log-sum-exp run again in backward (CPU).
+    assert choices == ["bf16", "bf16", "bf16", "recomputed", "recomputed"] * 2
+    # Where the call cannot be run again: query and key as they are, value and output in bf16.
+    monkeypatch.setattr(session, "_recomputable_call", lambda scope: False)
     with sdpa_codecs(monkeypatch) as choices:
         model(input_ids=input_ids, labels=input_ids).loss.backward()
     assert choices == [None, None, "bf16", "bf16"] * 2
