@@ -345,7 +345,8 @@ def _is_attention_mask(tensor: torch.Tensor, scope: Scope) -> bool:
     A mask holds -inf or the dtype's lowest value where attention is off: any finite-range code
     turns it to NaN (the finite flag) or steps of 1e36 over the unmasked logits, and the
     backward, which recomputes the probabilities with it, gave NaN gradients (the H200 zoo run
-    of stop 44: gpt2, bert, t5, maxvit). Kept as it is, it costs its storage only, mostly the
+    of stop 44: gpt2, bert, t5, maxvit; a padded batch of an HF Llama on CPU until stop 53, whose
+    boolean mask the CPU kernel saves converted, in its own (batch, 1, query, key) shape). Kept as it is, it costs its storage only, mostly the
     caller's own small tensor. A tensor in that shape which is neither a view nor the mask's own
     storage and is on autograd's path (the math path's probabilities) is not the mask."""
     mask = argument(scope, 3, "attn_mask", None)
@@ -356,7 +357,11 @@ def _is_attention_mask(tensor: torch.Tensor, scope: Scope) -> bool:
     if shared is not None and shared == storage_key(mask):  # None for a mask with no storage (a subclass)
         return True
     weights_shape = (*query.shape[:-1], key.shape[-2])
-    if tuple(tensor.shape) != weights_shape or _is_query_or_key(tensor, scope):
+    # Broadcast to it, or not yet: the CPU kernel saves a boolean mask converted to -inf and 0
+    # in the mask's own shape (one head for all: HF's padding masks are (batch, 1, query, key)).
+    shape = tuple(tensor.shape)
+    if len(shape) != len(weights_shape) or shape[-2:] != weights_shape[-2:] or any(
+            size not in (1, full) for size, full in zip(shape, weights_shape)) or _is_query_or_key(tensor, scope):
         return False
     value = argument(scope, 2, "value", None)
     if isinstance(value, torch.Tensor) and tensor.data_ptr() == value.data_ptr():

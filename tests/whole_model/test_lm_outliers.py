@@ -146,6 +146,29 @@ def test_attention_floors_off_gives_query_key_and_value_the_attention_spec(dtype
     assert cosines[True] > 0.99 and cosines[False] < cosines[True] - 0.01, cosines
 
 
+@pytest.mark.parametrize("recomputed", [True, False])
+def test_a_padded_batch_keeps_its_attention_mask_and_its_gradient(recomputed, monkeypatch):
+    # HF hands SDPA a padded batch's mask as booleans, (batch, 1, query, key); the CPU kernel saves
+    # it converted to -inf and 0. Coded, it decoded to NaN: every gradient NaN under "8bit" until
+    # stop 53, with or without the recomputation.
+    if not recomputed:
+        monkeypatch.setattr(session, "_recomputable_call", lambda scope: False)
+    plain, ids = llama(outliers=False), batch()
+    mask = torch.ones_like(ids)
+    mask[1, 100:] = 0
+
+    def padded_gradient(model):
+        model.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        return torch.cat([p.grad.double().reshape(-1) for p in model.parameters() if p.grad is not None])
+
+    model = actcomp.to_compressed(copy.deepcopy(plain), "mink0", rest="8bit", loss="plain")
+    with sdpa_codecs(monkeypatch) as choices:
+        got = padded_gradient(model)
+    assert choices[0] is None  # the mask, kept as it is
+    assert float(F.cosine_similarity(got, padded_gradient(plain), dim=0)) >= 0.999
+
+
 def test_attention_floors_reads_as_a_policy_and_refuses_what_it_cannot_mean():
     policy = RestPolicy.parse({"attention": "int4:group=64", "attention_floors": False})
     assert not policy.attention.attention_floors and RestPolicy.parse("8bit").attention.attention_floors
