@@ -10,8 +10,8 @@ floors keep query and key in bf16). Run the forward again on the decoded query, 
 and the backward sees the exact gradient of attention at those values: probabilities that sum
 to 1, an output that matches the value it reads. Then the query and key take 8 bits, the value
 the kind's spec, and the output and log-sum-exp nothing at all: on the Llama-shaped test model
-with outliers built in, attention alone at 8 bits gives 0.997 (the floors: 0.993) for half the
-bytes (``benchmarks/bench_lm_quality.py``). The price is one attention forward per layer in
+with outliers built in, attention alone at 8 bits gives 0.996 (the floors: 0.993) for about half
+the bytes (``benchmarks/bench_lm_quality.py``). The price is one attention forward per layer in
 backward.
 
 Whole-model mode (:mod:`~actcomp.whole_model.session`) sees the node's saves in order (inputs,
@@ -150,5 +150,5 @@ def warn_not_recomputed(node_name: str) -> None:
     if node_name not in _WARNED:
         _WARNED.add(node_name)
         warnings.warn(f"actcomp: fused attention ran as {node_name}, which whole-model mode cannot recompute in "
-                      "backward; its query and key were already coded in 8 bits, so its gradient errs more than "
-                      "with the attention floors. Tell us which kernel this is.", RuntimeWarning, stacklevel=3)
+                      "backward; its query and key were already coded for it, so its gradient errs more than "
+                      "with the attention floors. Please report the kernel's name.", RuntimeWarning, stacklevel=3)
