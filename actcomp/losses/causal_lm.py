@@ -78,6 +78,11 @@ def unroute_causal_lm_loss(model: nn.Module) -> None:
             delattr(module, _HANDLES)
 
 
+def has_routable_loss(model: nn.Module) -> bool:
+    """Whether :func:`route_causal_lm_loss` would route a loss of ``model`` (or has)."""
+    return any(getattr(module, _HANDLES, None) is not None or _routable(module) for module in model.modules())
+
+
 def is_routed(model: nn.Module) -> bool:
     """Whether :func:`route_causal_lm_loss` routed the loss of ``model`` or of a module inside it."""
     return any(getattr(module, _HANDLES, None) is not None for module in model.modules())

@@ -20,6 +20,9 @@ loss, one seed), in three steps:
    keeps and its gradient cosine; a plan that misses the budget by the parts' overlaps is
    re-solved against what it kept.
 
+A Hugging Face causal LM is measured with its loss routed through the chunked cross-entropy,
+as the plan's own call routes it: that loss's saved hidden states are kind "other".
+
 The search costs ``3 +`` (the kinds' rungs a choice wanted) steps, a forward per rung of the
 longer ladder and one per plan measured (``BudgetPlan.steps``, ``.forwards``); the docs quote
 what that is on our models. The plan prints as the call that pins it.
@@ -55,6 +58,7 @@ from actcomp.core.pipeline import as_pipeline
 from actcomp.errors import ActcompError
 from actcomp.graph.adapters import adapter_pipeline
 from actcomp.layers.weight_gradients import WeightGradientCall, watching_weight_gradients
+from actcomp.losses.causal_lm import has_routable_loss
 from actcomp.tools.memory import MemoryReport, format_bytes, parse_bytes
 from actcomp.tools.user_batch import UserBatch, copy_model, gradient_cosine
 from actcomp.whole_model.policy import EXACT_KINDS, LOSSY_KINDS
@@ -315,6 +319,12 @@ class _Search:
                                "depend on the parameters?")
         self.steps, self.forwards = 1, 1
         self.unmeasured: set[str] = set()
+        # Every copy measured routes the loss as the plan will: a lossy plan takes the chunked
+        # loss (loss="auto"), whose saves a custom Function makes, kind "other". Measured with
+        # the model's own loss, "other" held the logits' log-softmax instead, and a plan giving
+        # it int2 coded the chunked loss's hidden states unmeasured (a Llama's cosine 0.9937
+        # where the parts' errors summed to 0.9996).
+        self.loss = "chunked" if has_routable_loss(model) else "plain"
 
     def parts(self) -> tuple[list[_Part], int]:
         """Every part with its options (rung 0: plain layers, exact kind), and the bytes no part
@@ -372,7 +382,7 @@ class _Search:
         self.forwards += 1
         rest = "exact" if kind_spec is None else _kinds_alone({kind: kind_spec for kind in LOSSY_KINDS},
                                                               self.attention_floors)
-        converted = to_compressed(copy_model(self.model), {"*": layer_spec}, rest=rest, loss="plain")
+        converted = to_compressed(copy_model(self.model), {"*": layer_spec}, rest=rest, loss=self.loss)
         return self.run.memory(converted), list(compressed_layers(converted))
 
     def _layer_errors(self, layers: list[str],
@@ -410,7 +420,7 @@ class _Search:
 
         own_forward = set()
         if layers and pipelines:
-            probe = to_compressed(copy_model(self.model), "mink0", loss="plain")
+            probe = to_compressed(copy_model(self.model), "mink0", loss=self.loss)
             own_forward = {name for name, module in probe.named_modules() if getattr(module, "actcomp_own_forward", 0)}
             with watching_weight_gradients(watch):
                 self._gradients(probe)
@@ -418,7 +428,7 @@ class _Search:
         stepped = [layer for layer in layers if calls[layer] > 1 or layer in own_forward]
         for rung, spec in enumerate(self.layer_specs if stepped else ()):
             got = self._gradients(to_compressed(copy_model(self.model), {layer: spec for layer in stepped},
-                                                loss="plain"))
+                                                loss=self.loss))
             for layer in stepped:
                 squared[rung][layer] = sum(float((got[name] - self.reference[name]).square().sum())
                                            for name in self._own(layer))
@@ -455,7 +465,7 @@ class _Search:
 
     def kind_error(self, kind: str, spec: str) -> float:
         rest = _kinds_alone({kind: spec}, self.attention_floors)
-        got = self._gradients(to_compressed(copy_model(self.model), "mink0", rest=rest, loss="plain"))
+        got = self._gradients(to_compressed(copy_model(self.model), "mink0", rest=rest, loss=self.loss))
         return sum(float((got[name] - grad).square().sum()) for name, grad in self.reference.items()) / self.norm
 
     def _gradients(self, converted: nn.Module) -> dict[str, torch.Tensor]:

@@ -148,6 +148,32 @@ def test_lifting_sdpas_floors_reaches_lower_and_pins_the_lift():
     assert actcomp.memory_report(lifted.apply(copy.deepcopy(model)), batch).total_bytes == lifted.kept_bytes
 
 
+def test_a_language_model_is_measured_with_the_loss_its_plan_routes():
+    # A lossy plan routes a causal LM's loss through the chunked cross-entropy, whose saved hidden
+    # states a custom Function keeps (kind "other"). Measured with the model's own loss, "other"
+    # held the logits' log-softmax instead, and a plan giving it int2 coded the hidden states
+    # without having measured it (the outlier Llama of bench_budget.py: cosine 0.9937 where the
+    # parts' errors summed to 0.9996).
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(1, 1000, (2, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    plan = actcomp.plan_budget(model, batch, 0.3, layer_specs=("int8",), kind_specs=("int8", "int2:group=32"))
+    (other,) = [part for part in plan.parts if part.name == "other"]
+    routed = actcomp.to_compressed(copy.deepcopy(model), "int8", rest="8bit")  # lossy: the loss routed
+    report = actcomp.memory_report(routed, **batch)
+    (row,) = [row for row in report.kinds if row.kind == "other"]
+    # The hidden states and a float a token as it is, not the logits' log-softmax (2 x 64 x 1000 fp32).
+    assert other.plain_bytes == row.kept_bytes < 2 * 64 * 1000 * 4 / 10
+    # The errors it sums are the plan's own: a plan with "other" in int2 measures what its call gives.
+    lossy_other = actcomp.plan_budget(model, batch, 0.3, layer_specs=("int8",), kind_specs=("int2:group=32",))
+    assert lossy_other.cosine >= 1 - 2 * sum(part.error for part in lossy_other.parts) - 1e-3
+
+
 def test_a_plan_that_bends_the_gradient_far_warns():
     model, batch = outlier_net()
     with pytest.warns(UserWarning, match="bends the gradient far"):
