@@ -346,9 +346,10 @@ def _is_attention_mask(tensor: torch.Tensor, scope: Scope) -> bool:
     turns it to NaN (the finite flag) or steps of 1e36 over the unmasked logits, and the
     backward, which recomputes the probabilities with it, gave NaN gradients (the H200 zoo run
     of stop 44: gpt2, bert, t5, maxvit; a padded batch of an HF Llama on CPU until stop 53, whose
-    boolean mask the CPU kernel saves converted, in its own (batch, 1, query, key) shape). Kept as it is, it costs its storage only, mostly the
-    caller's own small tensor. A tensor in that shape which is neither a view nor the mask's own
-    storage and is on autograd's path (the math path's probabilities) is not the mask."""
+    boolean mask the CPU kernel saves converted, in its own (batch, 1, query, key) shape). Kept
+    as it is, it costs its storage only, mostly the caller's own small tensor. A tensor in that
+    shape (or one it broadcasts to) which is neither a view nor the mask's own storage and is on
+    autograd's path (the math path's probabilities) is not the mask."""
     mask = argument(scope, 3, "attn_mask", None)
     query, key = argument(scope, 0, "query", None), argument(scope, 1, "key", None)
     if not isinstance(mask, torch.Tensor) or query is None or key is None:
