@@ -4,7 +4,9 @@ with the least gradient error, measured on one batch of yours.
 :func:`plan_budget` measures the way :func:`actcomp.check` does (deep copies, your batch, your
 loss, one seed), in three steps:
 
-1. **bytes**: what each part keeps under each rung of a ladder of codecs, one forward per rung.
+1. **bytes**: what each part keeps under each rung of a ladder of codecs, one forward per rung
+   (and one of plain layers beside the op kinds' first lossy rung: a layer's input that a
+   kind's codec stops keeping, as fused attention's output, is then the layer's to free).
    The parts are the converted Linear/Conv layers (their inputs) and whole-model mode's lossy
    op kinds (activation, normalization, attention, other: what their ops save); pooling and
    dropout always take their exact codecs.
@@ -218,7 +220,8 @@ def _fit(search: _Search, parts: list[_Part], capacity: int, budget_bytes: int, 
     best, kept = None, 0
     for _ in range(_RESOLVES):
         chosen = _solve(search, parts, capacity)
-        pipeline, rest = _pipeline_mapping(parts, chosen), _rest_mapping(parts, chosen, attention_floors)
+        pipeline = _pipeline_mapping(parts, chosen, search.left_out)
+        rest = _rest_mapping(parts, chosen, attention_floors)
         kept = search.kept_bytes(pipeline, rest)
         if kept <= budget_bytes and (best is None or kept > best[3]):
             best = (chosen, pipeline, rest, kept)
@@ -325,6 +328,7 @@ class _Search:
         # it int2 coded the chunked loss's hidden states unmeasured (a Llama's cosine 0.9937
         # where the parts' errors summed to 0.9996).
         self.loss = "chunked" if has_routable_loss(model) else "plain"
+        self.left_out: tuple[str, ...] = ()
 
     def parts(self) -> tuple[list[_Part], int]:
         """Every part with its options (rung 0: plain layers, exact kind), and the bytes no part
@@ -336,7 +340,17 @@ class _Search:
         # Every layer a spec converts, named from the first rung's copy (rung 0 converts none).
         converted = measured[1][1] if self.layer_specs else []
         first, rows = reports[0], [_row_bytes(report) for report in reports]
-        groups = _layer_groups(converted, first)
+        # Plain layers beside lossy kinds: where a kind's codec keeps nothing of a tensor a layer
+        # saves too (fused attention's output, run again in backward, is the output projection's
+        # input), the layer's own row holds it, and compressing the layer frees it.
+        beside = self._report(None, _rung(self.kind_specs, 1))[0] if self.kind_specs and converted else first
+        plain_rows = _row_bytes(beside)
+        groups = _layer_groups(converted, beside)
+        # Layers no part holds (keeping nothing of their own: a LoRA model's frozen base layers)
+        # stay plain in the plan: its "*" rule would otherwise give them the commonest spec, its
+        # error never measured.
+        grouped = {name for group in groups for name in group}
+        self.left_out = tuple(name for name in converted if name not in grouped and name not in beside.plain_on_input)
         kinds = [row.kind for row in first.kinds if row.kind in LOSSY_KINDS and row.kept_bytes > 0]
         fixed = first.total_bytes - sum(_group_bytes(rows[0], group) for group in groups) - sum(
             _kind_bytes(first, kind) for kind in kinds)
@@ -344,14 +358,14 @@ class _Search:
         # not worth a watcher's time (mink0.5+int8 keeps more than int4 on every layer).
         wanted = {}
         for group in groups:
-            options = [_Option(str(rung), _group_bytes(rows[rung], group), 0.0)
+            options = [_Option(str(rung), _group_bytes(plain_rows if rung == 0 else rows[rung], group), 0.0)
                        for rung in range(len(self.layer_specs) + 1)]
             useful = {int(option.spec) - 1 for option in _lighter_only(options)[1:]}
             wanted.update({name: useful for name in group})
         errors = self._layer_errors([name for group in groups for name in group], wanted)
         parts = []
         for group in groups:
-            options = [_Option(None, _group_bytes(rows[0], group), 0.0)]
+            options = [_Option(None, _group_bytes(plain_rows, group), 0.0)]
             for rung, spec in enumerate(self.layer_specs, 1):
                 options.append(_Option(spec, _group_bytes(rows[rung], group),
                                        sum(errors[rung - 1][name] for name in group)))
@@ -580,11 +594,12 @@ def _knapsack(parts: list[_Part], capacity: int) -> list[int]:
     return chosen[::-1]
 
 
-def _pipeline_mapping(parts: list[_Part], chosen: list[int]) -> dict[str, str | None]:
+def _pipeline_mapping(parts: list[_Part], chosen: list[int], left_out: Sequence[str] = ()) -> dict[str, str | None]:
     """The layers' specs as a ``to_compressed`` mapping: ``"*"`` for the most common spec, after
-    a rule for each other (:func:`_short_rules`)."""
+    a rule for each other (:func:`_short_rules`); the ``left_out`` layers as they are."""
     specs = {name: part.options[index].spec for part, index in zip(parts, chosen) if part.kind == "layer"
              for name in part.members}
+    specs.update(dict.fromkeys(left_out))
     if not specs:
         return {"*": None}
     common = Counter(specs.values()).most_common(1)[0][0]

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import actcomp
+from actcomp.convert import compressed_layers
 from actcomp.tools.cli import main
 
 
@@ -172,6 +173,31 @@ def test_a_language_model_is_measured_with_the_loss_its_plan_routes():
     # The errors it sums are the plan's own: a plan with "other" in int2 measures what its call gives.
     lossy_other = actcomp.plan_budget(model, batch, 0.3, layer_specs=("int8",), kind_specs=("int2:group=32",))
     assert lossy_other.cosine >= 1 - 2 * sum(part.error for part in lossy_other.parts) - 1e-3
+
+
+def test_every_layer_the_plans_call_makes_lossy_is_a_part_it_measured():
+    # The attention output projection reads SDPA's output. With SDPA keeping it (exact kinds),
+    # compressing the projection freed nothing and it was no part of the plan; yet the plan's "*"
+    # rule gave it the commonest spec (min-k), its error never measured: the outlier Llama's
+    # cosine 0.987 at the int8/8bit preset's bytes. Now that SDPA's output is recomputed in
+    # backward, the projection keeps its input itself under lossy kinds: a part, measured. The
+    # head, which the routed loss never calls, keeps nothing: no part, and plain in the call.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(1, 1000, (2, 64), generator=torch.Generator().manual_seed(0))
+    # At 0.15 most layers take min-k: the commonest spec, "*"'s.
+    plan = actcomp.plan_budget(model, {"input_ids": ids, "labels": ids}, 0.15,
+                               layer_specs=("mink0.9+int8",), kind_specs=("int8",))
+    assert plan.pipeline["*"] == "mink0.9+int8"
+    members = {name for part in plan.parts for name in part.members}
+    converted = plan.apply(copy.deepcopy(model))
+    lossy = {name for name, pipeline in compressed_layers(converted).items() if not pipeline.lossless()}
+    assert "model.layers.0.self_attn.o_proj" in members and "lm_head" not in members | lossy
+    assert lossy and lossy <= members
 
 
 def test_a_plan_that_bends_the_gradient_far_warns():
