@@ -36,6 +36,11 @@ CONFIGS = [
     ('"mink0.9+int8", rest="8bit" (the default preset: on LoRA, SDPA query/key/value bf16, output recomputed)',
      "mink0.9+int8", "8bit"),
     ('"mink0.9+int8", rest={"attention": "bf16"} (all of SDPA bf16)', "mink0.9+int8", {"attention": "bf16"}),
+    # The chunked loss's hidden states (a custom Function's saves: kind "other") coded too: opt-in,
+    # since "other" holds any custom Function's saves (a fused attention's, against its own
+    # log-sum-exp).
+    ('"mink0.9+int8", rest={"attention": "bf16", "other": "int8"}', "mink0.9+int8",
+     {"attention": "bf16", "other": "int8"}),
     ('"mink0.9+int4", rest="8bit"', "mink0.9+int4", "8bit"),
     ('"mink0.9+int8", rest={"attention": "int8"}', "mink0.9+int8", {"attention": "int8"}),
     ('"mink0.9+int8", rest="4bit"', "mink0.9+int8", "4bit"),
