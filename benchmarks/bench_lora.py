@@ -33,14 +33,10 @@ from actcomp.tools.llm_outliers import add_outliers
 # (label, Linear/Conv spec, rest)
 CONFIGS = [
     ('"mink0.9+int8" (Linear/Conv mode)', "mink0.9+int8", None),
-    ('"mink0.9+int8", rest="8bit" (the default preset: on LoRA, SDPA query/key/value bf16, output recomputed)',
+    ('"mink0.9+int8", rest="8bit" (the default preset: on LoRA, SDPA query/key/value bf16, output recomputed; '
+     'the loss\'s hidden states int8)',
      "mink0.9+int8", "8bit"),
     ('"mink0.9+int8", rest={"attention": "bf16"} (all of SDPA bf16)', "mink0.9+int8", {"attention": "bf16"}),
-    # The chunked loss's hidden states (a custom Function's saves: kind "other") coded too: opt-in,
-    # since "other" holds any custom Function's saves (a fused attention's, against its own
-    # log-sum-exp).
-    ('"mink0.9+int8", rest={"attention": "bf16", "other": "int8"}', "mink0.9+int8",
-     {"attention": "bf16", "other": "int8"}),
     ('"mink0.9+int4", rest="8bit"', "mink0.9+int4", "8bit"),
     ('"mink0.9+int8", rest={"attention": "int8"}', "mink0.9+int8", {"attention": "int8"}),
     ('"mink0.9+int8", rest="4bit"', "mink0.9+int8", "4bit"),

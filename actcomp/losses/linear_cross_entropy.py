@@ -5,8 +5,8 @@ materializes a (tokens, vocabulary) tensor and keeps its log-softmax for backwar
 tokens and a 32,000-word vocabulary, 125 MiB, most of what the model keeps. Here the forward
 computes the logits a chunk of rows at a time, keeps only each row's log-sum-exp, and the
 backward computes them again, chunk by chunk, from the hidden states and the weight (which the
-layer keeps anyway). Kept for backward: the hidden states, one float per row and the targets,
-about hidden_size / vocabulary of plain's bytes.
+layer keeps anyway). Kept for backward: the hidden states and the targets, about hidden_size /
+vocabulary of plain's bytes; each row's log-sum-exp is computed again with its logits.
 
 The values are plain PyTorch's up to float rounding (sums over rows run chunk by chunk: the loss
 and the weight's gradient are summed in another order). ``ignore_index``, every ``reduction``
@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from actcomp.core import backends
+from actcomp.core.pipeline import Packed, Pipeline
 from actcomp.errors import ActcompError
 from actcomp.torch_compat import assert_on_device
 
@@ -43,7 +44,8 @@ MIN_CHUNK_ROWS = 128
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          bias: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean",
-                         softcap: float | None = None, chunk_rows: int | None = None) -> torch.Tensor:
+                         softcap: float | None = None, chunk_rows: int | None = None,
+                         hidden_codec: Pipeline | None = None) -> torch.Tensor:
     """``F.cross_entropy(logits, target, ignore_index=..., reduction=...)`` of
     ``logits = F.linear(hidden, weight, bias)`` taken to float32 at least (a bf16 model's as
     Hugging Face's losses take them; float64 stays float64), capped to
@@ -53,6 +55,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     ``hidden`` is (..., hidden_size), ``target`` the matching (...) class indices; ``chunk_rows``
     rows are computed at a time (default: about 32 MiB of float32 logits, at least 128 rows). ``reduction="none"``
     returns the per-token losses in ``target``'s shape, 0 where ignored.
+
+    ``hidden_codec`` keeps the hidden states for backward in that code instead of as they are
+    (a lossy conversion's: :mod:`actcomp.losses.causal_lm`); the backward recomputes each row's
+    log-sum-exp from the states it decodes, so the probabilities it differentiates sum to 1.
     """
     _check(hidden, weight, target, bias, reduction, softcap, chunk_rows)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -61,7 +67,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     if chunk_rows is None:
         chunk_rows = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * vocabulary))
     _check_targets(flat_target, vocabulary, ignore_index)
-    losses = _LinearCrossEntropy.apply(flat_hidden, weight, bias, flat_target, ignore_index, softcap, chunk_rows)
+    losses = _LinearCrossEntropy.apply(flat_hidden, weight, bias, flat_target, ignore_index, softcap, chunk_rows,
+                                       hidden_codec)
     if reduction == "none":
         return losses.view(target.shape)
     total = losses.sum()
@@ -75,7 +82,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Per-row losses of the capped, float32 logits; backward recomputes them chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ignore_index, softcap, chunk_rows):
+    def forward(ctx, hidden, weight, bias, target, ignore_index, softcap, chunk_rows, hidden_codec=None):
         counted = target != ignore_index
         # Ignored rows read class 0: their loss and gradient are zeroed by ``counted``.
         classes = torch.where(counted, target, 0)
@@ -89,13 +96,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
             log_normalizers[start:stop] = torch.logsumexp(logits, dim=1)
             picked = logits.gather(1, classes[start:stop, None]).squeeze(1)
             losses[start:stop] = torch.where(counted[start:stop], log_normalizers[start:stop] - picked, 0.0)
-        ctx.save_for_backward(hidden, weight, bias, classes, counted, log_normalizers)
-        ctx.softcap, ctx.chunk_rows = softcap, chunk_rows
+        ctx.softcap, ctx.chunk_rows, ctx.packed = softcap, chunk_rows, None
+        # No log-sum-exp is kept: backward recomputes it from the hidden states it reads, the
+        # same bits where those are the forward's (the same chunks, the same reduction), and
+        # probabilities that sum to 1 where a code (this one, or whole-model mode's for a custom
+        # Function's saves) made them lossy.
+        if hidden_codec is None:
+            ctx.save_for_backward(hidden, weight, bias, classes, counted)
+        else:
+            # The codes go through save_for_backward (and so through saved-tensor hooks); the
+            # layout, plain values, stays on ctx.
+            packed = hidden_codec.compress(hidden)
+            ctx.codec, ctx.packed = hidden_codec, packed.layout
+            ctx.save_for_backward(*packed.tensors, weight, bias, classes, counted)
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses):
-        hidden, weight, bias, classes, counted, log_normalizers = ctx.saved_tensors
+        *kept, weight, bias, classes, counted = ctx.saved_tensors
+        hidden = kept[0] if ctx.packed is None else ctx.codec.decompress(Packed(tuple(kept), ctx.packed))
         softcap, chunk_rows = ctx.softcap, ctx.chunk_rows
         # d loss_row / d logit = softmax - one_hot(class), times the row's incoming gradient.
         row_scale = torch.where(counted, grad_losses, 0.0)
@@ -112,7 +131,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             stop = min(start + chunk_rows, hidden.shape[0])
             part = hidden[start:stop]
             logits, capped = _logits(part, weight, bias, softcap)
-            grad_logits = logits.sub_(log_normalizers[start:stop, None]).exp_()
+            grad_logits = logits.sub_(torch.logsumexp(logits, dim=1, keepdim=True)).exp_()
             grad_logits[torch.arange(stop - start, device=part.device), classes[start:stop]] -= 1.0
             grad_logits.mul_(row_scale[start:stop, None])
             if capped is not None:  # d(c tanh(z / c)) / dz = 1 - tanh(z / c)^2
@@ -126,7 +145,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
         return (grad_hidden, grad_weight,
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None, None)
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

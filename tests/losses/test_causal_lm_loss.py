@@ -129,6 +129,26 @@ def test_the_routed_model_keeps_a_small_part_of_the_logits_bytes():
     assert kept[1] < kept[0] - 2 * 24 * 300 * 4 * 0.9, kept
 
 
+@pytest.mark.parametrize(("spec", "kept_as"), [("mink0.9+int8", "int8"), ("bf16", "bf16"), ("int4", "int8"),
+                                               ("mink0", "as is")])
+def test_the_loss_keeps_the_hidden_states_as_lm_heads_spec_quantizes_them(spec, kept_as):
+    # lm_head's input, which the routed loss keeps in its place: the head's quantizer alone (min-k
+    # would drop values the input's gradient needs), 8 bits at least; a lossless spec keeps it.
+    input_ids, labels = batch()
+    model = actcomp.to_compressed(tiny_llama(), {"lm_head": spec, "*": None}, loss="chunked")
+    report = actcomp.memory_report(model, input_ids=input_ids, labels=labels)
+    (row,) = [row for row in report.kinds if row.kind == "other"]
+    hidden_bytes = 2 * 24 * 32 * 4
+    assert {"as is": row.kept_bytes >= hidden_bytes, "bf16": row.kept_bytes < hidden_bytes * 0.6,
+            "int8": row.kept_bytes < hidden_bytes * 0.4}[kept_as], row
+    plain = tiny_llama()
+    plain(input_ids=input_ids, labels=labels).loss.backward()
+    model(input_ids=input_ids, labels=labels).loss.backward()
+    got, want = grads(model), grads(plain)
+    cosine = F.cosine_similarity(torch.cat([got[n].flatten() for n in want]), torch.cat([want[n].flatten() for n in want]), 0)
+    assert cosine > 0.9999
+
+
 def test_forwards_that_change_the_logits_first_are_not_routed():
     # Gemma-2 softcaps the logits between lm_head and the loss: identity there would be wrong.
     assert not _forward_goes_straight(transformers.Gemma2ForCausalLM)

@@ -121,6 +121,29 @@ def test_the_loss_keeps_under_a_twenty_fourth_of_plains_bytes(dtype):
     assert plain > 24 * chunked, (plain, chunked)
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_a_lossless_hidden_codec_gives_the_exact_paths_gradients_bit_for_bit(softcap):
+    # With a code that loses nothing, the backward's log-sum-exp recomputed from the decoded
+    # states is the forward's own, bit for bit: so are the gradients.
+    hidden, weight, target, bias = inputs(torch.float32, bias=True)
+    exact = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias, softcap=softcap, chunk_rows=4)
+    coded = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias, softcap=softcap, chunk_rows=4,
+                           hidden_codec=actcomp.parse("mink0"))
+    assert torch.equal(exact[0], coded[0]) and all(torch.equal(a, b) for a, b in zip(exact[1], coded[1]))
+
+
+def test_an_int8_hidden_codec_keeps_codes_and_the_gradient():
+    hidden, weight, target, bias = inputs(torch.float32, rows=(4, 64), hidden_size=64, vocabulary=500)
+    exact = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias)
+    coded = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias, hidden_codec=actcomp.parse("int8"))
+    assert torch.equal(exact[0], coded[0])  # the forward is untouched
+    for a, b in zip(exact[1], coded[1]):
+        assert F.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.9999
+    # What backward keeps: int8 codes with their ranges, no float copy of the hidden states.
+    assert saved_bytes(linear_cross_entropy, hidden, weight, target, hidden_codec=actcomp.parse("int8")) < \
+        saved_bytes(linear_cross_entropy, hidden, weight, target) / 3
+
+
 def test_whole_model_mode_leaves_its_saved_tensors_exact():
     # The recomputation needs the exact hidden states: under rest="8bit" the gradients are the
     # same bits as without actcomp.

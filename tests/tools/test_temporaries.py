@@ -22,6 +22,10 @@ SPECS = [f"{name}0.9" if compressor_class(name).takes_rate else name for name in
     "smink0.8+int2", "mink0.5+int8", "mink0.8+int8", "mink0.83",
 ]
 BUDGET = 0.5
+# mink0.5 keeps half of the values: beside the input it measured +0.49 at stop 51 and 0.501-0.502
+# under a loaded run at stop 53, on the budget's edge from run to run; a whole-tensor temporary
+# would show 1x and up.
+BUDGETS = {"mink0.5+int8": 0.55}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -31,7 +35,7 @@ def test_every_built_in_pipeline_keeps_its_temporaries_under_half_the_input(dtyp
     assert [row["spec"] for row in rows] == SPECS
     assert all(row["round_trip_ok"] for row in rows)
     over = {row["spec"]: (round(row["compress_extra"], 3), round(row["decompress_extra"], 3))
-            for row in rows if max(row["compress_extra"], row["decompress_extra"]) > BUDGET}
+            for row in rows if max(row["compress_extra"], row["decompress_extra"]) > BUDGETS.get(row["spec"], BUDGET)}
     assert over == {}
 
 
