@@ -81,7 +81,7 @@ def unroute_causal_lm_loss(model: nn.Module) -> None:
 
 def has_routable_loss(model: nn.Module) -> bool:
     """Whether :func:`route_causal_lm_loss` would route a loss of ``model`` (or has)."""
-    return any(getattr(module, _HANDLES, None) is not None or _routable(module) for module in model.modules())
+    return is_routed(model) or any(_routable(module) for module in model.modules())
 
 
 def is_routed(model: nn.Module) -> bool:

@@ -41,10 +41,10 @@ import torch
 
 from actcomp.core.pipeline import Pipeline, parse
 from actcomp.torch_compat import recomputable_attention, recompute_attention
+from actcomp.whole_model.choosing import SDPA_INPUTS
 from actcomp.whole_model.kept_forms import AsIs, Compressed
 from actcomp.whole_model.policy import Lossy
 
-ROLES = ("query", "key", "value")
 # Query and key err into the logits against each other: 8 bits at least, in rows of the head
 # (a sink token's row then sets no other token's steps). A 16-bit float spec is kept as it is.
 _LOGITS_FLOOR, _SIXTEEN_BIT_LOGITS = parse("int8"), parse("bf16")
@@ -72,13 +72,6 @@ def input_codec(choice: Lossy, role: str) -> Pipeline:
     return _LOGITS_FLOOR
 
 
-def roles_of(tensor: torch.Tensor, query, key, value) -> tuple[str, ...]:
-    """Which of an attention call's inputs ``tensor`` is (all of them for ``sdpa(x, x, x)``)."""
-    return tuple(role for role, argument in zip(ROLES, (query, key, value))
-                 if isinstance(argument, torch.Tensor) and argument.data_ptr() == tensor.data_ptr()
-                 and argument.shape == tensor.shape)
-
-
 class AttentionCall:
     """One attention call's compressed inputs, and what its backward needs to run it again.
 
@@ -97,7 +90,7 @@ class AttentionCall:
 
     @property
     def complete(self) -> bool:
-        return len(self.inputs) == len(ROLES)
+        return len(self.inputs) == len(SDPA_INPUTS)
 
     def confirm(self, output: torch.Tensor) -> bool:
         """Whether ``output``'s node is one whose forward can run again; if so, forget the
@@ -120,7 +113,7 @@ class AttentionCall:
                 raise RuntimeError("actcomp: an attention call's output was asked for before it was saved")
             is_causal, scale, mask = self.settings
             with torch.no_grad():
-                query, key, value = (self.inputs[role].unpack() for role in ROLES)
+                query, key, value = (self.inputs[role].unpack() for role in SDPA_INPUTS)
                 self.results = recompute_attention(query, key, value, is_causal, scale, mask)
         result = self.results[index]
         self.taken.add(index)

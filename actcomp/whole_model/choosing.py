@@ -382,8 +382,22 @@ def _is_statistic(tensor: torch.Tensor, scope: Scope) -> bool:
 
 
 def _is_query_or_key(tensor: torch.Tensor, scope: Scope) -> bool:
-    return any(isinstance(arg, torch.Tensor) and arg.data_ptr() == tensor.data_ptr() and arg.shape == tensor.shape
-               for arg in (argument(scope, 0, "query", None), argument(scope, 1, "key", None)))
+    return bool({"query", "key"} & set(sdpa_roles(tensor, scope)))
+
+
+SDPA_INPUTS = ("query", "key", "value")
+
+
+def sdpa_inputs(scope: Scope) -> tuple[Any, Any, Any]:
+    """An SDPA call's query, key and value, as it was given them."""
+    return tuple(argument(scope, index, name, None) for index, name in enumerate(SDPA_INPUTS))
+
+
+def sdpa_roles(tensor: torch.Tensor, scope: Scope) -> tuple[str, ...]:
+    """Which of an SDPA call's inputs ``tensor`` is (all three for ``sdpa(x, x, x)``), by storage and shape."""
+    return tuple(role for role, given in zip(SDPA_INPUTS, sdpa_inputs(scope))
+                 if isinstance(given, torch.Tensor) and given.data_ptr() == tensor.data_ptr()
+                 and given.shape == tensor.shape)
 
 
 def _hashable(value):

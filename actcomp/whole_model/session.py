@@ -39,10 +39,17 @@ from actcomp.whole_model.attention_recompute import (
     AttentionCall,
     RecomputedAttention,
     input_codec,
-    roles_of,
     warn_not_recomputed,
 )
-from actcomp.whole_model.choosing import CodecChoice, argument, choose_codec, frees_memory, grouped_by_rows
+from actcomp.whole_model.choosing import (
+    CodecChoice,
+    argument,
+    choose_codec,
+    frees_memory,
+    grouped_by_rows,
+    sdpa_inputs,
+    sdpa_roles,
+)
 from actcomp.whole_model.kept_forms import AsIs, Compressed, Recomputed
 from actcomp.whole_model.policy import Derivative, Lossy, RestPolicy
 
@@ -158,8 +165,7 @@ class _Session:
         if not isinstance(choice, Lossy) or not _recomputable_call(scope):
             return None
         call = self.attention_calls.get(scope)
-        roles = roles_of(tensor, *(argument(scope, index, name, None)
-                                   for index, name in enumerate(("query", "key", "value"))))
+        roles = sdpa_roles(tensor, scope)
         if roles:
             if call is None:
                 call = self.attention_calls[scope] = AttentionCall()
@@ -203,7 +209,7 @@ def _recomputable_call(scope: Scope) -> bool:
     """Whether an SDPA call may run the CPU's flash kernel, which whole-model mode recomputes:
     CPU tensors of 4 dimensions, one floating dtype, unit last strides, no dropout. The
     output's node confirms it (:meth:`AttentionCall.confirm`)."""
-    tensors = [argument(scope, index, name, None) for index, name in enumerate(("query", "key", "value"))]
+    tensors = sdpa_inputs(scope)
     if not all(isinstance(tensor, torch.Tensor) for tensor in tensors) or argument(scope, 4, "dropout_p", 0.0):
         return False
     query = tensors[0]

@@ -42,6 +42,17 @@ def outlier_net() -> tuple[nn.Module, torch.Tensor]:
     return net, torch.randn(256, 32)
 
 
+def tiny_llama(layers: int) -> tuple[nn.Module, dict]:
+    """A small random HF Llama (hidden 64, vocabulary 1000) and a batch of 2 x 64 tokens with labels."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2)
+    ids = torch.randint(1, 1000, (2, 64), generator=torch.Generator().manual_seed(0))
+    return LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
+
+
 def kept_bytes(model: nn.Module, batch, spec, rest) -> int:
     return actcomp.memory_report(actcomp.to_compressed(copy.deepcopy(model), spec, rest=rest), batch).total_bytes
 
@@ -155,14 +166,7 @@ def test_a_language_model_is_measured_with_the_loss_its_plan_routes():
     # held the logits' log-softmax instead, and a plan giving it int2 coded the hidden states
     # without having measured it (the outlier Llama of bench_budget.py: cosine 0.9937 where the
     # parts' errors summed to 0.9996).
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(config)
-    ids = torch.randint(1, 1000, (2, 64), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids}
+    model, batch = tiny_llama(layers=1)
     plan = actcomp.plan_budget(model, batch, 0.3, layer_specs=("int8",), kind_specs=("int8", "int2:group=32"))
     (other,) = [part for part in plan.parts if part.name == "other"]
     # Lossy, so the loss is routed; lm_head as the plan leaves it (the routed loss never calls it).
@@ -183,15 +187,9 @@ def test_every_layer_the_plans_call_makes_lossy_is_a_part_it_measured():
     # cosine 0.987 at the int8/8bit preset's bytes. Now that SDPA's output is recomputed in
     # backward, the projection keeps its input itself under lossy kinds: a part, measured. The
     # head, which the routed loss never calls, keeps nothing: no part, and plain in the call.
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(config)
-    ids = torch.randint(1, 1000, (2, 64), generator=torch.Generator().manual_seed(0))
+    model, batch = tiny_llama(layers=2)
     # At 0.15 most layers take min-k: the commonest spec, "*"'s.
-    plan = actcomp.plan_budget(model, {"input_ids": ids, "labels": ids}, 0.15,
+    plan = actcomp.plan_budget(model, batch, 0.15,
                                layer_specs=("mink0.9+int8",), kind_specs=("int8",))
     assert plan.pipeline["*"] == "mink0.9+int8"
     members = {name for part in plan.parts for name in part.members}
