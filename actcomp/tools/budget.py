@@ -6,7 +6,8 @@ loss, one seed), in three steps:
 
 1. **bytes**: what each part keeps under each rung of a ladder of codecs, one forward per rung
    (and one of plain layers beside the op kinds' first lossy rung: a layer's input that a
-   kind's codec stops keeping, as fused attention's output, is then the layer's to free).
+   kind's codec stops keeping, as fused attention's output, is then the layer's to free), on a
+   quarter of a batch of 8 rows or more, scaled to the whole (:meth:`_Search._probe_rows`).
    The parts are the converted Linear/Conv layers (their inputs) and whole-model mode's lossy
    op kinds (activation, normalization, attention, other: what their ops save); pooling and
    dropout always take their exact codecs.
@@ -77,6 +78,8 @@ _UNITS = 16384
 # Solves against the plan's measured bytes (the parts' bytes overlap a little), and how far under
 # the budget a re-solve aims after a plan that went over (a fraction of the budget).
 _RESOLVES, _MARGIN = 6, 0.002
+# A batch of at least this many rows has the rungs' bytes counted on a quarter of its rows.
+_PROBE_ROWS = 8
 # An unmeasured rung's error above its lighter rungs' (relative, and absolute over an exact rung's
 # zero): a tie then goes to the measured rung, and the loop in _solve measures only what can win.
 _UNMEASURED, _UNMEASURED_FLOOR = 1e-6, 1e-12
@@ -329,6 +332,28 @@ class _Search:
         # where the parts' errors summed to 0.9996).
         self.loss = "chunked" if has_routable_loss(model) else "plain"
         self.left_out: tuple[str, ...] = ()
+        self.probe, self.scale = self._probe_rows()
+
+    def _probe_rows(self) -> tuple[UserBatch, float]:
+        """The batch the rungs' bytes are counted on, and what scales its bytes to the batch's.
+
+        The rungs' forwards only count bytes, and every part's bytes grow with the batch's rows,
+        so a batch of :data:`_PROBE_ROWS` or more rows is counted on a quarter of them, scaled by
+        plain's bytes on the whole over plain's on the quarter (resnet50 at batch 8: 9 forwards
+        at a quarter of the compute). What does not grow with the rows (a position table) is
+        scaled with the rest: the parts then look a little larger, and the plan is measured on
+        the whole batch and solved again (:func:`_fit`). A model that will not run on fewer rows
+        is counted on the whole."""
+        count = _row_count(self.run)
+        probe = self.run.first_rows(count // 4) if count >= _PROBE_ROWS else None
+        if probe is None:
+            return self.run, 1.0
+        try:
+            self.forwards += 1
+            probe_plain = probe.memory(copy_model(self.model)).total_bytes
+        except Exception:  # noqa: BLE001 - any model that cannot run on fewer rows is counted whole
+            return self.run, 1.0
+        return (probe, self.plain_bytes / probe_plain) if probe_plain else (self.run, 1.0)
 
     def parts(self) -> tuple[list[_Part], int]:
         """Every part with its options (rung 0: plain layers, exact kind), and the bytes no part
@@ -339,12 +364,13 @@ class _Search:
         reports = [report for report, _ in measured]
         # Every layer a spec converts, named from the first rung's copy (rung 0 converts none).
         converted = measured[1][1] if self.layer_specs else []
-        first, rows = reports[0], [_row_bytes(report) for report in reports]
+        scale = self.scale
+        first, rows = reports[0], [_row_bytes(report, scale) for report in reports]
         # Plain layers beside lossy kinds: where a kind's codec keeps nothing of a tensor a layer
         # saves too (fused attention's output, run again in backward, is the output projection's
         # input), the layer's own row holds it, and compressing the layer frees it.
         beside = self._report(None, _rung(self.kind_specs, 1))[0] if self.kind_specs and converted else first
-        plain_rows = _row_bytes(beside)
+        plain_rows = _row_bytes(beside, scale)
         groups = _layer_groups(converted, beside)
         # Layers no part holds (keeping nothing of their own: a LoRA model's frozen base layers)
         # stay plain in the plan: its "*" rule would otherwise give them the commonest spec, its
@@ -352,8 +378,8 @@ class _Search:
         grouped = {name for group in groups for name in group}
         self.left_out = tuple(name for name in converted if name not in grouped and name not in beside.plain_on_input)
         kinds = [row.kind for row in first.kinds if row.kind in LOSSY_KINDS and row.kept_bytes > 0]
-        fixed = first.total_bytes - sum(_group_bytes(rows[0], group) for group in groups) - sum(
-            _kind_bytes(first, kind) for kind in kinds)
+        fixed = round(first.total_bytes * scale) - sum(_group_bytes(rows[0], group) for group in groups) - sum(
+            _kind_bytes(first, kind, scale) for kind in kinds)
         # A rung keeping no fewer bytes than a lighter one is never chosen: its round trips are
         # not worth a watcher's time (mink0.5+int8 keeps more than int4 on every layer).
         wanted = {}
@@ -371,11 +397,11 @@ class _Search:
                                        sum(errors[rung - 1][name] for name in group)))
             parts.append(_Part("+".join(group), "layer", _lighter_only(options), group))
         for kind in kinds:
-            options = [_Option("exact", _kind_bytes(first, kind), 0.0)]
+            options = [_Option("exact", _kind_bytes(first, kind, scale), 0.0)]
             for rung, spec in enumerate(self.kind_specs, 1):
                 if spec == "fewbit4" and kind != "activation":
                     continue  # the derivative codes are GELU/SiLU's; the kind's other tensors take int4 next
-                kept = _kind_bytes(reports[rung], kind)
+                kept = _kind_bytes(reports[rung], kind, scale)
                 # A rung that keeps no fewer bytes than a lighter one is never worth a step.
                 if kept < min(option.bytes for option in options):
                     options.append(_Option(spec, kept, None))  # measured when a choice wants it
@@ -397,7 +423,7 @@ class _Search:
         rest = "exact" if kind_spec is None else _kinds_alone({kind: kind_spec for kind in LOSSY_KINDS},
                                                               self.attention_floors)
         converted = to_compressed(copy_model(self.model), {"*": layer_spec}, rest=rest, loss=self.loss)
-        return self.run.memory(converted), list(compressed_layers(converted))
+        return self.probe.memory(converted), list(compressed_layers(converted))
 
     def _layer_errors(self, layers: list[str],
                       wanted: Mapping[str, set[int]] | None = None) -> list[dict[str, float]]:
@@ -532,17 +558,24 @@ def _layer_groups(converted: list[str], plain: MemoryReport) -> list[tuple[str, 
     return [group for group in groups if _group_bytes(rows, group) > 0]
 
 
-def _row_bytes(report: MemoryReport) -> dict[str, int]:
-    """The bytes each module keeps, by name."""
-    return {row.name: row.nbytes for row in report.rows}
+def _row_count(run: UserBatch) -> int:
+    """The rows of the batch's first tensor argument (0: none)."""
+    first = next((value for value in (*run.inputs, *run.kwargs.values())
+                  if isinstance(value, torch.Tensor) and value.dim()), None)
+    return 0 if first is None else first.shape[0]
+
+
+def _row_bytes(report: MemoryReport, scale: float = 1.0) -> dict[str, int]:
+    """The bytes each module keeps, by name (times ``scale``)."""
+    return {row.name: round(row.nbytes * scale) for row in report.rows}
 
 
 def _group_bytes(rows: dict[str, int], group: tuple[str, ...]) -> int:
     return sum(rows.get(name, 0) for name in group)
 
 
-def _kind_bytes(report: MemoryReport, kind: str) -> int:
-    return next((row.kept_bytes for row in report.kinds if row.kind == kind), 0)
+def _kind_bytes(report: MemoryReport, kind: str, scale: float = 1.0) -> int:
+    return round(next((row.kept_bytes for row in report.kinds if row.kind == kind), 0) * scale)
 
 
 def _lighter_only(options: list[_Option]) -> tuple[_Option, ...]:

@@ -5,6 +5,7 @@ bytes, spares the layer an outlier channel reaches, and says clearly what cannot
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import timm
@@ -321,3 +322,68 @@ def test_rungs_no_choice_can_take_are_not_measured(monkeypatch):
     pruned = search._layer_errors(layers, {layer: {0, 4} for layer in layers})
     assert set(specs) == {"bf16", "mink0.9+int8"}
     assert pruned[0] == pytest.approx(full[0], rel=1e-9) and pruned[4] == pytest.approx(full[4], rel=1e-9)
+
+
+class _RowsOfEight(nn.Module):
+    """Runs on batches of eight rows only (a model whose shapes are fixed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+
+    def forward(self, x):
+        if x.shape[0] != 8:
+            raise ValueError("eight rows only")
+        return self.net(x)
+
+
+@pytest.mark.parametrize("build", [vit, outlier_net], ids=["vit_tiny", "outlier net"])
+def test_the_rungs_bytes_counted_on_a_quarter_of_the_rows_plan_as_the_whole_batch_does(build, monkeypatch):
+    """A batch of 8 rows or more has its rungs' bytes counted on a quarter of them (a quarter of
+    the forwards' compute), scaled to the whole: the plan and what it keeps are those of counting
+    on every row."""
+    from actcomp.tools import budget
+    from actcomp.tools.user_batch import UserBatch
+
+    model, batch = build()
+    search = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, budget.KIND_SPECS)
+    assert search.probe.inputs[0].shape[0] == batch.shape[0] // 4
+    quarter = actcomp.plan_budget(model, batch, 0.3)
+    monkeypatch.setattr(budget, "_PROBE_ROWS", 10 ** 9)
+    whole = actcomp.plan_budget(model, batch, 0.3)
+    assert (quarter.pipeline, quarter.rest, quarter.kept_bytes) == (whole.pipeline, whole.rest, whole.kept_bytes)
+    assert quarter.cosine == whole.cosine
+
+
+def test_a_model_that_runs_on_its_batch_rows_only_is_counted_whole():
+    from actcomp.tools import budget
+    from actcomp.tools.user_batch import UserBatch
+
+    torch.manual_seed(0)
+    model, batch = _RowsOfEight(), torch.randn(8, 16)
+    search = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, budget.KIND_SPECS)
+    assert search.probe is search.run and search.scale == 1.0
+    assert actcomp.plan_budget(model, batch, 0.5).kept_fraction <= 0.5
+
+
+def test_the_first_rows_cut_the_tensors_of_the_batchs_rows_only():
+    from actcomp.tools.user_batch import UserBatch
+
+    ids, table = torch.arange(24).reshape(8, 3), torch.ones(5, 3)
+    cut = UserBatch({"input_ids": ids, "labels": ids, "table": table, "flag": True}).first_rows(2)
+    assert torch.equal(cut.kwargs["input_ids"], ids[:2]) and torch.equal(cut.kwargs["labels"], ids[:2])
+    assert cut.kwargs["table"] is table and cut.kwargs["flag"] is True
+    assert UserBatch((ids, table)).first_rows(8) is None and UserBatch(3.0).first_rows(1) is None
+
+
+def test_the_gradient_cosine_is_the_concatenated_gradients_cosine():
+    from actcomp.tools.user_batch import gradient_cosine
+
+    generator = torch.Generator().manual_seed(0)
+    got = {name: torch.randn(size, generator=generator, dtype=torch.float64) for name, size in (("a", 7), ("b", 300))}
+    expected = {name: grad + 0.3 * torch.randn(grad.shape, generator=generator, dtype=torch.float64)
+                for name, grad in got.items()}
+    concatenated = torch.nn.functional.cosine_similarity(torch.cat(list(got.values())),
+                                                         torch.cat(list(expected.values())), dim=0)
+    assert gradient_cosine(got, expected) == pytest.approx(float(concatenated), abs=1e-14)
+    assert math.isnan(gradient_cosine(got, {name: torch.zeros_like(grad) for name, grad in got.items()}))
