@@ -1,6 +1,6 @@
 """Test accuracy on MNIST-1D: the dataset's own MLP and CNN trained plain and compressed, same seeds.
 
-    pip install mnist1d                       # the dataset's generator (numpy, scipy)
+    pip install mnist1d                       # the dataset's generator (numpy, scipy, matplotlib)
     python benchmarks/bench_mnist1d.py --budgets 0.0833   # 3 seeds, both nets: ~10 minutes on 2 cores
     python benchmarks/bench_mnist1d.py --steps 300 --seeds 1 --budgets 0.0833   # a check
 
@@ -97,9 +97,7 @@ def kept_bytes(name: str, spec, rest, seed: int, batch) -> int:
     """Bytes the method keeps for backward on ``batch`` (``memory_report``; ``spec`` None: plain)."""
     from actcomp.tools.user_batch import UserBatch
 
-    x, y = batch
-    return UserBatch(x, loss_fn=lambda out: F.cross_entropy(out, y)).memory(
-        convert(net_for(name, seed), spec, rest)).total_bytes
+    return UserBatch(batch[0]).memory(convert(net_for(name, seed), spec, rest)).total_bytes
 
 
 def train(name: str, spec, rest, seed: int, args: argparse.Namespace, data: dict) -> float:

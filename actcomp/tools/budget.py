@@ -344,7 +344,7 @@ class _Search:
         scaled with the rest: the parts then look a little larger, and the plan is measured on
         the whole batch and solved again (:func:`_fit`). A model that will not run on fewer rows
         is counted on the whole."""
-        count = _row_count(self.run)
+        count = self.run.rows
         probe = self.run.first_rows(count // 4) if count >= _PROBE_ROWS else None
         if probe is None:
             return self.run, 1.0
@@ -556,13 +556,6 @@ def _layer_groups(converted: list[str], plain: MemoryReport) -> list[tuple[str, 
             group_of.update({member: merged for member in merged})
     groups, rows = list(dict.fromkeys(group_of[name] for name in layers)), _row_bytes(plain)
     return [group for group in groups if _group_bytes(rows, group) > 0]
-
-
-def _row_count(run: UserBatch) -> int:
-    """The rows of the batch's first tensor argument (0: none)."""
-    first = next((value for value in (*run.inputs, *run.kwargs.values())
-                  if isinstance(value, torch.Tensor) and value.dim()), None)
-    return 0 if first is None else first.shape[0]
 
 
 def _row_bytes(report: MemoryReport, scale: float = 1.0) -> dict[str, int]:
