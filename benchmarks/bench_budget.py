@@ -4,7 +4,7 @@ what the search costs, and the plan against the hand-picked presets at the prese
     python benchmarks/bench_budget.py            # ~10 minutes on 2 cores
 
 Models (random weights, one batch each, as a user would plan on theirs): timm's resnet50 and
-ViT-S at 224 px (8 images), and the Llama-shaped model of ``bench_lm_quality.py`` with a trained
+ViT-S at 224 px (8 images; ``--images``), and the Llama-shaped model of ``bench_lm_quality.py`` with a trained
 model's outliers built in (hidden 256, 4 layers, 2 x 256 tokens, a sink token first). For each:
 
 - every budget of ``--fractions``: the bytes the plan keeps (fraction of plain's, measured by
@@ -41,13 +41,13 @@ PRESETS = [("int8", "8bit"), ("mink0.9+int8", "8bit"), ("int4", "4bit"), ("mink0
 COLUMNS = ["model", "asked", "config", "kept_fraction", "cosine", "preset_cosine", "steps", "search_steps_equivalent"]
 
 
-def models() -> dict[str, tuple[torch.nn.Module, object]]:
+def models(images: int = 8) -> dict[str, tuple[torch.nn.Module, object]]:
     import timm
 
     built = {}
     for name in ("resnet50", "vit_small_patch16_224"):
         torch.manual_seed(0)
-        built[name] = (timm.create_model(name, pretrained=False), torch.randn(8, 3, 224, 224))
+        built[name] = (timm.create_model(name, pretrained=False), torch.randn(images, 3, 224, 224))
     ids = torch.randint(1, 2000, (2, 256), generator=torch.Generator().manual_seed(0))
     ids[:, 0] = 0  # the sink token
     built["llama (outliers)"] = (llama(outliers=True), {"input_ids": ids, "labels": ids})
@@ -119,6 +119,8 @@ def main() -> None:
     parser.add_argument("--peak-batch", type=int, default=32)
     parser.add_argument("--peak-rounds", type=int, default=2)
     parser.add_argument("--models", nargs="+", default=None, help="a subset of the models, by name")
+    parser.add_argument("--images", type=int, default=8,
+                        help="the timm models' batch (the errors are measured on a quarter of it, 8 rows at least)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS_DIR))
     args = parser.parse_args()
@@ -132,7 +134,7 @@ def main() -> None:
     against = ["", "At a preset's own bytes: the preset's cosine, then the plan's.", "",
                "| model | preset | kept | preset cosine | plan cosine |", "|---|---|---:|---:|---:|"]
     notes, peak_tables = [], []
-    for name, (model, batch) in models().items():
+    for name, (model, batch) in models(args.images).items():
         if args.models and name not in args.models:
             continue
         step = step_seconds(model, batch)
@@ -178,7 +180,7 @@ def main() -> None:
         body += ["", "## What a user gets: peaks in fresh processes", *peak_tables]
     device = torch.device("cpu")
     header = header_lines(device, args.threads, 0, time.perf_counter() - started,
-                          {"fractions": args.fractions}, load_before)
+                          {"fractions": args.fractions, "images": args.images}, load_before)
     write_results("budget", device, args.threads, header, "Memory budgets: plan_budget against its targets", body,
                   rows, COLUMNS, Path(args.out))
 

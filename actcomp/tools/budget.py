@@ -17,18 +17,21 @@ loss, one seed), in three steps:
    round trip of its input (:mod:`actcomp.layers.weight_gradients`). An op kind bends the
    gradient flowing back through it, so a kind's rung takes a step of its own, run only when a
    choice in step 3 wants that rung (until then it counts as bending the gradient no less than
-   the kind's lighter rungs).
+   the kind's lighter rungs). Every error is measured on a quarter of a batch's rows, 8 rows at
+   least (:meth:`_Search._error_rows`), against plain's gradient on those rows.
 3. **choice**: one rung per part minimising the summed error within the budget (an exact
    multiple-choice knapsack over the bytes), then one run of the plan itself to measure what it
-   keeps and its gradient cosine; a plan that misses the budget by the parts' overlaps is
-   re-solved against what it kept.
+   keeps and its gradient cosine (one step on the whole batch); a plan that misses the budget by
+   the parts' overlaps is re-solved against what it kept.
 
 A Hugging Face causal LM is measured with its loss routed through the chunked cross-entropy,
 as the plan's own call routes it: that loss's saved hidden states are kind "other".
 
-The search costs ``3 +`` (the kinds' rungs a choice wanted) steps, a forward per rung of the
-longer ladder and one per plan measured (``BudgetPlan.steps``, ``.forwards``); the docs quote
-what that is on our models. The plan prints as the call that pins it.
+The search costs two steps on the whole batch (plain's, the plan's), one on the rows the errors
+are measured on (watching every layer's rungs: about four steps' compute), one there per kind's
+rung a choice wanted, a forward per rung of the longer ladder on a quarter of the rows, and a
+forward per plan solved again (``BudgetPlan.steps``, ``.forwards``); the docs quote what that is
+on our models. The plan prints as the call that pins it.
 
 >>> import torch, actcomp
 >>> _ = torch.manual_seed(0)
@@ -80,6 +83,10 @@ _UNITS = 16384
 _RESOLVES, _MARGIN = 6, 0.002
 # A batch of at least this many rows has the rungs' bytes counted on a quarter of its rows.
 _PROBE_ROWS = 8
+# The parts' errors are measured on a quarter of the rows, but on no fewer than this many: at 2
+# rows of vit_tiny's 5 tokens the estimates chose a plan bending the gradient more than the 4-bit
+# preset at its bytes (0.9813 against 0.9821; 0.9847 on 4 rows, 0.9885 on all 8).
+_ERROR_ROWS = 8
 # An unmeasured rung's error above its lighter rungs' (relative, and absolute over an exact rung's
 # zero): a tie then goes to the measured rung, and the loop in _solve measures only what can win.
 _UNMEASURED, _UNMEASURED_FLOOR = 1e-6, 1e-12
@@ -203,8 +210,7 @@ def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
             f"{smallest / plain_bytes:.3f} ({format_bytes(smallest)}), every part at its smallest rung"
             + ("; attention_floors=False reaches lower" if attention_floors and any(
                 part.name == "attention" for part in parts) else ""))
-    chosen, pipeline, rest, kept = _fit(search, parts, budget_bytes - fixed, budget_bytes, attention_floors)
-    cosine = search.cosine(pipeline, rest)
+    chosen, pipeline, rest, kept, cosine = _fit(search, parts, budget_bytes - fixed, budget_bytes, attention_floors)
     if not cosine >= _FAR:
         warnings.warn(f"plan_budget: the plan for budget {budget!r} bends the gradient far (cosine {cosine:.3f} against "
                       "plain's): the parts' errors are too large to add up, and training on it is a gamble; ask for "
@@ -217,9 +223,12 @@ def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
 
 
 def _fit(search: _Search, parts: list[_Part], capacity: int, budget_bytes: int, attention_floors: bool):
-    """The knapsack's choice, its mappings and the bytes it keeps as measured. The parts overlap
-    a little (a tensor two ops save is counted once), so a plan that misses is solved again
-    against what it kept; the fullest plan within the budget wins."""
+    """The knapsack's choice, its mappings, the bytes it keeps as measured and its cosine. The
+    parts overlap a little (a tensor two ops save is counted once), so a plan that misses is
+    solved again against what it kept; the fullest plan within the budget wins, and only its
+    gradient is measured. (Measuring the first plan's bytes and gradient in one step saved a
+    forward where it was the one kept, resnet50's plans at batch 8, and cost a step where it was
+    not, ViT-S's: no gain.)"""
     best, kept = None, 0
     for _ in range(_RESOLVES):
         chosen = _solve(search, parts, capacity)
@@ -235,7 +244,7 @@ def _fit(search: _Search, parts: list[_Part], capacity: int, budget_bytes: int, 
         plain = search.plain_bytes
         raise ActcompError(f"the closest plan keeps {format_bytes(kept)} ({kept / plain:.3f} of plain's), over the "
                            f"budget's {format_bytes(budget_bytes)}; ask for at least {kept / plain:.3f}")
-    return best
+    return (*best, search.cosine(best[1], best[2]))
 
 
 def _solve(search: _Search, parts: list[_Part], capacity: int) -> list[int]:
@@ -317,13 +326,12 @@ class _Search:
                  attention_floors: bool = True):
         self.model, self.run, self.layer_specs, self.kind_specs = model, run, layer_specs, kind_specs
         self.attention_floors = attention_floors
-        self.plain_bytes = run.memory(copy_model(model)).total_bytes
-        self.reference = run.gradients(copy_model(model))
-        self.norm = float(sum(grad.square().sum() for grad in self.reference.values()))
-        if not self.norm:
+        self.reference, plain = run.gradients_and_memory(copy_model(model))
+        self.plain_bytes = plain.total_bytes
+        if not _squared_norm(self.reference):
             raise ActcompError("plain's gradient is zero on this batch: no error can be measured; does the loss "
                                "depend on the parameters?")
-        self.steps, self.forwards = 1, 1
+        self.steps, self.forwards = 1, 0
         self.unmeasured: set[str] = set()
         # Every copy measured routes the loss as the plan will: a lossy plan takes the chunked
         # loss (loss="auto"), whose saves a custom Function makes, kind "other". Measured with
@@ -333,6 +341,10 @@ class _Search:
         self.loss = "chunked" if has_routable_loss(model) else "plain"
         self.left_out: tuple[str, ...] = ()
         self.probe, self.scale = self._probe_rows()
+        # The parts' errors are measured on the rows the bytes are counted on, against plain's
+        # gradient there (below); the plan's cosine on the whole batch.
+        self.measured, self.measured_reference = self._error_rows()
+        self.norm = _squared_norm(self.measured_reference)
 
     def _probe_rows(self) -> tuple[UserBatch, float]:
         """The batch the rungs' bytes are counted on, and what scales its bytes to the batch's.
@@ -354,6 +366,28 @@ class _Search:
         except Exception:  # noqa: BLE001 - any model that cannot run on fewer rows is counted whole
             return self.run, 1.0
         return (probe, self.plain_bytes / probe_plain) if probe_plain else (self.run, 1.0)
+
+    def _error_rows(self) -> tuple[UserBatch, dict[str, torch.Tensor]]:
+        """The batch the parts' errors are measured on, and plain's gradient on it.
+
+        A quarter of the rows, but :data:`_ERROR_ROWS` at least, where the batch has more and the
+        loss is the model's own (a ``loss_fn`` may hold the whole batch's labels): each part's
+        error is a share of plain's squared gradient on those rows, every part measured on the
+        same rows, so the knapsack compares like with like at a fraction of the steps' compute
+        (a batch of 32 measures each kind's rung on 8 rows). The plan itself is measured on the
+        whole batch. Elsewhere the whole batch."""
+        count = max(_ERROR_ROWS, self.run.rows // 4)
+        rows = self.probe if self.probe is not self.run and self.probe.rows == count else self.run.first_rows(count)
+        if rows is None or self.run.loss_fn is not None:
+            return self.run, self.reference
+        try:
+            self.steps += 1
+            reference = rows.gradients(copy_model(self.model))
+        except Exception:  # noqa: BLE001 - a model that cannot step on fewer rows is measured whole
+            return self.run, self.reference
+        if list(reference) != list(self.reference) or not _squared_norm(reference):
+            return self.run, self.reference  # a parameter the rows do not reach: measured whole
+        return rows, reference
 
     def parts(self) -> tuple[list[_Part], int]:
         """Every part with its options (rung 0: plain layers, exact kind), and the bytes no part
@@ -413,8 +447,9 @@ class _Search:
         return self.run.memory(to_compressed(copy_model(self.model), pipeline, rest=rest)).total_bytes
 
     def cosine(self, pipeline: dict, rest: dict) -> float:
-        return gradient_cosine(self._gradients(to_compressed(copy_model(self.model), pipeline, rest=rest)),
-                               self.reference)
+        self.steps += 1
+        gradients = self.run.gradients(to_compressed(copy_model(self.model), pipeline, rest=rest))
+        return gradient_cosine(self._checked(gradients, self.reference), self.reference)
 
     def _report(self, layer_spec: str | None, kind_spec: str | None) -> tuple[MemoryReport, list[str]]:
         """The memory report of a copy with every layer at ``layer_spec`` and every lossy kind at
@@ -470,20 +505,20 @@ class _Search:
             got = self._gradients(to_compressed(copy_model(self.model), {layer: spec for layer in stepped},
                                                 loss=self.loss))
             for layer in stepped:
-                squared[rung][layer] = sum(float((got[name] - self.reference[name]).square().sum())
+                squared[rung][layer] = sum(float((got[name] - self.measured_reference[name]).square().sum())
                                            for name in self._own(layer))
         return [self._fill_unmeasured({layer: error / self.norm for layer, error in errors.items()},
                                       {layer for layer in layers if wanted is None or rung in wanted.get(layer, ())})
                 for rung, errors in enumerate(squared)]
 
     def _own(self, layer: str) -> list[str]:
-        return [name for name in self.reference if name.rpartition(".")[0] == layer]
+        return [name for name in self.measured_reference if name.rpartition(".")[0] == layer]
 
     @functools.cached_property
     def _shares(self) -> dict[str, float]:
         """Each layer's share of plain's squared gradient norm, by layer name (made once)."""
         squared: dict[str, float] = {}
-        for name, grad in self.reference.items():
+        for name, grad in self.measured_reference.items():
             layer = name.rpartition(".")[0]
             squared[layer] = squared.get(layer, 0.0) + float(grad.square().sum())
         return {layer: total / self.norm for layer, total in squared.items()}
@@ -506,15 +541,24 @@ class _Search:
     def kind_error(self, kind: str, spec: str) -> float:
         rest = _kinds_alone({kind: spec}, self.attention_floors)
         got = self._gradients(to_compressed(copy_model(self.model), "mink0", rest=rest, loss=self.loss))
-        return sum(float((got[name] - grad).square().sum()) for name, grad in self.reference.items()) / self.norm
+        return sum(float((got[name] - grad).square().sum())
+                   for name, grad in self.measured_reference.items()) / self.norm
 
     def _gradients(self, converted: nn.Module) -> dict[str, torch.Tensor]:
+        """``converted``'s gradients on the rows the parts' errors are measured on."""
         self.steps += 1
-        got = self.run.gradients(converted)
-        missing = [name for name in self.reference if name not in got]
+        return self._checked(self.measured.gradients(converted), self.measured_reference)
+
+    @staticmethod
+    def _checked(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        missing = [name for name in reference if name not in got]
         if missing:
             raise ActcompError(f"the converted model's parameters {missing[:3]} got no gradient where plain's did")
         return got
+
+
+def _squared_norm(gradients: dict[str, torch.Tensor]) -> float:
+    return float(sum(grad.square().sum() for grad in gradients.values()))
 
 
 def _rung(specs: tuple[str, ...], rung: int) -> str | None:

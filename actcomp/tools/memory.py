@@ -29,6 +29,7 @@ import contextlib
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -241,17 +242,33 @@ def memory_report(model: nn.Module, *inputs, **kwargs) -> MemoryReport:
     >>> memory_report(model, torch.randn(4, 8)).by_type()  # GELU keeps its input: 4 x 8 fp32
     {'GELU': 128}
     """
-    recorder = SavedTensorRecorder(model, [*inputs, *kwargs.values()])
     was_training = model.training
-    model.train()
     try:
-        with recorder.recording():
-            output = model(*inputs, **kwargs)
+        output, report = forward_and_report(model, *inputs, **kwargs)
         del output
     finally:
         model.train(was_training)
         _reshard(model)
-    return MemoryReport.from_recorder(recorder)
+    return report
+
+
+def forward_and_report(model: nn.Module, *inputs, **kwargs) -> tuple[Any, MemoryReport]:
+    """``model(*inputs, **kwargs)`` in training mode: its output, whose graph a backward can still
+    run (the report's hook hands autograd each saved tensor back as it is), and the report of
+    what the forward saved. A step that wants its gradients and its bytes runs one forward, not
+    two (:meth:`actcomp.tools.user_batch.UserBatch.gradients_and_memory`); the model is left in
+    training mode.
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    >>> output, report = forward_and_report(model, torch.randn(4, 8))
+    >>> output.sum().backward(); report.total_bytes
+    128
+    """
+    recorder = SavedTensorRecorder(model, [*inputs, *kwargs.values()])
+    model.train()
+    with recorder.recording():
+        output = model(*inputs, **kwargs)
+    return output, MemoryReport.from_recorder(recorder)
 
 
 class SavedTensorRecorder:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from actcomp.errors import ActcompError
-from actcomp.tools.memory import MemoryReport, memory_report
+from actcomp.tools.memory import MemoryReport, forward_and_report, memory_report
 
 
 class UserBatch:
@@ -79,12 +79,21 @@ class UserBatch:
 
     def gradients(self, model: nn.Module) -> dict[str, torch.Tensor]:
         self.step(model)
-        return {name: p.grad.detach().to(torch.float64, copy=True).reshape(-1)
-                for name, p in model.named_parameters() if p.grad is not None}
+        return _gradients(model)
 
     def memory(self, model: nn.Module) -> MemoryReport:
         torch.manual_seed(self.seed)
         return memory_report(model, *self.inputs, **self.kwargs)
+
+    def gradients_and_memory(self, model: nn.Module) -> tuple[dict[str, torch.Tensor], MemoryReport]:
+        """:meth:`gradients` and :meth:`memory` from one step: the forward that counts the bytes
+        is the one the backward runs through (the same seed, so the same dropout masks and
+        rounding noise: both equal the separate calls', ``tests/tools/test_user_batch.py``)."""
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(self.seed)
+        output, report = forward_and_report(model, *self.inputs, **self.kwargs)
+        _loss(output, self.loss_fn, self.seed).backward()
+        return _gradients(model), report
 
     def step_time(self, plain: nn.Module, converted: nn.Module, rounds: int) -> float:
         """Median over ``rounds`` of converted's step time over plain's, each round one step of
@@ -99,6 +108,12 @@ class UserBatch:
             if round_:
                 ratios.append(seconds[1] / seconds[0])
         return statistics.median(ratios)
+
+
+def _gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient as a flat float64 copy, by name (those that got one)."""
+    return {name: p.grad.detach().to(torch.float64, copy=True).reshape(-1)
+            for name, p in model.named_parameters() if p.grad is not None}
 
 
 def copy_model(model: nn.Module) -> nn.Module:

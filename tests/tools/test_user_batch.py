@@ -1,0 +1,49 @@
+"""UserBatch, the runs check and plan_budget measure with: one step that gives the gradients and
+the kept bytes equals the two separate runs it replaces."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import actcomp
+from actcomp.tools.user_batch import UserBatch
+
+
+def vit_with_dropout() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", num_classes=3, img_size=32, drop_rate=0.1, proj_drop_rate=0.1)
+    return model, torch.randn(4, 3, 32, 32)
+
+
+@pytest.mark.parametrize(("spec", "rest"), [(None, None), ("int8", None), ("mink0.9+int4", "4bit"), (None, "8bit")],
+                         ids=["plain", "int8 layers", "min-k layers, 4-bit rest", "8-bit rest"])
+def test_one_step_gives_the_gradients_and_bytes_of_the_two_runs_it_replaces(spec, rest):
+    """The forward that counts the bytes is the one the backward runs through: the same dropout
+    masks and rounding noise, so the gradients are bit for bit those of a step alone, and the
+    report the bytes of a forward alone."""
+    model, batch = vit_with_dropout()
+    if spec is not None or rest is not None:
+        model = actcomp.to_compressed(model, spec or "mink0", rest=rest or "exact")
+    run = UserBatch(batch)
+    gradients, report = run.gradients_and_memory(copy.deepcopy(model))
+    expected = run.gradients(copy.deepcopy(model))
+    assert list(gradients) == list(expected)
+    assert all(torch.equal(gradients[name], expected[name]) for name in expected)
+    alone = run.memory(copy.deepcopy(model))
+    assert report.total_bytes == alone.total_bytes > 0
+    assert [(row.kind, row.kept_bytes) for row in report.kinds] == [(row.kind, row.kept_bytes) for row in alone.kinds]
+
+
+def test_the_step_takes_the_users_loss():
+    torch.manual_seed(0)
+    model, batch, target = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 2)), torch.randn(8, 6), torch.randn(8, 2)
+    run = UserBatch(batch, loss_fn=lambda output: (output - target).square().mean())
+    gradients, report = run.gradients_and_memory(model)
+    expected = run.gradients(copy.deepcopy(model))
+    assert all(torch.equal(gradients[name], expected[name]) for name in expected)
+    assert report.total_bytes == run.memory(model).total_bytes
