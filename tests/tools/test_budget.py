@@ -285,7 +285,8 @@ def test_measuring_kinds_lazily_chooses_as_well_as_measuring_every_rung(build):
         lazy = list(parts)
         chosen = _solve(search, lazy, capacity)
         assert all(part.options[index].error is not None for part, index in zip(lazy, chosen))
-        # Within the knapsack's resolution: each part's bytes are rounded down to 1/16384 of the capacity.
+        # Each part's bytes are rounded up to the knapsack's units (down where nothing fits so, as
+        # at the smallest plan's capacity): within its resolution of the capacity.
         assert sum(part.options[index].bytes for part, index in zip(full, chosen)) <= capacity * (1 + len(parts) / 16384)
         assert error(chosen) <= error(_knapsack(full, capacity)) * (1 + 1e-9), fraction
         measured_at.append(sum(option.error is None for part in lazy for option in part.options))
@@ -341,8 +342,10 @@ class _RowsOfEight(nn.Module):
 @pytest.mark.parametrize("build", [vit, outlier_net], ids=["vit_tiny", "outlier net"])
 def test_the_rungs_bytes_counted_on_a_quarter_of_the_rows_plan_as_the_whole_batch_does(build, monkeypatch):
     """A batch of 8 rows or more has its rungs' bytes counted on a quarter of them (a quarter of
-    the forwards' compute), scaled to the whole: the plan and what it keeps are those of counting
-    on every row."""
+    the forwards' compute), scaled to the whole: the plan fills the budget and keeps the gradient
+    as counting on every row does. (Not always the same plan: what does not grow with the rows is
+    scaled too, so the quarter's parts look a little larger, and a plan within 5% of the budget is
+    not solved again; vit_tiny's keeps 0.4% fewer bytes here.)"""
     from actcomp.tools import budget
     from actcomp.tools.user_batch import UserBatch
 
@@ -352,8 +355,9 @@ def test_the_rungs_bytes_counted_on_a_quarter_of_the_rows_plan_as_the_whole_batc
     quarter = actcomp.plan_budget(model, batch, 0.3)
     monkeypatch.setattr(budget, "_PROBE_ROWS", 10 ** 9)
     whole = actcomp.plan_budget(model, batch, 0.3)
-    assert (quarter.pipeline, quarter.rest, quarter.kept_bytes) == (whole.pipeline, whole.rest, whole.kept_bytes)
-    assert quarter.cosine == whole.cosine
+    for plan in (quarter, whole):
+        assert 0.99 * plan.budget_bytes <= plan.kept_bytes <= plan.budget_bytes
+    assert quarter.cosine == pytest.approx(whole.cosine, abs=1e-4)
 
 
 def test_a_model_that_runs_on_its_batch_rows_only_is_counted_whole():
