@@ -86,6 +86,9 @@ _PROBE_ROWS = 8
 # rows of vit_tiny's 5 tokens the estimates chose a plan bending the gradient more than the 4-bit
 # preset at its bytes (0.9813 against 0.9821; 0.9847 on 4 rows, 0.9885 on all 8).
 _ERROR_ROWS = 8
+# A language model's batch of too few rows to cut has its errors measured on a quarter of its
+# tokens instead, this many at least.
+_ERROR_TOKENS = 64
 # An unmeasured rung's error above its lighter rungs' (relative, and absolute over an exact rung's
 # zero): a tie then goes to the measured rung, and the loop in _solve measures only what can win.
 _UNMEASURED, _UNMEASURED_FLOOR = 1e-6, 1e-12
@@ -372,14 +375,18 @@ class _Search:
     def _error_rows(self) -> tuple[UserBatch, dict[str, torch.Tensor]]:
         """The batch the parts' errors are measured on, and plain's gradient on it.
 
-        A quarter of the rows, but :data:`_ERROR_ROWS` at least, where the batch has more and the
-        loss is the model's own (a ``loss_fn`` may hold the whole batch's labels): each part's
-        error is a share of plain's squared gradient on those rows, every part measured on the
-        same rows, so the knapsack compares like with like at a fraction of the steps' compute
-        (a batch of 32 measures each kind's rung on 8 rows). The plan itself is measured on the
-        whole batch. Elsewhere the whole batch."""
+        A quarter of the rows, but :data:`_ERROR_ROWS` at least, where the batch has more; a
+        language model's batch of fewer rows (``input_ids``) on a quarter of its tokens,
+        :data:`_ERROR_TOKENS` at least (a causal model computes a sequence's first tokens as it
+        does in the whole sequence); both only where the loss is the model's own (a ``loss_fn``
+        may hold the whole batch's labels), else the whole batch. Each part's error is a share of
+        plain's squared gradient there, every part measured on the same rows, so the knapsack
+        compares like with like at a fraction of the steps' compute (a batch of 32 measures each
+        kind's rung on 8 rows). The plan itself is measured on the whole batch."""
         count = max(_ERROR_ROWS, self.run.rows // 4)
         rows = self.probe if self.probe is not self.run and self.probe.rows == count else self.run.first_rows(count)
+        if rows is None:
+            rows = self.run.first_tokens(max(_ERROR_TOKENS, self.run.tokens // 4))
         if rows is None or self.run.loss_fn is not None:
             return self.run, self.reference
         try:

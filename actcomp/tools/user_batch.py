@@ -71,6 +71,35 @@ class UserBatch:
         return UserBatch({name: cut(value) for name, value in self.kwargs.items()} if self.kwargs else
                          tuple(cut(value) for value in self.inputs), None, self.seed)
 
+    @property
+    def tokens(self) -> int:
+        """A language model's sequence length: the second dimension of a 2-D integer
+        ``input_ids`` keyword argument (0: none)."""
+        ids = self.kwargs.get("input_ids")
+        return ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point() else 0
+
+    def first_tokens(self, count: int) -> UserBatch | None:
+        """A language model's batch cut to its first ``count`` tokens: every keyword tensor
+        whose second dimension is ``input_ids``' length (the labels, the attention mask, the
+        position ids) cut there, the rest as they are; None where there is no ``input_ids`` or
+        no more tokens than that. A causal model computes the first tokens of a sequence as it
+        computes them in the whole sequence, so this is a shorter batch of the same data. The
+        loss function is not carried, as in :meth:`first_rows`.
+
+        >>> ids = torch.arange(16).reshape(2, 8)
+        >>> UserBatch({"input_ids": ids, "labels": ids}).first_tokens(3).kwargs["labels"].tolist()
+        [[0, 1, 2], [8, 9, 10]]
+        """
+        tokens = self.tokens
+        if tokens <= count:
+            return None
+
+        def cut(value: Any) -> Any:
+            long = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == tokens
+            return value[:, :count] if long else value
+
+        return UserBatch({name: cut(value) for name, value in self.kwargs.items()}, None, self.seed)
+
     def step(self, model: nn.Module) -> None:
         model.train()
         model.zero_grad(set_to_none=True)

@@ -422,3 +422,27 @@ def test_measured_on_a_quarter_of_32_rows_the_plan_still_beats_the_preset_at_its
     preset = actcomp.check(model, batch, spec, rest=rest, rounds=1)
     plan = actcomp.plan_budget(model, batch, kept_bytes(model, batch, spec, rest))
     assert plan.cosine >= preset.cosine - 1e-4, (plan, preset.cosine)
+
+
+def test_a_language_models_errors_are_measured_on_a_quarter_of_its_tokens():
+    """A language model's batch of too few rows to cut (2 here) has its errors measured on its
+    first quarter of tokens, 64 at least; at the 4-bit preset's bytes the plan still bends the
+    gradient no more than the preset."""
+    from actcomp.tools import budget
+    from actcomp.tools.user_batch import UserBatch
+
+    model, batch = tiny_llama(2)
+    ids = torch.randint(1, 1000, (2, 256), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    search = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, budget.KIND_SPECS)
+    assert search.measured.tokens == 64 and search.measured.rows == 2
+    expected = UserBatch({"input_ids": ids[:, :64], "labels": ids[:, :64]}).gradients(copy.deepcopy(model))
+    assert all(torch.equal(search.measured_reference[name], expected[name]) for name in expected)
+    short = budget._Search(model, UserBatch({"input_ids": ids[:, :64], "labels": ids[:, :64]}),
+                           budget.LAYER_SPECS, budget.KIND_SPECS)
+    assert short.measured is short.run  # 64 tokens: no fewer to measure on
+    preset = actcomp.check(model, batch, "int4", rest="4bit", rounds=1)
+    preset_bytes = actcomp.memory_report(actcomp.to_compressed(copy.deepcopy(model), "int4", rest="4bit"),
+                                         **batch).total_bytes
+    plan = actcomp.plan_budget(model, batch, preset_bytes)
+    assert plan.cosine >= preset.cosine - 1e-4, (plan, preset.cosine)

@@ -47,3 +47,29 @@ def test_the_step_takes_the_users_loss():
     expected = run.gradients(copy.deepcopy(model))
     assert all(torch.equal(gradients[name], expected[name]) for name in expected)
     assert report.total_bytes == run.memory(model).total_bytes
+
+
+def test_the_first_tokens_cut_the_tensors_of_the_sequence_only():
+    ids = torch.arange(24).reshape(2, 12)
+    table = torch.ones(2, 5)
+    cut = UserBatch({"input_ids": ids, "labels": ids, "attention_mask": torch.ones(2, 12), "table": table}).first_tokens(4)
+    assert torch.equal(cut.kwargs["input_ids"], ids[:, :4]) and torch.equal(cut.kwargs["labels"], ids[:, :4])
+    assert cut.kwargs["attention_mask"].shape == (2, 4) and cut.kwargs["table"] is table
+    assert cut.loss_fn is None and cut.tokens == 4
+    assert UserBatch({"input_ids": ids}).first_tokens(12) is None
+    assert UserBatch(torch.ones(2, 12)).first_tokens(4) is None  # no input_ids: not a language model's batch
+    assert UserBatch({"input_ids": ids.float()}).tokens == 0
+
+
+def test_a_causal_models_first_tokens_are_computed_as_in_the_whole_sequence():
+    """Why the budget may measure a language model's errors on its first tokens: the logits of a
+    sequence's first tokens are those of the whole sequence's first tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+    cut = UserBatch({"input_ids": ids}).first_tokens(8)
+    with torch.no_grad():
+        assert torch.allclose(model(**cut.kwargs).logits, model(input_ids=ids).logits[:, :8], atol=1e-5)
