@@ -394,8 +394,11 @@ class _Search:
             reference = rows.gradients(copy_model(self.model))
         except Exception:  # noqa: BLE001 - a model that cannot step on fewer rows is measured whole
             return self.run, self.reference
-        if list(reference) != list(self.reference) or not _squared_norm(reference):
-            return self.run, self.reference  # a parameter the rows do not reach: measured whole
+        norm = _squared_norm(reference)
+        if list(reference) != list(self.reference) or not 0 < norm < math.inf:
+            # A parameter the rows do not reach, or no gradient to measure against there (a
+            # fine-tuning batch whose first tokens are all prompt, labelled -100: a NaN loss).
+            return self.run, self.reference
         return rows, reference
 
     def parts(self) -> tuple[list[_Part], int]:

@@ -441,6 +441,10 @@ def test_a_language_models_errors_are_measured_on_a_quarter_of_its_tokens():
     short = budget._Search(model, UserBatch({"input_ids": ids[:, :64], "labels": ids[:, :64]}),
                            budget.LAYER_SPECS, budget.KIND_SPECS)
     assert short.measured is short.run  # 64 tokens: no fewer to measure on
+    prompt = ids.clone()
+    prompt[:, :128] = -100  # a fine-tuning batch: the first quarter is all prompt, its loss NaN
+    answers = budget._Search(model, UserBatch({"input_ids": ids, "labels": prompt}), budget.LAYER_SPECS, ())
+    assert answers.measured is answers.run and answers.measured_reference is answers.reference
     preset = actcomp.check(model, batch, "int4", rest="4bit", rounds=1)
     preset_bytes = actcomp.memory_report(actcomp.to_compressed(copy.deepcopy(model), "int4", rest="4bit"),
                                          **batch).total_bytes
