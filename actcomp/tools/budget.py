@@ -18,7 +18,8 @@ loss, one seed), in three steps:
    gradient flowing back through it, so a kind's rung takes a step of its own, run only when a
    choice in step 3 wants that rung (until then it counts as bending the gradient no less than
    the kind's lighter rungs). Every error is measured on a quarter of a batch's rows, 8 rows at
-   least (:meth:`_Search._error_rows`), against plain's gradient on those rows.
+   least, or a language model's on a quarter of its tokens, 64 at least
+   (:meth:`_Search._error_rows`), against plain's gradient there.
 3. **choice**: one rung per part minimising the summed error within the budget (an exact
    multiple-choice knapsack over the bytes), then one run of the plan itself to measure what it
    keeps and its gradient cosine (one step on the whole batch); a plan that misses the budget by
@@ -346,8 +347,8 @@ class _Search:
         self.loss = "chunked" if has_routable_loss(model) else "plain"
         self.left_out: tuple[str, ...] = ()
         self.probe, self.scale = self._probe_rows()
-        # The parts' errors are measured on the rows the bytes are counted on, against plain's
-        # gradient there (below); the plan's cosine on the whole batch.
+        # The parts' errors are measured on fewer rows (or tokens) where the batch has enough
+        # (_error_rows), against plain's gradient there; the plan's cosine on the whole batch.
         self.measured, self.measured_reference = self._error_rows()
         self.norm = _squared_norm(self.measured_reference)
 
