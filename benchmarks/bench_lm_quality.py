@@ -46,6 +46,17 @@ CONFIGS = [
     ('rest="4bit", eager attention', "mink0", "4bit", "eager"),
     ('rest="4bit" with attention int8, eager attention', "mink0",
      {"activation": "int4:group=64", "normalization": "int4:group=64", "attention": "int8", "fewbit": 4}, "eager"),
+    # Where "4bit"'s error on eager attention comes from: each kind alone, and the norms' inputs in
+    # smaller groups.
+    ("4bit, eager: activation only", "mink0",
+     {"activation": "int4:group=64", "normalization": None, "attention": None, "fewbit": 4}, "eager"),
+    ("4bit, eager: normalization only", "mink0",
+     {"activation": None, "normalization": "int4:group=64", "attention": None}, "eager"),
+    ("4bit, eager: attention only", "mink0",
+     {"activation": None, "normalization": None, "attention": "int4:group=64"}, "eager"),
+    ('rest="4bit" with normalization in groups of 32, eager attention', "mink0",
+     {"activation": "int4:group=64", "normalization": "int4:group=32", "attention": "int4:group=64", "fewbit": 4},
+     "eager"),
 ]
 COLUMNS = ["outliers", "config", "cosine_min", "cosine_median"]
 
