@@ -132,6 +132,8 @@ class BudgetPlan:
     unmeasured: tuple[str, ...]
     steps: int
     forwards: int
+    # Where the parts' errors were measured: "every row", "8 of 32 rows", "64 of 256 tokens".
+    errors_on: str = "every row"
 
     @property
     def budget(self) -> float:
@@ -153,8 +155,8 @@ class BudgetPlan:
         lines = [f"budget {self.budget:.3f} of plain's {format_bytes(self.plain_bytes)} kept for backward: the plan "
                  f"keeps {format_bytes(self.kept_bytes)} ({self.kept_fraction:.3f}, {1 / self.kept_fraction:.1f}x "
                  f"fewer), gradient cosine {self.cosine:.4f} against plain's",
-                 f"search: {self.steps} steps and {self.forwards} forwards on the batch; the smallest reachable is "
-                 f"{self.smallest_bytes / self.plain_bytes:.3f}", "", "pin it:", "  " + self.call(), "",
+                 f"search: {self.steps} steps and {self.forwards} forwards, the parts' errors measured on "
+                 f"{self.errors_on}; the smallest reachable is {self.smallest_bytes / self.plain_bytes:.3f}", "", "pin it:", "  " + self.call(), "",
                  f"{'part':<28} {'codec':<16} {'plain':>10} {'planned':>10} {'error':>9}"]
         layers = [part for part in self.parts if part.kind == "layer"]
         for spec, _ in Counter(part.spec for part in layers).most_common():
@@ -222,7 +224,7 @@ def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
                                 part.options[index].bytes, part.options[index].error, part.members)
                     for part, index in zip(parts, chosen))
     return BudgetPlan(budget_bytes, plain_bytes, kept, smallest, cosine, pipeline, rest, planned,
-                      tuple(sorted(search.unmeasured)), search.steps, search.forwards)
+                      tuple(sorted(search.unmeasured)), search.steps, search.forwards, search.errors_on)
 
 
 def _fit(search: _Search, parts: list[_Part], capacity: int, budget_bytes: int, attention_floors: bool):
@@ -351,6 +353,9 @@ class _Search:
         # (_error_rows), against plain's gradient there; the plan's cosine on the whole batch.
         self.measured, self.measured_reference = self._error_rows()
         self.norm = _squared_norm(self.measured_reference)
+        self.errors_on = ("every row" if self.measured is self.run else
+                          f"{self.measured.rows} of {run.rows} rows" if self.measured.rows < run.rows else
+                          f"{self.measured.tokens} of {run.tokens} tokens")
 
     def _probe_rows(self) -> tuple[UserBatch, float]:
         """The batch the rungs' bytes are counted on, and what scales its bytes to the batch's.

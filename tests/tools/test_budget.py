@@ -406,6 +406,7 @@ def test_the_errors_are_measured_on_a_quarter_of_the_rows_and_eight_at_least(row
     model, batch = timm.create_model("vit_tiny_patch16_224", num_classes=3, img_size=32), torch.randn(rows, 3, 32, 32)
     search = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, budget.KIND_SPECS)
     assert search.measured.rows == measured and search.probe.rows == rows // 4
+    assert search.errors_on == (f"{measured} of {rows} rows" if measured < rows else "every row")
     if measured < rows:
         expected = UserBatch(batch[:measured]).gradients(copy.deepcopy(model))
         assert all(torch.equal(search.measured_reference[name], expected[name]) for name in expected)
@@ -435,7 +436,7 @@ def test_a_language_models_errors_are_measured_on_a_quarter_of_its_tokens():
     ids = torch.randint(1, 1000, (2, 256), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
     search = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, budget.KIND_SPECS)
-    assert search.measured.tokens == 64 and search.measured.rows == 2
+    assert search.measured.tokens == 64 and search.measured.rows == 2 and search.errors_on == "64 of 256 tokens"
     expected = UserBatch({"input_ids": ids[:, :64], "labels": ids[:, :64]}).gradients(copy.deepcopy(model))
     assert all(torch.equal(search.measured_reference[name], expected[name]) for name in expected)
     short = budget._Search(model, UserBatch({"input_ids": ids[:, :64], "labels": ids[:, :64]}),
