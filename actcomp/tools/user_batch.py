@@ -96,7 +96,8 @@ class UserBatch:
 
         def cut(value: Any) -> Any:
             long = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == tokens
-            return value[:, :count] if long else value
+            # Contiguous, as a batch of that length would be (BERT's loss views its labels flat).
+            return value[:, :count].contiguous() if long else value
 
         return UserBatch({name: cut(value) for name, value in self.kwargs.items()}, None, self.seed)
 

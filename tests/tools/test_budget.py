@@ -451,3 +451,19 @@ def test_a_language_models_errors_are_measured_on_a_quarter_of_its_tokens():
                                          **batch).total_bytes
     plan = actcomp.plan_budget(model, batch, preset_bytes)
     assert plan.cosine >= preset.cosine - 1e-4, (plan, preset.cosine)
+
+
+def test_a_masked_language_models_errors_are_measured_on_its_first_tokens_too():
+    """BERT's loss views its labels flat: the cut batch is contiguous, as a shorter one would be,
+    so the search measures on its first tokens instead of falling back to every row."""
+    import transformers
+
+    from actcomp.tools import budget
+    from actcomp.tools.user_batch import UserBatch
+
+    torch.manual_seed(0)
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=500, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64))
+    ids = torch.randint(0, 500, (2, 256), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones(2, 256, dtype=torch.long), "labels": ids}
+    assert budget._Search(bert, UserBatch(batch), budget.LAYER_SPECS, ()).errors_on == "64 of 256 tokens"

@@ -55,7 +55,7 @@ def test_the_first_tokens_cut_the_tensors_of_the_sequence_only():
     cut = UserBatch({"input_ids": ids, "labels": ids, "attention_mask": torch.ones(2, 12), "table": table}).first_tokens(4)
     assert torch.equal(cut.kwargs["input_ids"], ids[:, :4]) and torch.equal(cut.kwargs["labels"], ids[:, :4])
     assert cut.kwargs["attention_mask"].shape == (2, 4) and cut.kwargs["table"] is table
-    assert cut.loss_fn is None and cut.tokens == 4
+    assert cut.loss_fn is None and cut.tokens == 4 and cut.kwargs["labels"].is_contiguous()
     assert UserBatch({"input_ids": ids}).first_tokens(12) is None
     assert UserBatch(torch.ones(2, 12)).first_tokens(4) is None  # no input_ids: not a language model's batch
     assert UserBatch({"input_ids": ids.float()}).tokens == 0
