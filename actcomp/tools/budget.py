@@ -156,7 +156,8 @@ class BudgetPlan:
                  f"keeps {format_bytes(self.kept_bytes)} ({self.kept_fraction:.3f}, {1 / self.kept_fraction:.1f}x "
                  f"fewer), gradient cosine {self.cosine:.4f} against plain's",
                  f"search: {self.steps} steps and {self.forwards} forwards, the parts' errors measured on "
-                 f"{self.errors_on}; the smallest reachable is {self.smallest_bytes / self.plain_bytes:.3f}", "", "pin it:", "  " + self.call(), "",
+                 f"{self.errors_on}; the smallest reachable is {self.smallest_bytes / self.plain_bytes:.3f}",
+                 "", "pin it:", "  " + self.call(), "",
                  f"{'part':<28} {'codec':<16} {'plain':>10} {'planned':>10} {'error':>9}"]
         layers = [part for part in self.parts if part.kind == "layer"]
         for spec, _ in Counter(part.spec for part in layers).most_common():
