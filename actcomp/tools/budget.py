@@ -337,7 +337,8 @@ class _Search:
         self.attention_floors = attention_floors
         self.reference, plain = run.gradients_and_memory(copy_model(model))
         self.plain_bytes = plain.total_bytes
-        if not _squared_norm(self.reference):
+        norm = _squared_norm(self.reference)
+        if not norm:
             raise ActcompError("plain's gradient is zero on this batch: no error can be measured; does the loss "
                                "depend on the parameters?")
         self.steps, self.forwards = 1, 0
@@ -352,8 +353,7 @@ class _Search:
         self.probe, self.scale = self._probe_rows()
         # The parts' errors are measured on fewer rows (or tokens) where the batch has enough
         # (_error_rows), against plain's gradient there; the plan's cosine on the whole batch.
-        self.measured, self.measured_reference = self._error_rows()
-        self.norm = _squared_norm(self.measured_reference)
+        self.measured, self.measured_reference, self.norm = self._error_rows(norm)
         self.errors_on = ("every row" if self.measured is self.run else
                           f"{self.measured.rows} of {run.rows} rows" if self.measured.rows < run.rows else
                           f"{self.measured.tokens} of {run.tokens} tokens")
@@ -379,8 +379,9 @@ class _Search:
             return self.run, 1.0
         return (probe, self.plain_bytes / probe_plain) if probe_plain else (self.run, 1.0)
 
-    def _error_rows(self) -> tuple[UserBatch, dict[str, torch.Tensor]]:
-        """The batch the parts' errors are measured on, and plain's gradient on it.
+    def _error_rows(self, whole_norm: float) -> tuple[UserBatch, dict[str, torch.Tensor], float]:
+        """The batch the parts' errors are measured on, plain's gradient on it and that
+        gradient's squared norm (``whole_norm`` is the whole batch's).
 
         A quarter of the rows, but :data:`_ERROR_ROWS` at least, where the batch has more; a
         language model's batch of fewer rows (``input_ids``) on a quarter of its tokens,
@@ -395,18 +396,18 @@ class _Search:
         if rows is None:
             rows = self.run.first_tokens(max(_ERROR_TOKENS, self.run.tokens // 4))
         if rows is None or self.run.loss_fn is not None:
-            return self.run, self.reference
+            return self.run, self.reference, whole_norm
         try:
             self.steps += 1
             reference = rows.gradients(copy_model(self.model))
         except Exception:  # noqa: BLE001 - a model that cannot step on fewer rows is measured whole
-            return self.run, self.reference
+            return self.run, self.reference, whole_norm
         norm = _squared_norm(reference)
         if list(reference) != list(self.reference) or not 0 < norm < math.inf:
             # A parameter the rows do not reach, or no gradient to measure against there (a
             # fine-tuning batch whose first tokens are all prompt, labelled -100: a NaN loss).
-            return self.run, self.reference
-        return rows, reference
+            return self.run, self.reference, whole_norm
+        return rows, reference, norm
 
     def parts(self) -> tuple[list[_Part], int]:
         """Every part with its options (rung 0: plain layers, exact kind), and the bytes no part
