@@ -274,6 +274,18 @@ def gelu_node_approximate(node: Any) -> str:
     return getattr(node, "_saved_approximate", "none")
 
 
+def product_inputs(node: Any) -> tuple[tuple[Any, int], tuple[Any, int]] | None:
+    """The two inputs' ``(node, output_nr)`` of an elementwise product's backward ``node``, seen
+    through one cast after it (an RMSNorm's ``(x * rstd).to(dtype)``); None for any other node.
+    Checked on 2.13.0 and 2.14.1 (``MulBackward0``, ``ToCopyBackward0``). A renamed node keeps
+    the product in its own code: more bytes, correct."""
+    if autograd_node_name(node) == "ToCopyBackward0":
+        node = node.next_functions[0][0]
+    if autograd_node_name(node) != "MulBackward0" or len(node.next_functions) != 2:
+        return None
+    return node.next_functions[0], node.next_functions[1]
+
+
 # Fused attention whose output and log-sum-exp whole-model mode recomputes in backward from the
 # node's own (compressed) query, key and value, by node name (checked on 2.13.0 and 2.14.1): the
 # CPU's flash kernel. The CUDA kernels (flash, memory-efficient, cuDNN) are not on this list

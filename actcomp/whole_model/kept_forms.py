@@ -6,6 +6,7 @@ the backward its tensor back with ``unpack()``.
 - :class:`AsIs`: the tensor itself (checked for in-place changes when unpacked);
 - :class:`Compressed`: a codec's packed form and the codec that decodes it;
 - :class:`Recomputed`: a gated MLP's ``act(gate)``, rebuilt from the gate's compressed form;
+- :class:`Rescaled`: an RMSNorm's ``x * rstd``, rebuilt from ``x``'s compressed form;
 - :class:`Sided`: lossy values with the exact bits of the one comparison the backward makes
   (the compiled engine's: eager mode sees the two ops that save them apart).
 
@@ -130,6 +131,21 @@ class Recomputed(NamedTuple):
     def unpack(self) -> torch.Tensor:
         gate = self.source.unpack()
         return F.silu(gate) if self.op == "silu" else F.gelu(gate, approximate=self.approximate)
+
+
+class Rescaled(NamedTuple):
+    """A norm written out in elementwise ops (HF's RMSNorm: ``w * (x * rstd).to(dtype)``) saves
+    its input ``x`` (for ``pow``) and the normalized ``x * rstd`` (for the gain's product): two
+    codes of one tensor's values. The second is rebuilt in backward from the first's code and
+    the per-row statistic kept as it is, halving what the norm keeps; it errs as the decoded
+    ``x`` does, times ``rstd``, where a code of its own would add an error of its own."""
+
+    source: Compressed
+    statistic: torch.Tensor  # rstd, one value a row, broadcast over the row
+    dtype: torch.dtype  # the product's, or its cast's
+
+    def unpack(self) -> torch.Tensor:
+        return torch.mul(self.source.unpack(), self.statistic).to(self.dtype)
 
 
 class Sided(NamedTuple):

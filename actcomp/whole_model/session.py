@@ -34,7 +34,7 @@ from actcomp.graph.saved_tensors import (
     unseen_by_scopes,
 )
 from actcomp.kernels.layouts import storage_key
-from actcomp.torch_compat import activation_of_node, autograd_node_name, gelu_node_approximate
+from actcomp.torch_compat import activation_of_node, autograd_node_name, gelu_node_approximate, product_inputs
 from actcomp.whole_model.attention_recompute import (
     AttentionCall,
     RecomputedAttention,
@@ -50,7 +50,7 @@ from actcomp.whole_model.choosing import (
     sdpa_inputs,
     sdpa_roles,
 )
-from actcomp.whole_model.kept_forms import AsIs, Compressed, Recomputed
+from actcomp.whole_model.kept_forms import AsIs, Compressed, Recomputed, Rescaled
 from actcomp.whole_model.policy import Derivative, Lossy, RestPolicy
 
 
@@ -68,6 +68,10 @@ class _Session:
         # (autograd node, output index) of a SiLU/GELU input -> its compressed form and the op's
         # settings, for the gate product that saves the activation's output (Recomputed).
         self.activation_inputs: dict[tuple[Any, int], tuple[Compressed, str, str]] = {}
+        # (autograd node, output index) of a norm's input kept in a value code, and of a norm's
+        # statistic kept as it is, for the product of the two that the norm saves (Rescaled).
+        self.norm_inputs: dict[tuple[Any, int], Compressed] = {}
+        self.norm_statistics: dict[tuple[Any, int], torch.Tensor] = {}
         # Fused attention calls whose inputs are coded for recomputation, by the call's scope,
         # until the call's output is saved (attention_recompute).
         self.attention_calls: dict[Scope, AttentionCall] = {}
@@ -77,6 +81,8 @@ class _Session:
         self.cache.clear()
         self.excluded.clear()
         self.activation_inputs.clear()
+        self.norm_inputs.clear()
+        self.norm_statistics.clear()
         self.attention_calls.clear()
 
     def pack(self, tensor: torch.Tensor):
@@ -96,6 +102,10 @@ class _Session:
                 elif isinstance(kept, Recomputed):
                     # Its bytes are its source's, counted once where the activation saved them.
                     event = SavedEvent(tensor, kept.source.packed.tensors, kind, f"{kept.op} of a kept input")
+                elif isinstance(kept, Rescaled):
+                    # Its source's and its statistic's, both counted where the norm saved them.
+                    event = SavedEvent(tensor, (*kept.source.packed.tensors, kept.statistic), kind,
+                                       "rescaled kept input")
                 elif isinstance(kept, RecomputedAttention):
                     # Nothing of its own: the log-sum-exp the call may still hold is a row statistic.
                     event = SavedEvent(tensor, (), kind, "recomputed")
@@ -124,10 +134,41 @@ class _Session:
             held = self.attention_save(tensor, scope)
             if held is not None:
                 return kind, held
+        if kind == "normalization" and tensor.grad_fn is not None:
+            rescaled = self.rescaled(tensor)
+            if rescaled is not None:
+                return kind, rescaled
         kept = self.cached(tensor, kind, scope)
         if scope is not None and scope.op in ("silu", "gelu"):
             self.note_activation_input(tensor, kept, scope)
+        elif kind == "normalization" and tensor.grad_fn is not None:
+            self.note_norm_save(tensor, kept)
         return kind, kept
+
+    def note_norm_save(self, tensor: torch.Tensor, kept: Compressed | None) -> None:
+        """Remember a norm's input kept in a value code, or a statistic (a row's ``rstd``) kept
+        as it is, for :meth:`rescaled`."""
+        key = (tensor.grad_fn, tensor.output_nr)
+        if isinstance(kept, Compressed) and isinstance(kept.codec, Pipeline):
+            self.norm_inputs[key] = kept
+        elif kept is None and tensor.dim() and tensor.shape[-1] == 1:
+            self.norm_statistics[key] = tensor.detach()
+
+    def rescaled(self, tensor: torch.Tensor) -> Rescaled | None:
+        """``tensor`` as :class:`Rescaled` when it is the product (maybe cast) of a norm input this
+        forward compressed and a statistic it kept as it is, of ``tensor``'s shape; else None."""
+        inputs = product_inputs(tensor.grad_fn)
+        if inputs is None:
+            return None
+        for first, second in (inputs, inputs[::-1]):
+            source, statistic = self.norm_inputs.get(first), self.norm_statistics.get(second)
+            if source is None or statistic is None:
+                continue
+            layout = source.packed.layout
+            if layout.shape != tensor.shape or torch.broadcast_shapes(layout.shape, statistic.shape) != tensor.shape:
+                return None
+            return Rescaled(source, statistic, tensor.dtype)
+        return None
 
     def note_activation_input(self, tensor: torch.Tensor, kept: Compressed | None, scope: Scope) -> None:
         """Remember a SiLU/GELU input kept in a value code (not as it is: exact modes stay
