@@ -57,6 +57,14 @@ CONFIGS = [
     ('rest="4bit" with normalization in groups of 32, eager attention', "mink0",
      {"activation": "int4:group=64", "normalization": "int4:group=32", "attention": "int4:group=64", "fewbit": 4},
      "eager"),
+    # Groups of 16 leave a sink token's outlier channels fewer neighbours to flatten.
+    ("4bit, eager: normalization only, groups of 16", "mink0",
+     {"activation": None, "normalization": "int4:group=16", "attention": None}, "eager"),
+    ('rest="4bit" with normalization in groups of 16, eager attention', "mink0",
+     {"activation": "int4:group=64", "normalization": "int4:group=16", "attention": "int4:group=64", "fewbit": 4},
+     "eager"),
+    ('rest="4bit" with normalization in int8, eager attention', "mink0",
+     {"activation": "int4:group=64", "normalization": "int8", "attention": "int4:group=64", "fewbit": 4}, "eager"),
 ]
 COLUMNS = ["outliers", "config", "cosine_min", "cosine_median"]
 
