@@ -6,9 +6,9 @@
 Every run is a fresh process (:func:`actcomp.tools.peak_rss.training_steps`): a timm model at
 224 px, fp32, 10 classes, AdamW (the Quickstart's), ``--threads`` torch threads, ``--steps``
 steps; its peak is VmHWM, its step time the median of the steps after the first, and with 6 steps
-or more also the median of the last half (the *settled* time). Plain's process gets faster as it
-ages: glibc's mmap threshold rises with each large block it frees, and after two or three steps
-its activations come from the heap without page faults (resnet50 at batch 32 on an Intel Xeon:
+or more also the median of the last half (the *settled* time). Plain's process can get faster as
+it ages: glibc's mmap threshold rises with each large block it frees, and after two or three steps
+its activations may come from the heap without page faults (resnet50 at batch 32 on an Intel Xeon:
 steps 2-3 9.2-9.8 s, steps 4-10 4.9-7.5 s), where a converted model's stays where it is (its
 buffers are mapped one by one, :mod:`actcomp.host_allocator`). A short process's ratio then
 flatters the conversion; the settled one is what a long training run pays. The ways to run:
