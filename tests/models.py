@@ -219,6 +219,19 @@ def saved_codecs():
         yield codecs
 
 
+def record_unpacks(form: type, monkeypatch) -> list[tuple[object, torch.Tensor]]:
+    """A list that fills with ``(holder, value)`` each time a whole-model kept ``form`` (a class
+    of :mod:`actcomp.whole_model.kept_forms`) is unpacked in backward, the value as returned."""
+    unpacked, original = [], form.unpack
+
+    def unpack(self):
+        unpacked.append((self, original(self)))
+        return unpacked[-1][1]
+
+    monkeypatch.setattr(form, "unpack", unpack)
+    return unpacked
+
+
 @contextlib.contextmanager
 def sdpa_codecs(monkeypatch):
     """What each tensor SDPA saves gets while the block runs, in saving order: a codec's spec,

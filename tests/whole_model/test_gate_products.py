@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from models import record_unpacks
 from torch import nn
 
 import actcomp
@@ -170,10 +171,7 @@ def test_the_recomputed_activation_is_that_of_the_decoded_input(block, monkeypat
     torch.manual_seed(0)
     model, x = Net(block()), torch.randn(16, 24, 32)
     actcomp.to_compressed(model, "mink0", rest="8bit")
-    rebuilt = []
-    original = kept_forms.Recomputed.unpack
-    monkeypatch.setattr(kept_forms.Recomputed, "unpack", lambda self: rebuilt.append((self, original(self))) or
-                        rebuilt[-1][1])
+    rebuilt = record_unpacks(kept_forms.Recomputed, monkeypatch)
     model(x).square().mean().backward()
     (holder, value), = rebuilt
     gate = holder.source.unpack()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from models import record_unpacks
 from torch import nn
 
 import actcomp
@@ -92,10 +93,7 @@ def test_the_rebuilt_product_is_that_of_the_decoded_input(dtype, monkeypatch):
     from actcomp.whole_model import kept_forms
 
     model, x = converted(dtype=dtype)
-    rebuilt = []
-    original = kept_forms.Rescaled.unpack
-    monkeypatch.setattr(kept_forms.Rescaled, "unpack", lambda self: rebuilt.append((self, original(self))) or
-                        rebuilt[-1][1])
+    rebuilt = record_unpacks(kept_forms.Rescaled, monkeypatch)
     model(x).square().mean().backward()
     (holder, value), = rebuilt
     decoded = holder.source.unpack()
