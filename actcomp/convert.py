@@ -73,8 +73,9 @@ def to_compressed(
     keeps is compressed too, by the kind of op saving it. The presets: ``rest="8bit"`` keeps
     ReLU-family outputs, dropout masks and MaxPool argmaxes exactly in 1-4 bits and norm, other
     activation (GELU/SiLU too) and attention tensors in int8 (norm inputs in groups inside each
-    normalized unit); ``"4bit"`` the same with int4 in groups of 64 and GELU/SiLU inputs as 4-bit
-    derivative codes; ``"exact"`` only the exact codecs (bit-identical gradients). A spec string
+    normalized unit); ``"4bit"`` the same with int4 in groups of 64 (LayerNorm and RMSNorm inputs
+    in groups of 16, where a trained LLM's sink token shares a row with outlier channels) and
+    GELU/SiLU inputs as 4-bit derivative codes; ``"exact"`` only the exact codecs (bit-identical gradients). A spec string
     applies that spec to norms, activations and attention; a mapping overrides kinds of the
     ``"8bit"`` preset one by one, e.g. ``rest={"normalization": "int4", "fewbit": 3}``.
     ``None`` (default) leaves the rest as it is (Linear/Conv mode), or as a previous conversion

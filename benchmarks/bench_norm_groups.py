@@ -4,11 +4,13 @@
 
 A language model with eager attention and a trained model's outliers keeps its 4-bit gradient
 above the 0.97 floor only with its norms' inputs in groups of 16 (``bench_lm_quality.py``: 0.983
-against the preset's 0.968): a sink token's outlier channels set the range of every group they
-share. This measures the bytes that costs where no sink token lives: resnet50 and ViT-S (batch 8,
+against 0.968 in groups of 64): a sink token's outlier channels set the range of every group they
+share. This measures the bytes that costs, on models with and without such tokens: resnet50 and ViT-S (batch 8,
 224 px) and the Llama-shaped model of ``bench_lm_quality.py`` (2 x 256 tokens, eager attention,
-outliers built in), each under ``"mink0.9+int8"`` with the ``"4bit"`` preset and with the same
-preset's norms in groups of 16 (``actcomp.memory_report``, bytes kept for backward).
+outliers built in), each under ``"mink0.9+int8"`` with every norm's input in groups of 64 (the
+``"4bit"`` preset before stop 57), with the preset (since stop 57: LayerNorm and RMSNorm inputs in
+groups of 16, ``token_norms``, BatchNorm's in 64) and with every norm's in groups of 16
+(``actcomp.memory_report``, bytes kept for backward).
 
 Writes ``benchmarks/results/norm_groups_<torch>_cpu_t<threads>.{md,csv}``.
 """
@@ -25,9 +27,12 @@ from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, wr
 
 import actcomp
 
-GROUPS_OF_16 = {"activation": "int4:group=64", "normalization": "int4:group=16", "attention": "int4:group=64",
+GROUPS_OF_64 = {"activation": "int4:group=64", "normalization": "int4:group=64", "attention": "int4:group=64",
                 "fewbit": 4}
-COLUMNS = ["model", "plain_mib", "preset_mib", "groups16_mib", "preset_x", "groups16_x", "more_bytes_pct"]
+GROUPS_OF_16 = {**GROUPS_OF_64, "normalization": "int4:group=16"}
+VARIANTS = (("groups64", GROUPS_OF_64), ("preset", "4bit"), ("groups16", GROUPS_OF_16))
+COLUMNS = ["model", "plain_mib", "groups64_mib", "preset_mib", "groups16_mib", "groups64_x", "preset_x", "groups16_x",
+           "preset_more_pct", "groups16_more_pct"]
 
 
 def models(batch: int) -> dict[str, tuple[torch.nn.Module, tuple, dict]]:
@@ -56,19 +61,25 @@ def main() -> None:
     for name, (model, inputs, kwargs) in models(args.batch).items():
         plain = actcomp.memory_report(model, *inputs, **kwargs).total_bytes
         kept = {}
-        for label, rest in (("preset", "4bit"), ("groups16", GROUPS_OF_16)):
+        for label, rest in VARIANTS:
             converted = actcomp.to_compressed(copy.deepcopy(model), "mink0.9+int8", rest=rest)
             kept[label] = actcomp.memory_report(converted, *inputs, **kwargs).total_bytes
-        rows.append({"model": name, "plain_mib": plain / 2**20, "preset_mib": kept["preset"] / 2**20,
-                     "groups16_mib": kept["groups16"] / 2**20, "preset_x": plain / kept["preset"],
-                     "groups16_x": plain / kept["groups16"],
-                     "more_bytes_pct": 100 * (kept["groups16"] / kept["preset"] - 1)})
-        print(f"{name}: {rows[-1]['preset_x']:.2f}x -> {rows[-1]['groups16_x']:.2f}x", flush=True)
-    body = ['Bytes kept for backward: plain, `"mink0.9+int8", rest="4bit"`, and the same with the norms\' inputs in '
-            "groups of 16 (`rest=" + repr(GROUPS_OF_16).replace("'", '"') + "`).", "",
-            "| model | plain | `\"4bit\"` | norms in groups of 16 | more bytes |", "|---|---:|---:|---:|---:|"]
-    body += [f"| {r['model']} | {r['plain_mib']:.1f} MiB | {r['preset_mib']:.1f} MiB ({r['preset_x']:.2f}x fewer) | "
-             f"{r['groups16_mib']:.1f} MiB ({r['groups16_x']:.2f}x) | +{r['more_bytes_pct']:.1f}% |" for r in rows]
+        row = {"model": name, "plain_mib": plain / 2**20}
+        for label, _ in VARIANTS:
+            row[f"{label}_mib"], row[f"{label}_x"] = kept[label] / 2**20, plain / kept[label]
+        for label in ("preset", "groups16"):
+            row[f"{label}_more_pct"] = 100 * (kept[label] / kept["groups64"] - 1)
+        rows.append(row)
+        print(f"{name}: {row['groups64_x']:.2f}x, preset {row['preset_x']:.2f}x, all 16 {row['groups16_x']:.2f}x",
+              flush=True)
+    body = ['Bytes kept for backward: plain, and `"mink0.9+int8"` with `rest="4bit"`\'s mapping with every norm\'s '
+            "input in groups of 64 (the preset before stop 57), with the preset (LayerNorm/RMSNorm inputs in groups of "
+            "16, BatchNorm's in 64), and with every norm's input in groups of 16.", "",
+            "| model | plain | norms in groups of 64 | `\"4bit\"` | every norm in groups of 16 |",
+            "|---|---:|---:|---:|---:|"]
+    body += [f"| {r['model']} | {r['plain_mib']:.1f} MiB | {r['groups64_mib']:.1f} MiB ({r['groups64_x']:.2f}x fewer) | "
+             f"{r['preset_mib']:.1f} MiB ({r['preset_x']:.2f}x, +{r['preset_more_pct']:.1f}%) | "
+             f"{r['groups16_mib']:.1f} MiB ({r['groups16_x']:.2f}x, +{r['groups16_more_pct']:.1f}%) |" for r in rows]
     device = torch.device("cpu")
     header = header_lines(device, args.threads, 0, time.perf_counter() - started, {"batch": args.batch}, load_before)
     write_results("norm_groups", device, args.threads, header, "Norms' inputs in groups of 16 under rest=\"4bit\": the bytes",

@@ -281,6 +281,8 @@ def _kind_codec(choice, tensor: torch.Tensor, kind: str, scope: Scope | None) ->
             and _under_8_bits(pipeline):
         return _SDPA_VALUES  # an eager attention's query, key or value (below)
     unit = _normalized_unit(tensor, scope) if kind == "normalization" else None
+    if unit is not None and choice.token_norms is not None and _normalizes_tokens(scope):
+        pipeline = choice.token_norms
     if unit is not None:
         grouped = grouped_by_rows(pipeline, unit.row)
         if grouped is None:
@@ -402,6 +404,13 @@ def sdpa_roles(tensor: torch.Tensor, scope: Scope) -> tuple[str, ...]:
 
 def _hashable(value):
     return tuple(value) if isinstance(value, (list, torch.Size)) else value
+
+
+def _normalizes_tokens(scope: Scope) -> bool:
+    """Whether a norm's scope normalizes each token's row (LayerNorm, RMSNorm, a ``...Norm``
+    module's own ops), where a trained language model's sink token and outlier channels share
+    the rows; batch, group and instance norms normalize channels, which have no such rows."""
+    return scope.op in ("layer_norm", "rms_norm", None)
 
 
 def _normalized_unit(tensor: torch.Tensor, scope: Scope | None) -> Unit | None:

@@ -128,6 +128,36 @@ def test_one_tensor_saved_twice_by_one_norm_with_other_shapes_gets_rows_of_each(
         ["int8:group=16", "int8:group=64"]
 
 
+def test_4bit_codes_token_norms_in_groups_of_16_and_batch_norms_in_groups_of_64():
+    class RMSNorm(nn.Module):  # written out, as Hugging Face's are: the module's own ops
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    class Norms(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.fc, self.rms = nn.Linear(8 * 64, 128), RMSNorm()
+
+        def forward(self, x):
+            y = F.gelu(self.bn(self.conv(x))).flatten(1)
+            return F.layer_norm(self.rms(self.fc(y)), (128,))
+
+    def codecs(rest):
+        events = []
+        with listening(events.append):
+            step(actcomp.to_compressed(Norms(), "mink0", rest=rest), torch.randn(4, 3, 8, 8))
+        return [event.codec for event in events if event.kind == "normalization" and event.codec
+                and event.codec.startswith("int")]
+
+    # BatchNorm's 8x8 planes, the RMSNorm's row (its product rebuilt from it), LayerNorm's; int8's groups
+    # divide the 128-element rows.
+    assert codecs("4bit") == ["int4:group=64", "int4:group=16", "int4:group=16"]
+    assert codecs({"normalization": "int4:group=64"}) == ["int4:group=64"] * 3
+    assert codecs({"normalization": "int4:group=64", "token_norms": "int8"}) == \
+        ["int4:group=64", "int8:group=128", "int8:group=128"]
+
+
 @pytest.mark.parametrize("rest, floor", [("8bit", 0.99), ("int4", 0.97), ("4bit", 0.97)])
 def test_a_tiny_class_token_row_keeps_its_gradient(rest, floor):
     # Measured once before the fix (groups of 256 across rows): 8bit 0.898, int4 0.126; now

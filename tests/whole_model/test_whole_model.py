@@ -786,7 +786,8 @@ def test_functional_gelu_layer_norm_and_attention_are_compressed():
 
 @pytest.mark.parametrize("rest, message", [
     ({"conv": "int8"}, r"unknown op kind 'conv' in rest; valid keys: activation, normalization, attention, other, "
-                       r"pooling, dropout, fewbit, attention_floors \(Linear/Conv inputs take the main pipeline argument\)"),
+                       r"pooling, dropout, fewbit, attention_floors, token_norms "
+                       r"\(Linear/Conv inputs take the main pipeline argument\)"),
     ({"linear": "int8"}, r"unknown op kind 'linear' in rest"),
     ({3: "int8"}, r"unknown op kind 3 in rest"),
     ({"fewbit": 5}, r"rest\['fewbit'\] must be a bit width 1 to 4 \(or None\), got 5"),
@@ -819,8 +820,11 @@ def test_bad_rest_raises(rest, message):
     ("4bit", "4bit"),
     ("exact", "exact"),
     ({}, "8bit"),
+    ({"normalization": "int4:group=64", "attention": "int4:group=64", "activation": "int4:group=64", "fewbit": 4,
+      "token_norms": "int4:group=16"}, "4bit"),
     ({"normalization": "int4:group=64", "attention": "int4:group=64", "activation": "int4:group=64", "fewbit": 4},
-     "4bit"),
+     "activation=int4:group=64, normalization=int4:group=64, attention=int4:group=64, pooling=exact, dropout=exact, "
+     "other=None, fewbit=4"),
     ("int4", "activation=int4, normalization=int4, attention=int4, pooling=exact, dropout=exact, other=None"),
     ({"normalization": "int4", "other": "int8"},
      "activation=int8, normalization=int4, attention=int8, pooling=exact, dropout=exact, other=int8"),
