@@ -73,7 +73,8 @@ def to_compressed(
     keeps is compressed too, by the kind of op saving it. The presets: ``rest="8bit"`` keeps
     ReLU-family outputs, dropout masks and MaxPool argmaxes exactly in 1-4 bits and norm, other
     activation (GELU/SiLU too) and attention tensors in int8 (norm inputs in groups inside each
-    normalized unit); ``"4bit"`` the same with int4 in groups of 64 (LayerNorm and RMSNorm inputs
+    normalized unit; a bf16 or fp16 BatchNorm input in ``int4:group=64``, a quarter of its bytes);
+    ``"4bit"`` the same with int4 in groups of 64 (LayerNorm and RMSNorm inputs
     in groups of 16, where a trained LLM's sink token shares a row with outlier channels) and
     GELU/SiLU inputs as 4-bit derivative codes; ``"exact"`` only the exact codecs (bit-identical gradients). A spec string
     applies that spec to norms, activations and attention; a mapping overrides kinds of the

@@ -29,7 +29,10 @@ from common import RESULTS_DIR, benchmark_parser, header_lines, load_average, wr
 
 import actcomp
 
-CODES = ["int8", "int4:group=64", "int4", "int2:group=32"]
+# The normalization kind's code, by label: a spec for every norm, or (None) the "8bit" preset's own
+# (since stop 57: int8, and int4:group=64 for a BatchNorm input in bf16 or fp16).
+CODES = {"int8": "int8", "int4:group=64": "int4:group=64", "int4": "int4", "int2:group=32": "int2:group=32",
+         '"8bit"': None}
 COLUMNS = ["dtype", "normalization", "kept_ratio", "cosine"]
 
 
@@ -64,17 +67,19 @@ def main() -> None:
         with autocast(dtype):
             plain = actcomp.memory_report(copy.deepcopy(base), big).total_bytes
         reference = gradient(copy.deepcopy(base), small, dtype)
-        for code in CODES:
-            converted = actcomp.to_compressed(copy.deepcopy(base), "mink0.9+int8", rest={"normalization": code})
+        for code, spec in CODES.items():
+            normalization = {} if spec is None else {"normalization": spec}
+            converted = actcomp.to_compressed(copy.deepcopy(base), "mink0.9+int8", rest=normalization or "8bit")
             with autocast(dtype):
                 kept = actcomp.memory_report(converted, big).total_bytes
             alone = actcomp.to_compressed(copy.deepcopy(base), "mink0", loss="plain", rest={
-                "activation": "exact", "attention": "exact", "normalization": code})
+                "activation": "exact", "attention": "exact", **normalization})
             cosine = float(F.cosine_similarity(gradient(alone, small, dtype), reference, dim=0))
             rows.append({"dtype": dtype, "normalization": code, "kept_ratio": plain / kept, "cosine": cosine})
             print(f"{dtype} {code}: {plain / kept:.2f}x fewer bytes, cosine {cosine:.5f}", flush=True)
     body = ["Kept: plain's bytes over the converted model's (`\"mink0.9+int8\"`, `rest=\"8bit\"` with the "
-            "normalization code of the row; int8 is the preset's). Cosine: the whole gradient against plain's with "
+            "normalization code of the row; `\"8bit\"`: the preset's own, int8 and, since stop 57, int4:group=64 for "
+            "a BatchNorm input in bf16 or fp16). Cosine: the whole gradient against plain's with "
             "the normalization kind alone lossy.", "",
             "| normalization code | fp32: kept | fp32: cosine | bf16: kept | bf16: cosine |", "|---|---:|---:|---:|---:|"]
     for code in CODES:

@@ -179,9 +179,9 @@ def gradient_cosine(grads: dict, ref_grads: dict) -> float:
     return float((a * b).sum())
 
 
-def preset_gradients(entry: ZooModel, rest) -> tuple[dict, dict]:
-    """(converted, plain) parameter gradients of one fp32 step of ``entry`` on its roomy batch,
-    converted with a lossless layer spec (``mink0``) and whole-model policy ``rest``."""
+def preset_gradients(entry: ZooModel, rest, autocast: bool = False) -> tuple[dict, dict]:
+    """(converted, plain) parameter gradients of one fp32 (or bf16 autocast) step of ``entry`` on
+    its roomy batch, converted with a lossless layer spec (``mink0``) and whole-model policy ``rest``."""
     import copy
 
     import actcomp
@@ -192,6 +192,6 @@ def preset_gradients(entry: ZooModel, rest) -> tuple[dict, dict]:
     model = actcomp.to_compressed(copy.deepcopy(plain), "mink0", first_layer=None, rest=rest, loss="plain")
     torch.manual_seed(2)
     batch = (entry.roomy_batch or entry.batch)()
-    _, ref_grads = train_step(plain, batch)
-    _, grads = train_step(model, batch)
+    _, ref_grads = train_step(plain, batch, autocast)
+    _, grads = train_step(model, batch, autocast)
     return grads, ref_grads

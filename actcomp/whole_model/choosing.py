@@ -281,8 +281,8 @@ def _kind_codec(choice, tensor: torch.Tensor, kind: str, scope: Scope | None) ->
             and _under_8_bits(pipeline):
         return _SDPA_VALUES  # an eager attention's query, key or value (below)
     unit = _normalized_unit(tensor, scope) if kind == "normalization" else None
-    if unit is not None and choice.token_norms is not None and _normalizes_tokens(scope):
-        pipeline = choice.token_norms
+    if unit is not None:
+        pipeline = _norm_pipeline(choice, pipeline, tensor, scope)
     if unit is not None:
         grouped = grouped_by_rows(pipeline, unit.row)
         if grouped is None:
@@ -404,6 +404,18 @@ def sdpa_roles(tensor: torch.Tensor, scope: Scope) -> tuple[str, ...]:
 
 def _hashable(value):
     return tuple(value) if isinstance(value, (list, torch.Size)) else value
+
+
+def _norm_pipeline(choice: Lossy, pipeline: Pipeline, tensor: torch.Tensor, scope: Scope) -> Pipeline:
+    """A norm input's pipeline: the normalization choice's own, or one of its refinements."""
+    if choice.token_norms is not None and _normalizes_tokens(scope):
+        return choice.token_norms
+    if choice.batch_norms_16bit is not None and scope.op == "batch_norm" and tensor.dtype in _16_BITS:
+        return choice.batch_norms_16bit
+    return pipeline
+
+
+_16_BITS = (torch.bfloat16, torch.float16)
 
 
 def _normalizes_tokens(scope: Scope) -> bool:

@@ -15,6 +15,8 @@ from actcomp.errors import ActcompError
 
 LOSSY_KINDS = ("activation", "normalization", "attention", "other")
 EXACT_KINDS = ("pooling", "dropout")
+# Keys of a rest mapping that give some norms' inputs a spec of their own (fields of Lossy).
+NORM_REFINEMENTS = ("token_norms", "batch_norms_16bit")
 
 
 @dataclass(frozen=True)
@@ -49,15 +51,17 @@ class Lossy:
     token would turn coarser codes into logit errors of whole units. Off (``rest={...,
     "attention_floors": False}``), they take ``pipeline`` like the kind's other tensors.
 
-    ``token_norms`` (normalization only; ``rest={..., "token_norms": spec}``) codes the inputs of
-    the norms that normalize each token's row (LayerNorm, RMSNorm: ``layer_norm``, ``rms_norm``
-    and a ``...Norm`` module's own ops) by its own pipeline, the kind's other norms (batch, group,
-    instance) by ``pipeline``. None: every norm by ``pipeline``."""
+    Two refinements of the normalization kind (:data:`NORM_REFINEMENTS`, ``rest={...,
+    "token_norms": spec}``; None: ``pipeline``): ``token_norms`` codes the inputs of the norms that
+    normalize each token's row (LayerNorm, RMSNorm: ``layer_norm``, ``rms_norm`` and a
+    ``...Norm`` module's own ops), ``batch_norms_16bit`` the inputs of BatchNorms held in bf16 or
+    fp16 (what autocast makes of a CNN's), and ``pipeline`` every other norm's input."""
 
     pipeline: Pipeline
     query_key_as_is: bool = False
     attention_floors: bool = True
     token_norms: Pipeline | None = None
+    batch_norms_16bit: Pipeline | None = None
 
     def __str__(self) -> str:
         return self.pipeline.spec
@@ -87,8 +91,8 @@ class RestPolicy:
 
     >>> print(RestPolicy.parse({"normalization": "int4", "fewbit": 3}))
     activation=int8, normalization=int4, attention=int8, pooling=exact, dropout=exact, other=None, fewbit=3
-    >>> print(RestPolicy.parse("int8"))
-    8bit
+    >>> RestPolicy.parse("8bit").normalization.batch_norms_16bit
+    Pipeline('int4:group=64')
     >>> RestPolicy.parse("4bit").activation.bits, RestPolicy.parse("4bit").normalization.token_norms
     (4, Pipeline('int4:group=16'))
     """
@@ -131,7 +135,7 @@ class RestPolicy:
             if kind == "attention_floors":
                 if not isinstance(value, bool):
                     raise ActcompError(f"rest['attention_floors'] must be True or False, got {value!r}")
-            elif kind == "token_norms":
+            elif kind in NORM_REFINEMENTS:
                 continue  # below, once the normalization's own choice is known
             elif kind == "fewbit":
                 if value is not None and (type(value) is not int or value not in range(1, 5)):
@@ -141,15 +145,19 @@ class RestPolicy:
             else:
                 raise ActcompError(
                     f"unknown op kind {kind!r} in rest; valid keys: {', '.join(LOSSY_KINDS + EXACT_KINDS)}, fewbit, "
-                    "attention_floors, token_norms "
+                    f"attention_floors, {', '.join(NORM_REFINEMENTS)} "
                     "(Linear/Conv inputs take the main pipeline argument)"
                 )
-        if rest.get("token_norms") is not None:
+        for key in NORM_REFINEMENTS:
+            if key not in rest:
+                continue
             if not isinstance(choices["normalization"], Lossy):
-                raise ActcompError(f"rest['token_norms'] refines a lossy normalization spec; normalization is "
+                if rest[key] is None:
+                    continue
+                raise ActcompError(f"rest[{key!r}] refines a lossy normalization spec; normalization is "
                                    f"{choices['normalization']} here: give rest['normalization'] a spec too")
-            token_norms = _lossy_pipeline(rest["token_norms"], "rest['token_norms']")
-            choices["normalization"] = replace(choices["normalization"], token_norms=token_norms)
+            refined = None if rest[key] is None else _lossy_pipeline(rest[key], f"rest[{key!r}]")
+            choices["normalization"] = replace(choices["normalization"], **{key: refined})
         if rest.get("fewbit") is not None:
             choices["activation"] = Derivative(rest["fewbit"], choices["activation"])
         if rest.get("attention_floors") is False:
@@ -167,8 +175,10 @@ class RestPolicy:
         text += f", fewbit={self.activation.bits}" if isinstance(self.activation, Derivative) else ""
         lifted = isinstance(self.attention, Lossy) and not self.attention.attention_floors
         text += ", attention_floors=False" if lifted else ""
-        token_norms = getattr(self.normalization, "token_norms", None)
-        return text + (f", token_norms={token_norms.spec}" if token_norms is not None else "")
+        for key in NORM_REFINEMENTS:
+            refined = getattr(self.normalization, key, None)
+            text += f", {key}={refined.spec}" if refined is not None else ""
+        return text
 
     def __setstate__(self, state: dict) -> None:
         if "fewbit" in state:
@@ -233,10 +243,15 @@ def _lossy_pipeline(spec: str | Pipeline, where: str) -> Pipeline:
 # a few steps (eager attention's gradient cosine 0.968 with outliers built in, 0.983 in groups of
 # 16; bench_lm_quality.py). BatchNorm's channels have no such rows and keep groups of 64 (groups
 # of 16 everywhere cost resnet50 33% more bytes, the Llama 2.7%, ViT-S 8.1%; bench_norm_groups.py).
+# "8bit" keeps a bf16/fp16 BatchNorm input (a CNN under autocast) in int4:group=64, a quarter of
+# its bytes as int8 keeps of an fp32 one: BatchNorm inputs are over half of what a ResNet keeps
+# under autocast, whose int8 codes left resnet50 at 3.10x fewer bytes than plain; int4 gives
+# 4.79x at a gradient cosine of 0.9985 with the norms alone lossy (bench_batchnorm_codes.py).
 _INT8, _INT4 = Lossy(parse("int8")), Lossy(parse("int4:group=64"))
+_INT8_NORMS = Lossy(parse("int8"), batch_norms_16bit=parse("int4:group=64"))
 _INT4_NORMS = Lossy(parse("int4:group=64"), token_norms=parse("int4:group=16"))
 PRESETS: dict[str, RestPolicy] = {
     "exact": RestPolicy(EXACT, EXACT, EXACT, EXACT, EXACT, EXACT),
-    "8bit": RestPolicy(_INT8, _INT8, _INT8, EXACT, EXACT),
+    "8bit": RestPolicy(_INT8, _INT8_NORMS, _INT8, EXACT, EXACT),
     "4bit": RestPolicy(Derivative(4, _INT4), _INT4_NORMS, _INT4, EXACT, EXACT),
 }

@@ -163,6 +163,16 @@ def test_zoo_lossy_presets_keep_the_gradient_direction(entry, preset):
     assert gradient_cosine(*preset_gradients(entry, preset)) >= GRADIENT_FLOORS[preset]
 
 
+BATCHNORM_ZOO = [entry for entry in ZOO if entry.roomy_batch is not None]
+
+
+@pytest.mark.parametrize("entry", BATCHNORM_ZOO, ids=[entry.id for entry in BATCHNORM_ZOO])
+def test_zoo_8bit_under_bf16_autocast_keeps_the_gradient_direction(entry):
+    # Under autocast "8bit" keeps BatchNorm inputs (bf16) in int4:group=64, a quarter of their
+    # bytes; measured at stop 57: EfficientNet-B0 0.9946 the lowest (int8 there: 0.9995).
+    assert gradient_cosine(*preset_gradients(entry, "8bit", autocast=True)) >= GRADIENT_FLOORS["8bit"]
+
+
 @pytest.mark.parametrize("entry", ZOO, ids=[entry.id for entry in ZOO])
 def test_zoo_roomy_batches_give_batchnorm_room(entry):
     # The floors' one exception is stated, not assumed: the batch they use gives every

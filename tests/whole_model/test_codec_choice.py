@@ -8,6 +8,7 @@ was kept as int8 attention values.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -156,6 +157,25 @@ def test_4bit_codes_token_norms_in_groups_of_16_and_batch_norms_in_groups_of_64(
     assert codecs({"normalization": "int4:group=64"}) == ["int4:group=64"] * 3
     assert codecs({"normalization": "int4:group=64", "token_norms": "int8"}) == \
         ["int4:group=64", "int8:group=128", "int8:group=128"]
+
+
+def test_8bit_codes_a_16_bit_batch_norm_input_in_int4_and_an_fp32_one_in_int8():
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(512, 4))
+
+    def codecs(rest, autocast):
+        events = []
+        model = actcomp.to_compressed(copy.deepcopy(net), "mink0", rest=rest)
+        amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with listening(events.append), amp:
+            step(model, torch.randn(4, 3, 8, 8))
+        return [event.codec for event in events if event.kind == "normalization" and event.codec]
+
+    assert codecs("8bit", autocast=False) == ["int8:group=64"]
+    assert codecs("8bit", autocast=True) == ["int4:group=64"]
+    # A mapping's own normalization spec holds for every norm; the preset's refinement is a key.
+    assert codecs({"normalization": "int8"}, autocast=True) == ["int8:group=64"]
+    assert codecs({"batch_norms_16bit": None}, autocast=True) == ["int8:group=64"]
+    assert codecs({"batch_norms_16bit": "int2:group=32"}, autocast=True) == ["int2:group=32"]
 
 
 @pytest.mark.parametrize("rest, floor", [("8bit", 0.99), ("int4", 0.97), ("4bit", 0.97)])

@@ -172,7 +172,7 @@ def test_a_padded_batch_keeps_its_attention_mask_and_its_gradient(recomputed, mo
 def test_attention_floors_reads_as_a_policy_and_refuses_what_it_cannot_mean():
     policy = RestPolicy.parse({"attention": "int4:group=64", "attention_floors": False})
     assert not policy.attention.attention_floors and RestPolicy.parse("8bit").attention.attention_floors
-    assert str(policy).endswith(", attention_floors=False")
+    assert ", attention_floors=False" in str(policy)
     with pytest.raises(actcomp.ActcompError, match=r"rest\['attention_floors'\] must be True or False"):
         RestPolicy.parse({"attention_floors": "no"})
     with pytest.raises(actcomp.ActcompError, match="give rest\\['attention'\\] a spec too"):

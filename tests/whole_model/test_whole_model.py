@@ -653,9 +653,10 @@ def test_parameters_buffers_inputs_weight_copies_and_statistics_are_kept_as_they
         for event in saved:
             assert event.codec is None and event.kept == (event.tensor,), (what, event)
     # The same forward does compress the large normalization inputs (BatchNorm's, LayerNorm's).
-    # In groups that divide their normalized rows: 64-element planes, 32-element rows.
+    # In groups that divide their normalized rows: 64-element planes, 32-element rows; BatchNorm's
+    # bf16 input under autocast in int4 (the preset's batch_norms_16bit), LayerNorm's fp32 one in int8.
     assert [e.codec for e in events if e.kind == "normalization" and category(e) is None] == \
-        ["int8:group=64", "int8:group=32"]
+        ["int4:group=64" if autocast else "int8:group=64", "int8:group=32"]
 
     report = actcomp.memory_report(model, inputs) if not autocast else _autocast_report(model, inputs)
     others = [storage for storage in report.storages if storage.kind != "activation"]
@@ -786,7 +787,7 @@ def test_functional_gelu_layer_norm_and_attention_are_compressed():
 
 @pytest.mark.parametrize("rest, message", [
     ({"conv": "int8"}, r"unknown op kind 'conv' in rest; valid keys: activation, normalization, attention, other, "
-                       r"pooling, dropout, fewbit, attention_floors, token_norms "
+                       r"pooling, dropout, fewbit, attention_floors, token_norms, batch_norms_16bit "
                        r"\(Linear/Conv inputs take the main pipeline argument\)"),
     ({"linear": "int8"}, r"unknown op kind 'linear' in rest"),
     ({3: "int8"}, r"unknown op kind 3 in rest"),
@@ -829,9 +830,12 @@ def test_bad_rest_raises(rest, message):
     ({"normalization": "int4", "other": "int8"},
      "activation=int8, normalization=int4, attention=int8, pooling=exact, dropout=exact, other=int8"),
     ({"activation": "exact", "pooling": None},
-     "activation=exact, normalization=int8, attention=int8, pooling=None, dropout=exact, other=None"),
+     "activation=exact, normalization=int8, attention=int8, pooling=None, dropout=exact, other=None, "
+     "batch_norms_16bit=int4:group=64"),
     ({"fewbit": 2}, "activation=int8, normalization=int8, attention=int8, pooling=exact, dropout=exact, other=None, "
-                    "fewbit=2"),
+                    "fewbit=2, batch_norms_16bit=int4:group=64"),
+    ({"batch_norms_16bit": None}, "activation=int8, normalization=int8, attention=int8, pooling=exact, dropout=exact, "
+                                  "other=None"),
 ])
 def test_rest_policy_prints_back(rest, text):
     assert str(RestPolicy.parse(rest)) == text
