@@ -5,7 +5,10 @@ what the search costs, and the plan against the hand-picked presets at the prese
 
 Models (random weights, one batch each, as a user would plan on theirs): timm's resnet50 and
 ViT-S at 224 px (8 images; ``--images``), and the Llama-shaped model of ``bench_lm_quality.py`` with a trained
-model's outliers built in (hidden 256, 4 layers, 2 x 256 tokens, a sink token first). For each:
+model's outliers built in (hidden 256, 4 layers, 2 x 256 tokens, a sink token first); asked for
+by name only, ``"llama 8 layers (outliers, 2048 tokens)"``: the same with hidden 512, 8 layers and
+1 x 2048 tokens (``bench_lm_families.py``'s sizes, a 2000-token vocabulary), whose step is long
+enough for the search's fixed costs to show less. For each:
 
 - every budget of ``--fractions``: the bytes the plan keeps (fraction of plain's, measured by
   ``memory_report`` as the plan's own report does), the whole gradient's cosine against plain's,
@@ -41,17 +44,36 @@ PRESETS = [("int8", "8bit"), ("mink0.9+int8", "8bit"), ("int4", "4bit"), ("mink0
 COLUMNS = ["model", "asked", "config", "kept_fraction", "cosine", "preset_cosine", "steps", "search_steps_equivalent"]
 
 
-def models(images: int = 8) -> dict[str, tuple[torch.nn.Module, object]]:
-    import timm
+DEFAULT_MODELS = ("resnet50", "vit_small_patch16_224", "llama (outliers)")
+LONG_LLAMA = "llama 8 layers (outliers, 2048 tokens)"
 
-    built = {}
-    for name in ("resnet50", "vit_small_patch16_224"):
+
+def build(name: str, images: int = 8) -> tuple[torch.nn.Module, object]:
+    """One model of the benchmark and its batch, built when asked for."""
+    if name in ("resnet50", "vit_small_patch16_224"):
+        import timm
+
         torch.manual_seed(0)
-        built[name] = (timm.create_model(name, pretrained=False), torch.randn(images, 3, 224, 224))
-    ids = torch.randint(1, 2000, (2, 256), generator=torch.Generator().manual_seed(0))
-    ids[:, 0] = 0  # the sink token
-    built["llama (outliers)"] = (llama(outliers=True), {"input_ids": ids, "labels": ids})
-    return built
+        return timm.create_model(name, pretrained=False), torch.randn(images, 3, 224, 224)
+    if name == "llama (outliers)":
+        ids = torch.randint(1, 2000, (2, 256), generator=torch.Generator().manual_seed(0))
+        ids[:, 0] = 0  # the sink token
+        return llama(outliers=True), {"input_ids": ids, "labels": ids}
+    if name == LONG_LLAMA:
+        import transformers
+
+        from actcomp.tools.llm_outliers import add_outliers
+
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=2000, hidden_size=512, intermediate_size=1408,
+                                          num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                                          max_position_embeddings=2048)
+        model = transformers.LlamaForCausalLM(config).train()
+        add_outliers(model)
+        ids = torch.randint(1, 2000, (1, 2048), generator=torch.Generator().manual_seed(0))
+        ids[:, 0] = 0
+        return model, {"input_ids": ids, "labels": ids}
+    raise SystemExit(f"unknown model {name!r}; models: {', '.join((*DEFAULT_MODELS, LONG_LLAMA))}")
 
 
 def step_seconds(model: torch.nn.Module, batch) -> float:
@@ -134,9 +156,8 @@ def main() -> None:
     against = ["", "At a preset's own bytes: the preset's cosine, then the plan's.", "",
                "| model | preset | kept | preset cosine | plan cosine |", "|---|---|---:|---:|---:|"]
     notes, peak_tables = [], []
-    for name, (model, batch) in models(args.images).items():
-        if args.models and name not in args.models:
-            continue
+    for name in args.models or DEFAULT_MODELS:
+        model, batch = build(name, args.images)
         step = step_seconds(model, batch)
         plans = {}
         budgets = [(fraction, True) for fraction in args.fractions]

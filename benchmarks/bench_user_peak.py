@@ -27,7 +27,11 @@ flatters the conversion; the settled one is what a long training run pays. The w
 - ``checkpoint+whole``: both (since stop 48 whole-model mode also compresses what each block's
   recomputation saves in backward);
 - ``checkpoint+whole, inputs int8``: both, with the block inputs checkpoint stores coded too
-  (``rest={"other": "int8"}``, the ``"8bit"`` preset otherwise; ``--rest 8bit`` only).
+  (``rest={"other": "int8"}``, the ``"8bit"`` preset otherwise; ``--rest 8bit`` only);
+- ``whole, int8 batch norms``: ``whole`` with ``rest={"batch_norms_16bit": None}``, the
+  ``"8bit"`` preset before stop 57, which kept a bf16 BatchNorm input in int8 (``--amp bf16``).
+
+``--amp bf16`` runs every step under CPU bf16 autocast.
 
 The runs of one model go in rounds, their order rotating from round to round; a run's step-time
 ratio is its median step over plain's in the same round, and the table gives the median of
@@ -59,6 +63,8 @@ RUNS = {
     "checkpoint+whole": (True, True, "as-user", None),
     # A rest mapping overrides the "8bit" preset: checkpoint's stored block inputs are kind "other".
     "checkpoint+whole, inputs int8": (True, True, "as-user", {"other": "int8"}),
+    # Under --amp bf16: the "8bit" preset before stop 57, BatchNorm's bf16 inputs in int8.
+    "whole, int8 batch norms": (True, False, "as-user", {"batch_norms_16bit": None}),
 }
 
 
@@ -74,6 +80,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="training steps per process (the first is not timed)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--amp", choices=["bf16"], default=None, help="CPU autocast dtype for every step")
     parser.add_argument("--out", default=str(RESULTS_DIR))
     args = parser.parse_args()
     check_specs(parser, [args.spec])
@@ -98,7 +105,7 @@ def main() -> None:
                 peak, step_seconds = training_steps(
                     model, args.spec if compress else None, rest=(rest or args.rest) if compress else None,
                     checkpoint=checkpoint, allocator=allocator, batch=args.batch, img_size=args.img_size,
-                    steps=args.steps, threads=args.threads)
+                    steps=args.steps, threads=args.threads, amp=args.amp)
                 peaks[run].append(peak)
                 seconds[run] = statistics.median(step_seconds[1:])
                 settled[run] = statistics.median(step_seconds[len(step_seconds) // 2:])
@@ -120,7 +127,7 @@ def main() -> None:
     elapsed = time.perf_counter() - started
     device = torch.device("cpu")
     settings = {"spec": args.spec, "rest": args.rest, "batch": args.batch, "img_size": args.img_size,
-                "steps": args.steps, "rounds": args.rounds, "optimizer": "AdamW"}
+                "steps": args.steps, "rounds": args.rounds, "optimizer": "AdamW", "amp": args.amp}
     header = header_lines(device, args.threads, 0, elapsed, settings, load_before)
     settled_too = args.steps >= SETTLED_FROM
     body = ["Peaks are VmHWM of fresh processes (median over rounds); x lower is against plain as a user runs it. "
