@@ -7,7 +7,9 @@ loss, one seed), in three steps:
 1. **bytes**: what each part keeps under each rung of a ladder of codecs, one forward per rung
    (and one of plain layers beside the op kinds' first lossy rung: a layer's input that a
    kind's codec stops keeping, as fused attention's output, is then the layer's to free), on a
-   quarter of a batch of 8 rows or more, scaled to the whole (:meth:`_Search._probe_rows`).
+   quarter of a batch of 8 rows or more (a language model's batch of fewer rows: a quarter of its
+   tokens, where what it saves grows as their count), scaled to the whole
+   (:meth:`_Search._probe_rows`).
    The parts are the converted Linear/Conv layers (their inputs) and whole-model mode's lossy
    op kinds (activation, normalization, attention, other: what their ops save); pooling and
    dropout always take their exact codecs.
@@ -90,6 +92,9 @@ _ERROR_ROWS = 8
 # A language model's batch of too few rows to cut has its errors measured on a quarter of its
 # tokens instead, this many at least.
 _ERROR_TOKENS = 64
+# A language model's bytes are counted on its first tokens only where plain's bytes of every kind
+# there are the tokens' share of the whole's, within this (relative).
+_LINEAR = 0.02
 # An unmeasured rung's error above its lighter rungs' (relative, and absolute over an exact rung's
 # zero): a tie then goes to the measured rung, and the loop in _solve measures only what can win.
 _UNMEASURED, _UNMEASURED_FLOOR = 1e-6, 1e-12
@@ -337,6 +342,7 @@ class _Search:
         self.attention_floors = attention_floors
         self.reference, plain = run.gradients_and_memory(copy_model(model))
         self.plain_bytes = plain.total_bytes
+        self._plain_kinds = {row.kind: row.plain_bytes for row in plain.kinds}
         norm = _squared_norm(self.reference)
         if not norm:
             raise ActcompError("plain's gradient is zero on this batch: no error can be measured; does the loss "
@@ -367,17 +373,35 @@ class _Search:
         at a quarter of the compute). What does not grow with the rows (a position table) is
         scaled with the rest: the parts then look a little larger, and the plan is measured on
         the whole batch and solved again (:func:`_fit`). A model that will not run on fewer rows
-        is counted on the whole."""
+        is counted on the whole.
+
+        A language model's batch of fewer rows is counted on a quarter of its tokens
+        (:data:`_ERROR_TOKENS` at least; a Llama's 1 x 2048: 8 forwards of 512 tokens) where
+        every op kind's plain bytes there are that share of the whole's: a model whose saves grow
+        otherwise (an eager attention's probabilities, as the sequence's square) is counted on
+        the whole, since one scale for all would misjudge the parts."""
         count = self.run.rows
         probe = self.run.first_rows(count // 4) if count >= _PROBE_ROWS else None
+        by_tokens = probe is None and count < _PROBE_ROWS
+        if by_tokens:
+            probe = self.run.first_tokens(max(_ERROR_TOKENS, self.run.tokens // 4))
         if probe is None:
             return self.run, 1.0
         try:
             self.forwards += 1
-            probe_plain = probe.memory(copy_model(self.model)).total_bytes
+            report = probe.memory(copy_model(self.model))
         except Exception:  # noqa: BLE001 - any model that cannot run on fewer rows is counted whole
             return self.run, 1.0
-        return (probe, self.plain_bytes / probe_plain) if probe_plain else (self.run, 1.0)
+        if not report.total_bytes:
+            return self.run, 1.0
+        scale = self.plain_bytes / report.total_bytes
+        if by_tokens:
+            share = self.run.tokens / probe.tokens
+            ratios = [scale] + [self._plain_kinds.get(row.kind, 0) / row.plain_bytes
+                                for row in report.kinds if row.plain_bytes]
+            if any(abs(ratio / share - 1) > _LINEAR for ratio in ratios):
+                return self.run, 1.0
+        return probe, scale
 
     def _error_rows(self, whole_norm: float) -> tuple[UserBatch, dict[str, torch.Tensor], float]:
         """The batch the parts' errors are measured on, plain's gradient on it and that

@@ -453,6 +453,35 @@ def test_a_language_models_errors_are_measured_on_a_quarter_of_its_tokens():
     assert plan.cosine >= preset.cosine - 1e-4, (plan, preset.cosine)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_language_models_rungs_bytes_are_counted_on_a_quarter_of_its_tokens(attention, monkeypatch):
+    """A batch of too few rows to cut (2 here) has its rungs' bytes counted on its first quarter
+    of tokens where what it saves grows as the tokens do (SDPA: query, key, value and output);
+    an eager attention's probabilities grow as the sequence's square, and that model is counted
+    on every token. Either way the plan fills the budget and keeps the gradient as counting on
+    every token does."""
+    from actcomp.tools import budget
+    from actcomp.tools.user_batch import UserBatch
+
+    model, _ = tiny_llama(2)
+    model.config._attn_implementation = attention
+    ids = torch.randint(1, 1000, (2, 256), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    search = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, budget.KIND_SPECS)
+    if attention == "sdpa":
+        assert search.probe.tokens == 64 and search.probe.rows == 2
+        assert search.scale == pytest.approx(4, rel=0.01)
+    else:
+        assert search.probe is search.run and search.scale == 1.0
+    quarter = actcomp.plan_budget(model, batch, 0.2)
+    monkeypatch.setattr(budget._Search, "_probe_rows", lambda self: (self.run, 1.0))
+    whole = actcomp.plan_budget(model, batch, 0.2)
+    for plan in (quarter, whole):
+        assert 0.95 * plan.budget_bytes <= plan.kept_bytes <= plan.budget_bytes, plan
+    assert quarter.cosine == pytest.approx(whole.cosine, abs=2e-3)
+    assert quarter.forwards == whole.forwards + 1  # plain's bytes on the quarter
+
+
 def test_a_masked_language_models_errors_are_measured_on_its_first_tokens_too():
     """BERT's loss views its labels flat: the cut batch is contiguous, as a shorter one would be,
     so the search measures on its first tokens instead of falling back to every row."""
