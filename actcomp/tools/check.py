@@ -37,7 +37,7 @@ from actcomp.core.pipeline import Pipeline, parse
 from actcomp.errors import ActcompError
 from actcomp.tools.memory import format_bytes
 from actcomp.tools.user_batch import UserBatch, copy_model, gradient_cosine
-from actcomp.whole_model.policy import Exact, KeepAsIs, RestPolicy
+from actcomp.whole_model.policy import NORM_REFINEMENTS, Exact, KeepAsIs, RestPolicy
 
 # Whole-model kinds whose choice can be lossy; pooling and dropout take exact codecs only.
 _LOSSY_KINDS = ("activation", "normalization", "attention", "other")
@@ -264,12 +264,20 @@ def check(model: nn.Module, batch: Any, pipeline: str | Pipeline | Mapping = "mi
                 continue
             alone = to_compressed(copy_model(model), "mink0", rest=replace(exact, **{kind: choice}), loss="plain")
             row = kept[kind]
-            kind_rows.append(CheckRow(kind, str(choice), gradient_cosine(run.gradients(alone), reference), floor, True,
-                                      row.plain_bytes, row.kept_bytes))
+            kind_rows.append(CheckRow(kind, _choice_text(choice), gradient_cosine(run.gradients(alone), reference),
+                                      floor, True, row.plain_bytes, row.kept_bytes))
     problems, together = _problems(kind_rows, layer_rows, pipeline, whole, whole_floor)
     return CheckReport(_spec_text(pipeline), None if rest is None else str(rest), whole, whole_floor,
                        plain_report.total_bytes, kept_report.total_bytes, step_time, kind_rows, layer_rows,
                        problems, together)
+
+
+def _choice_text(choice) -> str:
+    """A kind's choice as a row says it: its spec, and the norms' refinements where set
+    (``"8bit"``'s normalization: ``int8, batch_norms_16bit=int4:group=64``)."""
+    refined = [f"{key}={getattr(choice, key).spec}" for key in NORM_REFINEMENTS
+               if getattr(choice, key, None) is not None]
+    return ", ".join([str(choice), *refined])
 
 
 def expected_layer_cosine(pipeline: str | Pipeline, floor: float = 0.99) -> float:

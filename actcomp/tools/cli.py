@@ -93,6 +93,8 @@ def _add_check_arguments(check: argparse.ArgumentParser) -> None:
                        help="lowest cosine of every converted layer's weight gradient (default: under a sparsifier, "
                             "what dropping as many values at random keeps, less 5%%; else --floor)")
     check.add_argument("--rounds", type=int, default=3, help="interleaved timed steps (default %(default)s)")
+    check.add_argument("--amp", choices=["bf16"], default=None,
+                       help="measure (and plan) under bf16 autocast, as a mixed-precision training step runs")
     check.add_argument("--batch", type=int, default=8,
                        help="--timm: images per batch, seeded like the weights (default %(default)s)")
     check.add_argument("--img-size", type=int, default=224, help="--timm: image size (default %(default)s)")
@@ -375,17 +377,21 @@ def _check(args: argparse.Namespace) -> int:
         batch = torch.randn(args.batch, 3, args.img_size, args.img_size, generator=torch.Generator().manual_seed(0))
     else:
         model, batch = _from_factory(args.model)
-    if args.budget is not None:
-        if args.pipeline is not None or args.rest is not None:
-            raise ActcompError("--budget chooses the pipeline and rest itself: drop --pipeline and --rest, or --budget")
-        plan = plan_budget(model, batch, _budget_argument(args.budget))
-        print(plan, end="\n\n")
-        pipeline, rest = plan.pipeline, plan.rest
-    else:
-        pipeline = args.pipeline or "mink0.9+int8"
-        rest = None if (args.rest or "8bit").lower() == "none" else (args.rest or "8bit")
-    print(check(model, batch, pipeline, rest=rest, floor=args.floor, layer_floor=args.layer_floor,
-                rounds=args.rounds))
+    if args.budget is not None and (args.pipeline is not None or args.rest is not None):
+        raise ActcompError("--budget chooses the pipeline and rest itself: drop --pipeline and --rest, or --budget")
+    # Autocast on the model's device: the steps, the plan's bytes and the codecs all see the
+    # dtypes a mixed-precision step gives them (a BatchNorm's bf16 input takes "8bit"'s int4).
+    device = next((parameter.device.type for parameter in model.parameters()), "cpu")
+    with torch.autocast(device, dtype=torch.bfloat16) if args.amp else contextlib.nullcontext():
+        if args.budget is not None:
+            plan = plan_budget(model, batch, _budget_argument(args.budget))
+            print(plan, end="\n\n")
+            pipeline, rest = plan.pipeline, plan.rest
+        else:
+            pipeline = args.pipeline or "mink0.9+int8"
+            rest = None if (args.rest or "8bit").lower() == "none" else (args.rest or "8bit")
+        print(check(model, batch, pipeline, rest=rest, floor=args.floor, layer_floor=args.layer_floor,
+                    rounds=args.rounds))
     return 0
 
 

@@ -432,3 +432,19 @@ def test_demo_note_names_what_keeps_the_inputs_in_that_model(model, kept_by):
     # Whole-model mode frees the shared tensors too: nothing left to name.
     whole = actcomp.to_compressed(_MODELS[model][0](), "mink0.9", rest="8bit")
     assert inputs_also_kept_by(whole, actcomp.memory_report(whole, sample)) == ""
+
+
+def test_check_measures_under_bf16_autocast_when_asked(capsys):
+    # A BatchNorm's input is bf16 there, and "8bit" keeps it in int4: an int8 code takes a byte an
+    # element from bf16 as from fp32, so the kind's kept bytes fall only by int4's half.
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20}
+    kept = {}
+    for amp in ([], ["--amp", "bf16"]):
+        assert main(["check", "--timm", "resnet18", "--batch", "8", "--img-size", "64", "--rounds", "1", *amp]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("OK to train")
+        row = next(line for line in out.splitlines() if line.startswith("normalization "))
+        assert "int8, batch_norms_16bit=int4:group=64" in row
+        number, unit = row.split()[-2:]
+        kept[bool(amp)] = float(number) * units[unit]
+    assert kept[True] < 0.6 * kept[False], kept
