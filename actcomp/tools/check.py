@@ -37,7 +37,7 @@ from actcomp.core.pipeline import Pipeline, parse
 from actcomp.errors import ActcompError
 from actcomp.tools.memory import format_bytes
 from actcomp.tools.user_batch import UserBatch, copy_model, gradient_cosine
-from actcomp.whole_model.policy import NORM_REFINEMENTS, Exact, KeepAsIs, RestPolicy
+from actcomp.whole_model.policy import Exact, KeepAsIs, Lossy, RestPolicy
 
 # Whole-model kinds whose choice can be lossy; pooling and dropout take exact codecs only.
 _LOSSY_KINDS = ("activation", "normalization", "attention", "other")
@@ -275,9 +275,7 @@ def check(model: nn.Module, batch: Any, pipeline: str | Pipeline | Mapping = "mi
 def _choice_text(choice) -> str:
     """A kind's choice as a row says it: its spec, and the norms' refinements where set
     (``"8bit"``'s normalization: ``int8, batch_norms_16bit=int4:group=64``)."""
-    refined = [f"{key}={getattr(choice, key).spec}" for key in NORM_REFINEMENTS
-               if getattr(choice, key, None) is not None]
-    return ", ".join([str(choice), *refined])
+    return ", ".join([str(choice), *(choice.refinements() if isinstance(choice, Lossy) else [])])
 
 
 def expected_layer_cosine(pipeline: str | Pipeline, floor: float = 0.99) -> float:

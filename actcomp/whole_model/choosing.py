@@ -283,7 +283,6 @@ def _kind_codec(choice, tensor: torch.Tensor, kind: str, scope: Scope | None) ->
     unit = _normalized_unit(tensor, scope) if kind == "normalization" else None
     if unit is not None:
         pipeline = _norm_pipeline(choice, pipeline, tensor, scope)
-    if unit is not None:
         grouped = grouped_by_rows(pipeline, unit.row)
         if grouped is None:
             unit = None

@@ -66,6 +66,14 @@ class Lossy:
     def __str__(self) -> str:
         return self.pipeline.spec
 
+    def refinements(self) -> list[str]:
+        """The norms' refinements set here, as a ``rest`` mapping says them.
+
+        >>> Lossy(parse("int8"), batch_norms_16bit=parse("int4:group=64")).refinements()
+        ['batch_norms_16bit=int4:group=64']
+        """
+        return [f"{key}={getattr(self, key).spec}" for key in NORM_REFINEMENTS if getattr(self, key) is not None]
+
 
 @dataclass(frozen=True)
 class Derivative:
@@ -175,10 +183,8 @@ class RestPolicy:
         text += f", fewbit={self.activation.bits}" if isinstance(self.activation, Derivative) else ""
         lifted = isinstance(self.attention, Lossy) and not self.attention.attention_floors
         text += ", attention_floors=False" if lifted else ""
-        for key in NORM_REFINEMENTS:
-            refined = getattr(self.normalization, key, None)
-            text += f", {key}={refined.spec}" if refined is not None else ""
-        return text
+        refined = self.normalization.refinements() if isinstance(self.normalization, Lossy) else []
+        return ", ".join([text, *refined])
 
     def __setstate__(self, state: dict) -> None:
         if "fewbit" in state:
