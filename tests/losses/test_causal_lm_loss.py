@@ -187,3 +187,40 @@ def test_a_compiled_model_computes_the_routed_loss():
         assert output.logits is NOT_COMPUTED
     torch.testing.assert_close(output.loss, plain(input_ids=input_ids, labels=labels).loss, rtol=1e-6, atol=1e-6)
     assert compiled(input_ids=input_ids).logits.shape == (2, 24, 300)
+
+
+def test_a_routed_model_is_freed_when_dropped_and_its_copies_route_their_own_loss():
+    """The routed loss holds its model weakly: a strong reference made every routed model a
+    reference cycle, freed only by the garbage collector (plan_budget's copies piled up). A deep
+    copy or a pickle routes the copy's own loss, with the original's gradients."""
+    import copy
+    import gc
+    import io
+    import weakref
+
+    input_ids, labels = batch()
+    gc.collect()
+    gc.disable()
+    try:
+        model = actcomp.to_compressed(tiny_llama(), "int8", rest="8bit")
+        model(input_ids=input_ids, labels=labels).loss.backward()
+        alive = weakref.ref(model)
+        del model
+        assert alive() is None  # freed by its reference count, with the collector off
+    finally:
+        gc.enable()
+    model = actcomp.to_compressed(tiny_llama(), "int8", rest="8bit")
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copies = [copy.deepcopy(model), torch.load(buffer, weights_only=False)]
+    results = []
+    for each in [model, *copies]:
+        output = each(input_ids=input_ids, labels=labels)
+        assert output.logits is NOT_COMPUTED  # each copy's own forward routed its loss
+        output.loss.backward()
+        results.append(grads(each))
+    for got in results[1:]:
+        assert got.keys() == results[0].keys()
+        for name, expected in results[0].items():
+            assert torch.equal(got[name], expected), name

@@ -479,3 +479,25 @@ def test_torch_compile_traces_the_hooks_away_and_warns_once_for_a_compiled_train
             compiled(inputs).sum().backward()
     # Eager, the same call compresses.
     assert "relu-mask" in codecs_of(lambda: model.forward_head(model.forward_features(inputs)))
+
+
+@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "resnet18"])
+@pytest.mark.parametrize("spec, rest", [("mink0.9+int8", "8bit"), ("int8", None)])
+def test_a_converted_model_is_freed_by_its_reference_count(name, spec, rest):
+    """No reference cycle through the conversion's hooks: a dropped model (a search's copy, a
+    user's rebuilt one) frees its parameters and gradients at once, not when the garbage
+    collector next runs (a routed language model's loss held its model so until stop 58)."""
+    import gc
+    import weakref
+
+    kwargs = {"img_size": 32, "patch_size": 8} if name.startswith("vit") else {}
+    gc.collect()
+    gc.disable()
+    try:
+        model = actcomp.to_compressed(timm.create_model(name, num_classes=4, **kwargs), spec, rest=rest)
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
+        alive = weakref.ref(model)
+        del model
+        assert alive() is None
+    finally:
+        gc.enable()
