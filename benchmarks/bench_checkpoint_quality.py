@@ -13,7 +13,9 @@ one step's full gradient, min and median over ``--seeds`` batches; ``loss="plain
 - ``checkpointing``: plain checkpointing (1.0 up to float rounding: the reference's check);
 - ``rest="8bit"``, with and without checkpointing: what the recomputation's codes cost;
 - ``rest={"other": "int8"}``: the ``"8bit"`` preset plus the stored block inputs in int8;
-- ``rest={"other": "fp8"}``: the same in fp8 (e4m3, a scale per tensor).
+- ``rest={"other": "fp8"}``: the same in fp8 (e4m3, a scale per tensor);
+- ``rest={"other": "bf16"}``: the same in bf16 (half the bytes, a float32's rounding to 8 bits of
+  mantissa: the mildest code of them).
 
 Writes ``benchmarks/results/checkpoint_quality_<torch>_cpu_t<threads>.{md,csv}``.
 """
@@ -38,6 +40,7 @@ CONFIGS = [
     ('rest="8bit", no checkpointing', "8bit", False),
     ('rest="8bit", checkpointing', "8bit", True),
     ('rest={"other": "int8"}, checkpointing (stored inputs int8)', {"other": "int8"}, True),
+    ('rest={"other": "bf16"}, checkpointing (stored inputs bf16)', {"other": "bf16"}, True),
     ('rest={"other": "fp8"}, checkpointing (stored inputs fp8)', {"other": "fp8"}, True),
 ]
 COLUMNS = ["outliers", "config", "cosine_min", "cosine_median"]

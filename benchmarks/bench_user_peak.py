@@ -28,6 +28,8 @@ flatters the conversion; the settled one is what a long training run pays. The w
   recomputation saves in backward);
 - ``checkpoint+whole, inputs int8``: both, with the block inputs checkpoint stores coded too
   (``rest={"other": "int8"}``, the ``"8bit"`` preset otherwise; ``--rest 8bit`` only);
+- ``checkpoint+whole, inputs bf16``: the same in bf16 (``rest={"other": "bf16"}``), the mildest
+  code of the stored inputs;
 - ``whole, int8 batch norms``: ``whole`` with ``rest={"batch_norms_16bit": None}``, the
   ``"8bit"`` preset before stop 57, which kept a bf16 BatchNorm input in int8 (``--amp bf16``).
 
@@ -63,6 +65,7 @@ RUNS = {
     "checkpoint+whole": (True, True, "as-user", None),
     # A rest mapping overrides the "8bit" preset: checkpoint's stored block inputs are kind "other".
     "checkpoint+whole, inputs int8": (True, True, "as-user", {"other": "int8"}),
+    "checkpoint+whole, inputs bf16": (True, True, "as-user", {"other": "bf16"}),
     # Under --amp bf16: the "8bit" preset before stop 57, BatchNorm's bf16 inputs in int8.
     "whole, int8 batch norms": (True, False, "as-user", {"batch_norms_16bit": None}),
 }

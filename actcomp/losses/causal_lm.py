@@ -82,7 +82,10 @@ class _RoutedLoss:
         self._model, self.plain_loss = weakref.ref(model), plain_loss
 
     def __call__(self, *args, **kwargs):
-        return _loss(self._model(), self.plain_loss, *args, **kwargs)
+        model = self._model()
+        if model is None:  # held past its model's life: nothing routes through it any more
+            return self.plain_loss(*args, **kwargs)
+        return _loss(model, self.plain_loss, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> _RoutedLoss:
         model = self._model()

@@ -204,11 +204,13 @@ def test_a_routed_model_is_freed_when_dropped_and_its_copies_route_their_own_los
     try:
         model = actcomp.to_compressed(tiny_llama(), "int8", rest="8bit")
         model(input_ids=input_ids, labels=labels).loss.backward()
-        alive = weakref.ref(model)
+        alive, stale = weakref.ref(model), model.loss_function
         del model
         assert alive() is None  # freed by its reference count, with the collector off
     finally:
         gc.enable()
+    logits = torch.randn(2, 24, 300)  # a loss function kept past its model's life computes the plain loss
+    assert torch.equal(stale(logits, labels, 300), stale.plain_loss(logits, labels, 300))
     model = actcomp.to_compressed(tiny_llama(), "int8", rest="8bit")
     buffer = io.BytesIO()
     torch.save(model, buffer)
