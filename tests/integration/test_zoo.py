@@ -12,6 +12,8 @@ masks, dropout bits, MaxPool offsets) or stays as it is.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -78,6 +80,16 @@ def assert_converted_model_is_exact(entry, autocast: bool, compressing_layers, r
         assert (grads[name] is None) == (ref is None), name
         if ref is not None:
             assert_identical(grads[name], ref, name)
+    # No reference cycle (through the hooks, a routed loss) keeps the converted model alive once
+    # dropped: it frees its parameters and gradients at once, not when the garbage collector next
+    # runs (until stop 58 a routed causal LM's loss held its model, and plan_budget's copies piled up).
+    gc.disable()
+    try:
+        alive = weakref.ref(model)
+        del model, saved, logits, grads
+        assert alive() is None, "a reference cycle keeps the converted model alive"
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
