@@ -1374,6 +1374,64 @@ void actcomp_mask_pack_bf16(const uint16_t *x, int64_t count, int mode, uint8_t 
 MASK_UNPACK(actcomp_mask_unpack_16, uint16_t)
 MASK_UNPACK(actcomp_mask_unpack_32, uint32_t)
 
+/* derivative_codes.py's interval codes (the Few-bit GELU/SiLU codes). Encode: each value's code
+ * is the number of ``edges`` strictly below it (NaN: none, code 0, as the reference's
+ * comparisons give), ``bits`` (1, 2, 4 or 8) to an element, fields little end first within a
+ * byte, a last partial byte's spare fields clear. The edges come as float32 (a bfloat16 input's
+ * are bfloat16 values, exact in float32, so the comparisons are the reference's). A block of 64
+ * values is compared edge by edge, a loop the compiler vectorizes. Decode: each element the
+ * ``table`` entry its code names (the values' bits, 2 or 4 bytes wide). */
+#define INTERVAL_BLOCK 64
+static inline __attribute__((always_inline)) void interval_pack(const void *x, int64_t count, const float *edges,
+                                                                int edge_count, int bits, uint8_t *packed,
+                                                                int threads, const int dtype) {
+    const int per_byte = 8 / bits;
+    const int64_t blocks = (count + INTERVAL_BLOCK - 1) / INTERVAL_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t block = 0; block < blocks; block++) {
+        const int64_t first = block * INTERVAL_BLOCK;
+        const int n = (int)(count - first < INTERVAL_BLOCK ? count - first : INTERVAL_BLOCK);
+        float value[INTERVAL_BLOCK];
+        uint8_t codes[INTERVAL_BLOCK];
+        for (int k = 0; k < n; k++) value[k] = load(x, first + k, dtype);
+        for (int k = n; k < INTERVAL_BLOCK; k++) value[k] = -INFINITY;  /* code 0: spare fields clear */
+        for (int k = 0; k < INTERVAL_BLOCK; k++) codes[k] = 0;
+        for (int e = 0; e < edge_count; e++) {
+            const float edge = edges[e];
+            for (int k = 0; k < INTERVAL_BLOCK; k++) codes[k] += value[k] > edge;
+        }
+        uint8_t *to = packed + first / per_byte;
+        const int bytes = (n + per_byte - 1) / per_byte;
+        for (int byte = 0; byte < bytes; byte++) {
+            uint8_t word = 0;
+            for (int field = 0; field < per_byte; field++)
+                word |= (uint8_t)(codes[byte * per_byte + field] << (field * bits));
+            to[byte] = word;
+        }
+    }
+}
+
+void actcomp_interval_pack_f32(const float *x, int64_t count, const float *edges, int edge_count, int bits,
+                               uint8_t *packed, int threads) {
+    interval_pack(x, count, edges, edge_count, bits, packed, threads, 0);
+}
+void actcomp_interval_pack_bf16(const uint16_t *x, int64_t count, const float *edges, int edge_count, int bits,
+                                uint8_t *packed, int threads) {
+    interval_pack(x, count, edges, edge_count, bits, packed, threads, 1);
+}
+
+#define INTERVAL_UNPACK(name, word_t)                                                                      \
+    void name(const uint8_t *packed, int64_t count, int bits, const word_t *table, word_t *out, int threads) { \
+        const int shift = bits == 1 ? 3 : bits == 2 ? 2 : bits == 4 ? 1 : 0; /* log2 of fields a byte */  \
+        const int64_t fields = (int64_t)1 << shift;                                                         \
+        const uint8_t mask = (uint8_t)((1u << bits) - 1);                                                  \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                   \
+        for (int64_t i = 0; i < count; i++)                                                                 \
+            out[i] = table[(packed[i >> shift] >> ((i & (fields - 1)) * bits)) & mask];                     \
+    }
+INTERVAL_UNPACK(actcomp_interval_unpack_16, uint16_t)
+INTERVAL_UNPACK(actcomp_interval_unpack_32, uint32_t)
+
 /* casts.py's saturating float32 -> bfloat16 cast, one pass where the reference makes four:
  * finite values beyond bfloat16's largest are clamped to it, infinities stay, the rest round
  * to nearest even as torch casts; NaN becomes nan_bits (torch's NaN on this CPU, which the

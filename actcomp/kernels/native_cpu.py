@@ -228,6 +228,32 @@ def mask_unpack(bits: torch.Tensor, count: int, standins: torch.Tensor) -> torch
     return out
 
 
+INTERVAL_BITS = (1, 2, 4, 8)
+
+
+def interval_pack(flat: torch.Tensor, edges: torch.Tensor, bits: int) -> torch.Tensor:
+    """The number of float32 ``edges`` below each element of contiguous ``flat`` (float32 or
+    bfloat16, :func:`casts`; NaN: 0), ``bits`` (:data:`INTERVAL_BITS`) to an element, little end
+    first within a byte, as :func:`~actcomp.kernels.bitpack.pack_codes` packs them."""
+    packed = torch.empty(-(-flat.numel() * bits // 8), dtype=torch.uint8)
+    edges = edges.to(torch.float32).contiguous()
+    _call(f"actcomp_interval_pack_{_DTYPES[flat.dtype]}", (flat, edges, packed), _pointer(flat),
+          ctypes.c_int64(flat.numel()), _pointer(edges), ctypes.c_int(edges.numel()), ctypes.c_int(bits),
+          _pointer(packed), _threads())
+    return packed
+
+
+def interval_unpack(packed: torch.Tensor, count: int, bits: int, table: torch.Tensor) -> torch.Tensor:
+    """``count`` elements of ``table``'s dtype: ``table[code]`` for each code :func:`interval_pack`
+    wrote, bit for bit."""
+    out = host_allocator.empty_for_writing(count, table.dtype)
+    table = table.contiguous()
+    width = _KEY_WIDTHS[table.element_size()][1]
+    _call(f"actcomp_interval_unpack_{width}", (packed, table, out), _pointer(packed), ctypes.c_int64(count),
+          ctypes.c_int(bits), _pointer(table), _pointer(out), _threads())
+    return out
+
+
 def saturate_bf16(flat: torch.Tensor) -> torch.Tensor:
     """Contiguous float32 ``flat`` cast to bfloat16 with finite values clamped into its range,
     as :func:`~actcomp.compressors.casts.saturating_cast` casts (NaN as torch casts it here)."""
@@ -569,5 +595,6 @@ def _declare(native: ctypes.CDLL) -> None:
                  "actcomp_fp8_range_bf16", "actcomp_fp8_encode_f32", "actcomp_fp8_encode_bf16", "actcomp_fp8_decode_f32",
                  "actcomp_fp8_decode_bf16", "actcomp_mask_pack_f32", "actcomp_mask_pack_bf16",
                  "actcomp_mask_unpack_16", "actcomp_mask_unpack_32", "actcomp_saturate_bf16",
-                 "actcomp_pool_encode", "actcomp_pool_decode"):
+                 "actcomp_pool_encode", "actcomp_pool_decode", "actcomp_interval_pack_f32",
+                 "actcomp_interval_pack_bf16", "actcomp_interval_unpack_16", "actcomp_interval_unpack_32"):
         getattr(native, name).restype = None

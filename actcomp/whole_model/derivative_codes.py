@@ -12,7 +12,10 @@ fp32 (3 bits instead of 32).
 The intervals are computed once per (function, bits) on a float64 grid from the backward
 kernels themselves, so they match what the backward computes. On CUDA (and under Triton's
 interpreter, asked for) encode and decode are one launch each of
-:mod:`~actcomp.kernels.triton_masks`, the same codes bit for bit.
+:mod:`~actcomp.kernels.triton_masks`, and on a CPU (1, 2, 4 or 8 bits, float32 or bfloat16) one
+pass each of :mod:`~actcomp.kernels.native_cpu`: the same codes bit for bit. (The reference's
+chunked comparisons, one pass per edge, took a ViT-S step at batch 8 from 1.3 to 1.9 s on an
+Intel Xeon where int8 took none of that.)
 
 >>> import torch
 >>> x = torch.randn(1000)
@@ -38,6 +41,7 @@ from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_codec
 from actcomp.kernels.bitpack import unpack_codes
 from actcomp.kernels.chunks import spans
+from actcomp.kernels import native_cpu
 from actcomp.kernels.device_constants import device_table
 from actcomp.whole_model.exact_codecs import TRITON_FLOATS, pack_chunked, triton_takes
 
@@ -193,6 +197,31 @@ def _triton_decode(codec: DerivativeCode, payload: torch.Tensor, saved: tuple[to
     count, dtype = meta
     return triton_masks.decode_table(payload.contiguous(), codec.representatives(dtype, payload.device), codec.bits,
                                      count, finite)
+
+
+def _cpu_encode(codec: DerivativeCode, x: torch.Tensor, hints: Hints) -> Encoded:
+    """:meth:`DerivativeCode.encode` in one pass of :mod:`~actcomp.kernels.native_cpu`."""
+    boundaries, _, _ = _codebook(codec.function, codec.approximate, codec.bits)
+    flat = x.reshape(-1).contiguous()
+    # The edges as the input's dtype rounds them (the reference's), handed over in float32.
+    edges = device_table(tuple(boundaries), x.dtype, x.device)
+    return Encoded(native_cpu.interval_pack(flat, edges, codec.bits), (), (flat.numel(), x.dtype))
+
+
+def _cpu_decode(codec: DerivativeCode, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+    count, dtype = meta
+    return native_cpu.interval_unpack(payload.contiguous(), count, codec.bits, codec.representatives(dtype, payload.device))
+
+
+# Only where encode (decode) is DerivativeCode's own, for the bit widths that pack whole fields
+# into a byte (3-bit codes run across bytes: the reference packs them).
+register_implementation(
+    DerivativeCode, "native", encode=_cpu_encode,
+    encodes=lambda codec, x, hints: codec.bits in native_cpu.INTERVAL_BITS and type(codec).encode is DerivativeCode.encode
+    and native_cpu.casts(x.device, x.dtype, x.numel()),
+    decode=_cpu_decode,
+    decodes=lambda codec, payload, saved, meta: codec.bits in native_cpu.INTERVAL_BITS
+    and type(codec).decode is DerivativeCode.decode and meta[0] > 0 and native_cpu.unpacks_mask(payload.device, meta[1]))
 
 
 register_implementation(

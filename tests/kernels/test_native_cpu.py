@@ -522,3 +522,42 @@ def test_the_native_noise_seed_is_the_references(dtype, count):
     assert int(native_cpu.noise_seed(x)) == int(noise_seed(x))
     torch.manual_seed(count)  # torch's seed is mixed in: another seed, another value, the same on both sides
     assert int(native_cpu.noise_seed(x)) == int(noise_seed(x))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("function", ["gelu", "silu"])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, 3])
+@pytest.mark.parametrize("count", [1, 7, 63, 64, 65, 1000, 300_001])
+def test_derivative_codes_give_the_reference_bytes(dtype, function, bits, count, monkeypatch):
+    """Few-bit GELU/SiLU codes: one native pass each way for 1, 2, 4 and 8 bits (3 bits, whose
+    fields run across bytes, keeps the reference), the reference's codes and values bit for bit."""
+    from actcomp.whole_model.derivative_codes import DerivativeCode
+
+    native_calls = []
+    for kernel_name in ("interval_pack", "interval_unpack"):
+        kernel = getattr(native_cpu, kernel_name)
+        monkeypatch.setattr(native_cpu, kernel_name, lambda *a, _k=kernel, _n=kernel_name: native_calls.append(_n) or _k(*a))
+    x = values(count, torch.float32, seed=count)
+    if count > 100:
+        x[50:60] = torch.linspace(-1, 1, 10)  # values on and around the edges near zero
+    assert_same(*both_ways(DerivativeCode(function, bits=bits), x.to(dtype)))
+    assert native_calls == ([] if bits == 3 else ["interval_pack", "interval_unpack"])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_interval_codes_of_non_finite_values_and_edges_are_the_references(dtype, bits):
+    """The kernel's codes themselves, where the chain's finite flag would hide them: NaN codes 0
+    (no edge is below it), +inf the last interval, -inf the first; a value equal to an edge is
+    not above it."""
+    from actcomp.kernels.bitpack import pack_codes
+    from actcomp.kernels.device_constants import device_table
+    from actcomp.whole_model.derivative_codes import _codebook, _interval
+
+    boundaries, _, _ = _codebook("gelu", "none", bits)
+    edges = device_table(tuple(boundaries), dtype, torch.device("cpu"))
+    x = torch.cat([edges.float(), torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0]),
+                   values(1001, torch.float32, seed=bits)]).to(dtype)
+    assert torch.equal(native_cpu.interval_pack(x, edges, bits), pack_codes(_interval(x, edges), bits))
