@@ -39,9 +39,9 @@ import torch
 from actcomp.core.backends import register_implementation
 from actcomp.core.codec import Compressor, Encoded, Hints, setting
 from actcomp.core.registry import register_codec
+from actcomp.kernels import native_cpu
 from actcomp.kernels.bitpack import unpack_codes
 from actcomp.kernels.chunks import spans
-from actcomp.kernels import native_cpu
 from actcomp.kernels.device_constants import device_table
 from actcomp.whole_model.exact_codecs import TRITON_FLOATS, pack_chunked, triton_takes
 
