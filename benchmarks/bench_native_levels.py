@@ -57,8 +57,9 @@ from actcomp.whole_model.exact_codecs import PoolOffsets
 # Elias-Fano positions run natively inside its eager encode and decode, and the saturating
 # bfloat16 cast (of float32 only: from bfloat16 it is no cast at all, and is skipped), and a
 # 3x3 stride-2 max pool's offsets (of the conv shape's pool: ResNet's stem pool; its input is
-# the argmax positions, so its dtype column is the activation's it was pooled from).
-CODECS = ["int8", "int4", "int2", "fp8", "relu-mask", "mink0.9", "bf16", "pool-offsets"]
+# the argmax positions, so its dtype column is the activation's it was pooled from), and the
+# 4-bit GELU derivative code (``rest="4bit"``'s GELU input).
+CODECS = ["int8", "int4", "int2", "fp8", "relu-mask", "mink0.9", "bf16", "pool-offsets", "fewbit4"]
 # A ViT-S/16 token activation and a ResNet-style conv activation.
 SHAPES = ["32x197x384", "32x64x56x56"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -75,6 +76,8 @@ def codec_for(name: str):
     """A registered codec by name (``relu-mask``), or the one stage of a spec (``int8``, ``mink0.9``)."""
     if name.endswith("-mask") or name == "pool-offsets":
         return codec_class(name)()
+    if name.startswith("fewbit"):
+        return codec_class("fewbit")(bits=int(name.removeprefix("fewbit")))
     return actcomp.parse(name).stages[0]
 
 
