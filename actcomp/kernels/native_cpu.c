@@ -1376,8 +1376,9 @@ MASK_UNPACK(actcomp_mask_unpack_32, uint32_t)
 
 /* derivative_codes.py's interval codes (the Few-bit GELU/SiLU codes). Encode: each value's code
  * is the number of ``edges`` strictly below it (NaN: none, code 0, as the reference's
- * comparisons give), ``bits`` (1, 2, 4 or 8) to an element, fields little end first within a
- * byte, a last partial byte's spare fields clear. The edges come as float32 (a bfloat16 input's
+ * comparisons give), ``bits`` (1 to 8) to an element in one little-endian bit stream (code i in
+ * bits [i * bits, (i + 1) * bits): bitpack.py's runs of eight codes, a field within a byte where
+ * ``bits`` divides 8), a last partial byte's spare bits clear. The edges come as float32 (a bfloat16 input's
  * are bfloat16 values, exact in float32, so the comparisons are the reference's). A block of 64
  * values is compared edge by edge, a loop the compiler vectorizes. Decode: each element the
  * ``table`` entry its code names (the values' bits, 2 or 4 bytes wide). */
@@ -1385,7 +1386,6 @@ MASK_UNPACK(actcomp_mask_unpack_32, uint32_t)
 static inline __attribute__((always_inline)) void interval_pack(const void *x, int64_t count, const float *edges,
                                                                 int edge_count, int bits, uint8_t *packed,
                                                                 int threads, const int dtype) {
-    const int per_byte = 8 / bits;
     const int64_t blocks = (count + INTERVAL_BLOCK - 1) / INTERVAL_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t block = 0; block < blocks; block++) {
@@ -1400,14 +1400,20 @@ static inline __attribute__((always_inline)) void interval_pack(const void *x, i
             const float edge = edges[e];
             for (int k = 0; k < INTERVAL_BLOCK; k++) codes[k] += value[k] > edge;
         }
-        uint8_t *to = packed + first / per_byte;
-        const int bytes = (n + per_byte - 1) / per_byte;
-        for (int byte = 0; byte < bytes; byte++) {
-            uint8_t word = 0;
-            for (int field = 0; field < per_byte; field++)
-                word |= (uint8_t)(codes[byte * per_byte + field] << (field * bits));
-            to[byte] = word;
+        /* A block starts on a byte: 64 codes are 8 * bits bytes. */
+        uint8_t *to = packed + first / 8 * bits;
+        uint64_t word = 0;
+        int filled = 0, out = 0;
+        for (int k = 0; k < n; k++) {
+            word |= (uint64_t)codes[k] << filled;
+            filled += bits;
+            while (filled >= 8) {
+                to[out++] = (uint8_t)word;
+                word >>= 8;
+                filled -= 8;
+            }
         }
+        if (filled > 0) to[out] = (uint8_t)word;
     }
 }
 
@@ -1422,12 +1428,16 @@ void actcomp_interval_pack_bf16(const uint16_t *x, int64_t count, const float *e
 
 #define INTERVAL_UNPACK(name, word_t)                                                                      \
     void name(const uint8_t *packed, int64_t count, int bits, const word_t *table, word_t *out, int threads) { \
-        const int shift = bits == 1 ? 3 : bits == 2 ? 2 : bits == 4 ? 1 : 0; /* log2 of fields a byte */  \
-        const int64_t fields = (int64_t)1 << shift;                                                         \
-        const uint8_t mask = (uint8_t)((1u << bits) - 1);                                                  \
+        const unsigned mask = (1u << bits) - 1;                                                             \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                                   \
-        for (int64_t i = 0; i < count; i++)                                                                 \
-            out[i] = table[(packed[i >> shift] >> ((i & (fields - 1)) * bits)) & mask];                     \
+        for (int64_t i = 0; i < count; i++) {                                                               \
+            const int64_t at = i * bits;                                                                    \
+            const int shift = (int)(at & 7);                                                                \
+            unsigned code = packed[at >> 3] >> shift;                                                       \
+            /* A field that runs into the next byte: that byte holds its end, so it exists. */              \
+            if (shift + bits > 8) code |= (unsigned)packed[(at >> 3) + 1] << (8 - shift);                   \
+            out[i] = table[code & mask];                                                                    \
+        }                                                                                                   \
     }
 INTERVAL_UNPACK(actcomp_interval_unpack_16, uint16_t)
 INTERVAL_UNPACK(actcomp_interval_unpack_32, uint32_t)

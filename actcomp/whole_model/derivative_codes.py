@@ -12,10 +12,10 @@ fp32 (3 bits instead of 32).
 The intervals are computed once per (function, bits) on a float64 grid from the backward
 kernels themselves, so they match what the backward computes. On CUDA (and under Triton's
 interpreter, asked for) encode and decode are one launch each of
-:mod:`~actcomp.kernels.triton_masks`, and on a CPU (1, 2, 4 or 8 bits, float32 or bfloat16) one
-pass each of :mod:`~actcomp.kernels.native_cpu`: the same codes bit for bit. (The reference's
-chunked comparisons, one pass per edge, took a ViT-S step at batch 8 from 1.3 to 1.9 s on an
-Intel Xeon where int8 took none of that.)
+:mod:`~actcomp.kernels.triton_masks`, and on a CPU (float32 or bfloat16) one pass each of
+:mod:`~actcomp.kernels.native_cpu`: the same codes bit for bit. (The reference compares each
+value once per edge: with it a ``rest="4bit"`` step of ViT-S cost 1.71-1.78x plain's on an Intel
+Xeon at 2 threads, with the kernels 1.36-1.38x; ``benchmarks/results/fewbit_native_stop58/``.)
 
 >>> import torch
 >>> x = torch.randn(1000)
@@ -213,8 +213,7 @@ def _cpu_decode(codec: DerivativeCode, payload: torch.Tensor, saved: tuple[torch
     return native_cpu.interval_unpack(payload.contiguous(), count, codec.bits, codec.representatives(dtype, payload.device))
 
 
-# Only where encode (decode) is DerivativeCode's own, for the bit widths that pack whole fields
-# into a byte (3-bit codes run across bytes: the reference packs them).
+# Only where encode (decode) is DerivativeCode's own.
 register_implementation(
     DerivativeCode, "native", encode=_cpu_encode,
     encodes=lambda codec, x, hints: codec.bits in native_cpu.INTERVAL_BITS and type(codec).encode is DerivativeCode.encode
