@@ -1378,8 +1378,9 @@ MASK_UNPACK(actcomp_mask_unpack_32, uint32_t)
  * is the number of ``edges`` strictly below it (NaN: none, code 0, as the reference's
  * comparisons give), ``bits`` (1 to 8) to an element in one little-endian bit stream (code i in
  * bits [i * bits, (i + 1) * bits): bitpack.py's runs of eight codes, a field within a byte where
- * ``bits`` divides 8), a last partial byte's spare bits clear. The edges come as float32 (a bfloat16 input's
- * are bfloat16 values, exact in float32, so the comparisons are the reference's). A block of 64
+ * ``bits`` divides 8), a last partial byte's spare bits clear. The edges come as float32 (a
+ * bfloat16 input's are bfloat16 values, exact in float32, so the comparisons are the
+ * reference's). A block of 64
  * values is compared edge by edge, a loop the compiler vectorizes. Decode: each element the
  * ``table`` entry its code names (the values' bits, 2 or 4 bytes wide). */
 #define INTERVAL_BLOCK 64

@@ -228,15 +228,13 @@ def mask_unpack(bits: torch.Tensor, count: int, standins: torch.Tensor) -> torch
     return out
 
 
-INTERVAL_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
-
-
 def interval_pack(flat: torch.Tensor, edges: torch.Tensor, bits: int) -> torch.Tensor:
     """The number of float32 ``edges`` below each element of contiguous ``flat`` (float32 or
-    bfloat16, :func:`casts`; NaN: 0), ``bits`` (:data:`INTERVAL_BITS`) to an element, as
+    bfloat16, :func:`casts`; NaN: 0), ``bits`` (1 to 8) to an element, as
     :func:`~actcomp.kernels.bitpack.pack_codes` packs them (one little-endian bit stream)."""
-    if not edges.numel() < 1 << bits:
-        raise ValueError(f"{edges.numel()} edges make more codes than {bits} bits hold")
+    if not (1 <= bits <= 8 and edges.numel() < 1 << bits):
+        raise ValueError(f"interval codes take 1 to 8 bits and fewer than 2**bits edges; got {bits} bits, "
+                         f"{edges.numel()} edges")
     packed = torch.empty(-(-flat.numel() * bits // 8), dtype=torch.uint8)
     edges = edges.to(torch.float32).contiguous()
     _call(f"actcomp_interval_pack_{_DTYPES[flat.dtype]}", (flat, edges, packed), _pointer(flat),

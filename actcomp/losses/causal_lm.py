@@ -87,14 +87,22 @@ class _RoutedLoss:
             return self.plain_loss(*args, **kwargs)
         return _loss(model, self.plain_loss, *args, **kwargs)
 
-    def __deepcopy__(self, memo: dict) -> _RoutedLoss:
-        model = self._model()
+    def __deepcopy__(self, memo: dict):
+        model, plain_loss = self._model(), copy.deepcopy(self.plain_loss, memo)
+        if model is None:
+            return plain_loss  # as it computes: the plain loss
         # Copied with its model (copy.deepcopy registers the new model before copying its
         # attributes): bound to the copy. Copied alone: bound to the same model.
-        return _RoutedLoss(memo.get(id(model), model), copy.deepcopy(self.plain_loss, memo))
+        return _RoutedLoss(memo.get(id(model), model), plain_loss)
 
     def __reduce__(self):
-        return _RoutedLoss, (self._model(), self.plain_loss)
+        model = self._model()
+        return (_RoutedLoss, (model, self.plain_loss)) if model is not None else (_plain, (self.plain_loss,))
+
+
+def _plain(plain_loss):
+    """What a routed loss whose model is gone unpickles to: the plain loss it computes."""
+    return plain_loss
 
 
 def unroute_causal_lm_loss(model: nn.Module) -> None:

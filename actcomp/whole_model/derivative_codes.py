@@ -150,10 +150,12 @@ class DerivativeCode(Compressor):
         """The point each interval decodes to, in ``dtype``."""
         return device_table(tuple(_codebook(self.function, self.approximate, self.bits)[1]), dtype, device)
 
+    def edges(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The intervals' edges as ``dtype`` rounds them, as a comparison with a Python number would."""
+        return device_table(tuple(_codebook(self.function, self.approximate, self.bits)[0]), dtype, device)
+
     def encode(self, x: torch.Tensor, hints: Hints) -> Encoded:
-        boundaries, _, _ = _codebook(self.function, self.approximate, self.bits)
-        # The edges as the input's dtype rounds them, as a comparison with a Python number would.
-        edges = device_table(tuple(boundaries), x.dtype, x.device)
+        edges = self.edges(x.dtype, x.device)
         flat = x.reshape(-1)
         packed = pack_chunked(flat, self.bits, lambda part: _interval(part, edges), CHUNK)
         return Encoded(packed, (), (flat.numel(), x.dtype))
@@ -201,11 +203,9 @@ def _triton_decode(codec: DerivativeCode, payload: torch.Tensor, saved: tuple[to
 
 def _cpu_encode(codec: DerivativeCode, x: torch.Tensor, hints: Hints) -> Encoded:
     """:meth:`DerivativeCode.encode` in one pass of :mod:`~actcomp.kernels.native_cpu`."""
-    boundaries, _, _ = _codebook(codec.function, codec.approximate, codec.bits)
     flat = x.reshape(-1).contiguous()
-    # The edges as the input's dtype rounds them (the reference's), handed over in float32.
-    edges = device_table(tuple(boundaries), x.dtype, x.device)
-    return Encoded(native_cpu.interval_pack(flat, edges, codec.bits), (), (flat.numel(), x.dtype))
+    return Encoded(native_cpu.interval_pack(flat, codec.edges(x.dtype, x.device), codec.bits), (),
+                   (flat.numel(), x.dtype))
 
 
 def _cpu_decode(codec: DerivativeCode, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
@@ -213,14 +213,15 @@ def _cpu_decode(codec: DerivativeCode, payload: torch.Tensor, saved: tuple[torch
     return native_cpu.interval_unpack(payload.contiguous(), count, codec.bits, codec.representatives(dtype, payload.device))
 
 
-# Only where encode (decode) is DerivativeCode's own.
+# Every width the codec takes (1 to 8 bits), only where encode (decode) is DerivativeCode's own;
+# the decode where the mask decode runs (a build with hand-vectorized loops).
 register_implementation(
     DerivativeCode, "native", encode=_cpu_encode,
-    encodes=lambda codec, x, hints: codec.bits in native_cpu.INTERVAL_BITS and type(codec).encode is DerivativeCode.encode
+    encodes=lambda codec, x, hints: type(codec).encode is DerivativeCode.encode
     and native_cpu.casts(x.device, x.dtype, x.numel()),
     decode=_cpu_decode,
-    decodes=lambda codec, payload, saved, meta: codec.bits in native_cpu.INTERVAL_BITS
-    and type(codec).decode is DerivativeCode.decode and meta[0] > 0 and native_cpu.unpacks_mask(payload.device, meta[1]))
+    decodes=lambda codec, payload, saved, meta: type(codec).decode is DerivativeCode.decode and meta[0] > 0
+    and native_cpu.unpacks_mask(payload.device, meta[1]))
 
 
 register_implementation(

@@ -196,6 +196,7 @@ def test_a_routed_model_is_freed_when_dropped_and_its_copies_route_their_own_los
     import copy
     import gc
     import io
+    import pickle
     import weakref
 
     input_ids, labels = batch()
@@ -211,6 +212,8 @@ def test_a_routed_model_is_freed_when_dropped_and_its_copies_route_their_own_los
         gc.enable()
     logits = torch.randn(2, 24, 300)  # a loss function kept past its model's life computes the plain loss
     assert torch.equal(stale(logits, labels, 300), stale.plain_loss(logits, labels, 300))
+    assert copy.deepcopy(stale) is stale.plain_loss  # and copies or pickles as it
+    assert pickle.loads(pickle.dumps(stale)) is stale.plain_loss
     model = actcomp.to_compressed(tiny_llama(), "int8", rest="8bit")
     buffer = io.BytesIO()
     torch.save(model, buffer)
