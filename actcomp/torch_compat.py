@@ -493,6 +493,22 @@ def set_reorder_for_peak_memory(value: bool) -> None:
     torch._inductor.config.reorder_for_peak_memory = value
 
 
+def buffer_reuse() -> bool:
+    """Inductor's ``allow_buffer_reuse`` setting (checked on 2.14.1)."""
+    import torch._inductor.config
+
+    return torch._inductor.config.allow_buffer_reuse
+
+
+def set_buffer_reuse(value: bool) -> None:
+    """Set Inductor's ``allow_buffer_reuse``; set from inside a post-grad pass, it applies to the
+    graph being compiled (checked on 2.14.1: the wrapper's memory planning reads it after the
+    passes). If that changes, the peak is higher, nothing is wrong."""
+    import torch._inductor.config
+
+    torch._inductor.config.allow_buffer_reuse = value
+
+
 def post_grad_custom_post_pass() -> Any:
     """Inductor's ``post_grad_custom_post_pass`` (checked on 2.13.0 and 2.14.1)."""
     import torch._inductor.config
@@ -517,7 +533,8 @@ def backward_compiled_with_forward(reorder_for_peak_memory: bool) -> Iterator[No
     import torch._inductor.config
 
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
-            torch._inductor.config.patch(reorder_for_peak_memory=reorder_for_peak_memory):
+            torch._inductor.config.patch(reorder_for_peak_memory=reorder_for_peak_memory,
+                                         allow_buffer_reuse=torch._inductor.config.allow_buffer_reuse):
         yield
 
 

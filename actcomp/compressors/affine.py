@@ -41,7 +41,7 @@ from actcomp.kernels import native_cpu
 from actcomp.kernels.bitpack import packed_size
 from actcomp.kernels.chunks import aligned_length, spans
 from actcomp.kernels.noise import RoundingNoise
-from actcomp.kernels.quantize import dequantize_affine, grouped_shape, quantize_affine
+from actcomp.kernels.quantize import dequantize_affine, dequantize_affine_pointwise, grouped_shape, quantize_affine
 
 
 @dataclass(frozen=True)
@@ -252,11 +252,11 @@ register_implementation(
     decodes=lambda codec, payload, saved, meta: _triton_takes(codec, payload.device, meta[1], meta[0].numel()))
 
 
-# In a traced graph, one custom op each way whose implementation is the eager path's choice (the
-# native kernel on a CPU, the Triton kernel on CUDA, else the reference): a compiled graph gives
-# the eager codes, and Inductor compiles an extern call where the traced reference is a few
+# In a traced graph, the encode is one custom op whose implementation is the eager path's choice
+# (the native kernel on a CPU, the Triton kernel on CUDA, else the reference): a compiled graph
+# gives the eager codes, and Inductor compiles an extern call where the traced reference is a few
 # dozen loops of generated code (its C++ code generation dominated compress_in_graph's first call:
-# benchmarks/profile_first_compiled_call.py).
+# benchmarks/profile_first_compiled_call.py). The decode is traced (_graph_decode).
 @torch.library.custom_op("actcomp::group_quant_encode", mutates_args=())
 def _encode_op(x: torch.Tensor, bits: int, group: int, scale: str, channel_dim: int | None,
                flagged: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -290,20 +290,6 @@ def _(x, bits, group, scale, channel_dim, flagged):
             x.new_empty(() if flagged else (0,), dtype=torch.bool))
 
 
-@torch.library.custom_op("actcomp::group_quant_decode", mutates_args=())
-def _decode_op(codes: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, exponents: torch.Tensor, bits: int,
-               group: int, scale: str, shape: list[int], dtype: torch.dtype,
-               finite: torch.Tensor | None) -> torch.Tensor:
-    codec = _WIDTHS[bits](group=group, scale=scale)
-    saved = (offset, step, exponents) if exponents.numel() else (offset, step)
-    return backends.decode(codec, codes, saved, (torch.Size(shape), dtype), finite=finite)
-
-
-@_decode_op.register_fake
-def _(codes, offset, step, exponents, bits, group, scale, shape, dtype, finite):
-    return codes.new_empty(shape, dtype=dtype)
-
-
 def _graph_encode(codec: GroupQuant, x: torch.Tensor, hints: Hints, *, flagged: bool = False):
     """:meth:`GroupQuant.encode` as one call of ``actcomp::group_quant_encode``; with
     ``flagged``, ``(encoded, finite flag)`` from the same call."""
@@ -316,12 +302,19 @@ def _graph_encode(codec: GroupQuant, x: torch.Tensor, hints: Hints, *, flagged: 
 
 def _graph_decode(codec: GroupQuant, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], meta,
                   finite: torch.Tensor | None = None) -> torch.Tensor:
-    """:meth:`GroupQuant.decode` as one call of ``actcomp::group_quant_decode``, NaN everywhere
-    where ``finite`` is given and false."""
+    """:meth:`GroupQuant.decode` traced as pointwise operations (the reference's values bit for
+    bit), NaN everywhere where ``finite`` is given and false. Not an extern call, unlike the
+    encode: Inductor computes the decoded values inside the kernel that reads them (a GELU's
+    backward, a norm's), as its own fp8 pass does, so no decoded copy lives beside the backward's
+    own buffers (with an extern decode, a compiled ViT-S's MLP backward held three MLP-sized
+    buffers where the fp8 pass's holds two)."""
     shape, dtype = meta
     offset, step, *exponents = saved
-    return _decode_op(payload, offset, step, exponents[0] if exponents else _no_exponents(payload.device),
-                      codec.bits, codec.group, codec.scale, list(shape), dtype, finite)
+    values = dequantize_affine_pointwise(payload, offset, step, codec.bits, codec.group, shape, dtype)
+    if exponents:  # as _unscaled: times 2**exponent per channel, in the output dtype
+        channels = exponents[0].numel()
+        values = (values.reshape(-1, channels) * torch.exp2(exponents[0].float()).to(dtype)).view(shape)
+    return values if finite is None else torch.where(finite, values, float("nan"))
 
 
 backends.register_graph_op(GroupQuant, encode=_graph_encode, decode=_graph_decode)

@@ -159,10 +159,12 @@ def register_graph_op(klass: type, *, encode: Callable[..., Any], decode: Callab
     """What ``klass``'s encode and decode put in a graph being traced (``torch.compile``,
     ``compress_in_graph``): ``encode(codec, x, hints, *, flagged=False)`` (with ``flagged``:
     ``(encoded, the chain's finite flag)``) and ``decode(codec, payload, saved, meta, finite=None)``
-    (NaN everywhere where ``finite`` is given and false), calling a ``torch.library`` custom op
-    whose implementations are the codec's own (the kernel the eager path would choose), so a
+    (NaN everywhere where ``finite`` is given and false): for example a ``torch.library`` custom
+    op whose implementations are the codec's own (the kernel the eager path would choose), so a
     compiled graph gives the eager codes and holds one extern call where the traced reference
-    would be a few dozen generated loops to compile. Subclasses inherit it.
+    would be a few dozen generated loops to compile (the quantizers' encode), or pointwise ops
+    Inductor fuses into the kernel that reads their result (the quantizers' decode). Subclasses
+    inherit it.
     ``use_backend("eager")`` and ``"compiled"`` trace the reference instead."""
     _GRAPH_OPS[(klass, "encode")] = encode
     _GRAPH_OPS[(klass, "decode")] = decode
@@ -296,7 +298,7 @@ def decode(codec: Any, payload: torch.Tensor, saved: tuple[torch.Tensor, ...], m
         return nan_unless_finite(function(payload, saved, meta), finite)
     op = _graph_op(type(codec), "decode")
     if op is not None and _asked(backend) not in ("eager", "compiled"):
-        return op(codec, payload, saved, meta, finite=finite)  # applied inside the extern call
+        return op(codec, payload, saved, meta, finite=finite)  # the graph op applies it
     return nan_unless_finite(_run(codec, "decode", (payload, saved, meta), backend), finite)
 
 

@@ -126,3 +126,30 @@ def dequantize_affine(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Te
     # The rounded-up scale can step past the dtype's largest value; saturate.
     limit = torch.finfo(dtype).max
     return values.view(-1)[:count].clamp(-limit, limit).to(dtype).view(shape)
+
+
+def dequantize_affine_pointwise(codes: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, bits: int, group: int,
+                                shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`dequantize_affine`'s values bit for bit, written as one expression of each value's
+    index (its group's offset and scale broadcast, no padding), for a traced graph: Inductor then
+    computes the values inside the kernel that reads them, and the decoded tensor is never
+    materialized (a compiled ViT-S backward held a third MLP-sized buffer through each block's
+    MLP where the decode was an extern call, stop 59).
+
+    >>> codes, offset, scale = quantize_affine(torch.randn(10), bits=4, group=4)
+    >>> values = dequantize_affine_pointwise(codes, offset, scale, 4, 4, torch.Size([10]), torch.float32)
+    >>> torch.equal(values, dequantize_affine(codes, offset, scale, 4, 4, torch.Size([10]), torch.float32))
+    True
+    """
+    # A product, not torch.Size.numel(), which would turn a compile's symbolic sizes into a
+    # guard on their values (and recompile for every batch size).
+    count = math.prod(shape)
+    groups = offset.numel()
+
+    def per_value(per_group: torch.Tensor) -> torch.Tensor:
+        return per_group.float().unsqueeze(1).expand(groups, group).reshape(-1)[:count]
+
+    # As in dequantize_affine: code * scale is exact in float32, so the sum is rounded once.
+    values = torch.addcmul(per_value(offset), unpack_codes(codes, bits, count).float(), per_value(scale))
+    limit = torch.finfo(dtype).max
+    return values.clamp(-limit, limit).to(dtype).view(shape)

@@ -5,9 +5,10 @@ a tensor by watching calls, which a compiled graph never makes. A compiled train
 runs under saved-tensor hooks given as ``torch.fx.GraphModule`` s: AOTAutograd then retraces the
 pack hook once per tensor the forward graph saves, inlines it at the end of the compiled forward
 and the unpack hook at the start of the compiled backward (torch 2.14.1 here,
-``maybe_inline_graph_saved_tensors_hooks``): the quantizers as one extern call each way (their
-``torch.library`` ops, whose Python body runs the kernel eager mode would, once per tensor and
-step), the other codecs as traced ops Inductor fuses with their neighbours. While a hook is
+``maybe_inline_graph_saved_tensors_hooks``): the quantizers' encode as one extern call (their
+``torch.library`` op, whose Python body runs the kernel eager mode would, once per tensor and
+step), their decode and the other codecs as traced ops Inductor fuses with their neighbours (a
+decoded activation is computed inside the kernel that reads it, never stored whole). While a hook is
 retraced, torch names the saved node and both graphs. This engine's one part of its own is
 reading what the *backward* does with the tensor (:func:`_kept_form`); from that it names the op
 and kind as the eager engine's scopes would, and the rest is shared with eager mode: the op table
@@ -77,6 +78,7 @@ from actcomp.torch_compat import (
     argument_names,
     backward_compiled_with_forward,
     backward_graph,
+    buffer_reuse,
     custom_graph_pass_base,
     is_inlined_pack_output,
     is_inlined_unpack_input,
@@ -85,6 +87,7 @@ from actcomp.torch_compat import (
     recomputing_what_backward_materializes,
     reorder_for_peak_memory,
     saved_node_name,
+    set_buffer_reuse,
     set_post_grad_custom_post_pass,
     set_reorder_for_peak_memory,
 )
@@ -161,6 +164,13 @@ class _CodecsWhereUsed(custom_graph_pass_base()):
         else:
             _hoist_packing(graph)
         if _REORDER.user is not None:
+            # Inductor's buffer reuse, read when this graph's code is written: a freed buffer is
+            # kept for a later one of its size wherever Inductor's peak estimate allows. That
+            # estimate counts a fused decode's per-group offsets and scales at the size of the
+            # loop reading them (6 MiB for 25 KiB), so it put ViT-S's backward at 240 MiB and let
+            # MLP-sized buffers live from block to block: a step peak of 117 MiB, 95 with reuse
+            # off (the fp8 pass's: 93-95; stop 59). The backward frees each buffer at its last use.
+            set_buffer_reuse(_REORDER.reuse and not backward)
             # Inductor's peak-memory reordering, read when this graph is scheduled next, moves
             # the decoding back to the top of a backward graph (measured on ViT-S: a backward
             # peak of 251 MiB with it, 106 MiB without); the forward keeps it (103 MiB with it,
@@ -267,6 +277,7 @@ class _Reorder:
     """The user's ``reorder_for_peak_memory`` while a :func:`compress_in_graph` block runs."""
 
     user: bool | None = None
+    reuse: bool = True
 
 
 _REORDER = _Reorder()
@@ -276,8 +287,9 @@ _REORDER = _Reorder()
 def _in_graph_context(hooks, lossy: bool):
     # The backward graph compiles with the forward (not at the first backward, after this block
     # has closed), so that the per-graph setting of the pass applies to it.
-    outer = _REORDER.user
+    outer, outer_reuse = _REORDER.user, _REORDER.reuse
     _REORDER.user = reorder_for_peak_memory() if outer is None else outer
+    _REORDER.reuse = buffer_reuse() if outer is None else outer_reuse
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(backward_compiled_with_forward(_REORDER.user))
@@ -286,7 +298,7 @@ def _in_graph_context(hooks, lossy: bool):
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
             yield
     finally:
-        _REORDER.user = outer
+        _REORDER.user, _REORDER.reuse = outer, outer_reuse
 
 
 def _install_decode_where_used() -> None:

@@ -1,6 +1,7 @@
 """The quantizers: int8/int4/int2 are one class at three widths, and every quantizer's encode and
 decode compile to the eager codes."""
 
+import math
 import pickle
 
 import pytest
@@ -10,6 +11,7 @@ import actcomp
 from actcomp.compressors import GroupQuant, Int2, Int4, Int8
 from actcomp.core.packed import Hints
 from actcomp.core.registry import compressor_class
+from actcomp.kernels.quantize import dequantize_affine, dequantize_affine_pointwise, grouped_shape, quantize_affine
 
 QUANTIZERS = ["int8", "int4", "int2", "fp16", "bf16", "fp8", "mesa8"]
 
@@ -73,9 +75,13 @@ def test_every_registered_codec_has_a_compile_test():
 
 
 @pytest.mark.parametrize("spec", ["int8", "int4", "int2:group=64"])
-def test_a_traced_graph_calls_the_quantizers_op_and_gives_the_eager_codes(spec):
-    # The graph holds one extern call each way (the kernels the eager path chooses), not the
-    # reference's loops: what makes compress_in_graph's first compile shorter.
+@pytest.mark.parametrize("shape", [(48, 320), (7, 37)])  # whole groups; a partial last group
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_traced_graph_encodes_by_the_quantizers_op_and_decodes_as_eager_mode_does(spec, shape, dtype):
+    # The encode is one extern call (the kernels the eager path chooses), not the reference's
+    # loops: what makes compress_in_graph's first compile shorter. The decode is traced
+    # pointwise, for Inductor to fuse into the kernel that reads it, and gives eager mode's values
+    # bit for bit (int4's channel exponents, a partial last group, a non-finite value included).
     graphs = []
 
     def recording(graph_module, example_inputs):
@@ -83,15 +89,32 @@ def test_a_traced_graph_calls_the_quantizers_op_and_gives_the_eager_codes(spec):
         return graph_module
 
     pipeline = actcomp.parse(spec)
-    x = torch.randn(48, 320)
+    x = torch.randn(shape).to(dtype)
+    x[:, 3] *= 40  # an outlier channel, which int4's channel scales take out
+    with_nan = x.clone()
+    with_nan[1, 2] = math.nan
 
     def round_trip(x):
         packed = pipeline.compress(x, channel_dim=-1)
         return packed.tensors, pipeline.decompress(packed)
 
-    torch._dynamo.reset()
-    tensors, decoded = torch.compile(round_trip, backend=recording, fullgraph=True)(x)
-    expected_tensors, expected = round_trip(x)
-    assert all(torch.equal(a, b) for a, b in zip(tensors, expected_tensors, strict=True))
-    assert torch.equal(decoded, expected)
-    assert "group_quant_encode" in graphs[0] and "group_quant_decode" in graphs[0]
+    for values in (x, with_nan):
+        torch._dynamo.reset()
+        graphs.clear()
+        tensors, decoded = torch.compile(round_trip, backend=recording, fullgraph=True)(values)
+        expected_tensors, expected = round_trip(values)
+        for a, b in zip((*tensors, decoded), (*expected_tensors, expected), strict=True):
+            # Bit for bit; NaN where eager mode has NaN (a non-finite value's group offset).
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        assert "group_quant_encode" in graphs[0] and "group_quant_decode" not in graphs[0]
+
+
+def test_the_pointwise_decode_gives_the_reference_values_bit_for_bit():
+    # The traced decode's formula against the reference's, eagerly, over widths, group sizes
+    # (dividing the count or not), dtypes and values at the range's ends.
+    for bits, group, count, dtype in [(8, 256, 1000, torch.float32), (4, 64, 999, torch.bfloat16),
+                                      (2, 4, 10, torch.float16), (8, 3, 7, torch.float32)]:
+        x = torch.cat([torch.randn(count - 2) * 5, torch.tensor([-6e4, 6e4])]).to(dtype)
+        codes, offset, scale = quantize_affine(x, bits, group, torch.rand(grouped_shape(count, group)))
+        reference = dequantize_affine(codes, offset, scale, bits, group, x.shape, dtype)
+        assert torch.equal(dequantize_affine_pointwise(codes, offset, scale, bits, group, x.shape, dtype), reference)

@@ -247,6 +247,25 @@ def test_decoding_that_reads_a_constant_moves_to_its_first_use():
     assert list(graph.nodes) == [gradient, packed, step, buffer, decoded, product, output]
 
 
+@pytest.mark.parametrize("user_reuse", [True, False])
+def test_the_backward_graph_frees_each_buffer_at_its_last_use(monkeypatch, user_reuse):
+    # Inductor's buffer reuse kept MLP-sized buffers alive from block to block of a compiled
+    # ViT-S backward (its peak estimate misreads the fused decodes): the backward graph is
+    # written without it, the forward graph as the user set it, and the setting is the user's
+    # again after the block.
+    seen = []
+    monkeypatch.setattr(in_graph, "set_buffer_reuse",
+                        lambda value: seen.append(value) or torch._inductor.config.__setattr__("allow_buffer_reuse", value))
+    torch.manual_seed(0)
+    model = NormGeluMLP().train()
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False, allow_buffer_reuse=user_reuse):
+        torch._dynamo.reset()
+        gradients(model, torch.compile(model), torch.randn(512, 64), ("int8", "8bit"))
+        assert torch._inductor.config.allow_buffer_reuse is user_reuse
+    assert seen == [user_reuse, False]  # the forward graph, then the backward graph
+
+
 def test_the_quantizers_pack_inside_the_forward_not_at_its_end(monkeypatch):
     # The int8 codec goes into the graph as one extern call per saved tensor; each must run as
     # soon as its tensor is made, before the layers after it, or the tensor lives to the end.
