@@ -101,7 +101,9 @@ def to_compressed(
     ``return_freed_memory`` (default True) makes glibc give freed buffers of 1 MiB and up back to
     the operating system (:mod:`actcomp.host_allocator`), without which a process keeps the pages
     the freed full-size tensors held and its peak shows little of the saving (ViT-S, batch 32:
-    1.33x lower instead of 2.15x). The setting is the process's; ``False`` or
+    1.33x lower instead of 2.15x). The setting is the process's, made when actcomp first
+    compresses a tensor outside a compiled graph (a model only ever compiled keeps glibc's
+    allocator as it comes, where the setting's page faults cost more than its buffers); ``False`` or
     ``ACTCOMP_RETURN_FREED_MEMORY=0`` leave the allocator alone.
 
     Converting an already converted model replaces the pipelines of the layers it selects
@@ -158,7 +160,7 @@ def to_compressed(
     else:
         unwatch_model_inputs(model)
     if return_freed_memory and (converted or routed or policy is not None):
-        host_allocator.return_freed_memory()
+        host_allocator.request()  # set at the first eager compression (a compiled model never needs it)
     return model
 
 

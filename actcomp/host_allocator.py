@@ -12,7 +12,12 @@ lower (the trap ActNN's users reported as "memory not actually saved").
 1 MiB and up is mapped on its own and unmapped when freed, and resident memory follows live
 memory (the same ViT-S: 1590 MiB, 2.15x lower than plain as a user runs it;
 ``benchmarks/results/user_peak_torch2.14.1_cpu_t2.md``). :func:`~actcomp.to_compressed`
-calls it on every conversion that changes something; ``to_compressed(..., return_freed_memory=False)``
+asks for it on every conversion that changes something (:func:`request`), and it is set when
+actcomp first compresses a tensor outside a compiled graph (:func:`apply_request`): a converted
+model that only runs compiled keeps the allocator as a plain compiled model has it, since there
+Inductor plans the buffers and the threshold's page faults were the step's largest cost (ViT-S,
+batch 16, 128 px, 2 threads: 1.41x the compiled plain step under the threshold, 1.04-1.09x
+without; stop 59). ``to_compressed(..., return_freed_memory=False)``
 or ``ACTCOMP_RETURN_FREED_MEMORY=0`` in the environment leave the allocator alone. The setting is
 the process's (glibc has one malloc), it stays until the process ends, and it is inherited by
 processes forked later (DataLoader workers). Its price is a page fault per fresh page of a large
@@ -68,6 +73,29 @@ _HUGE_PAGE = 2 << 20
 # Below this a buffer's aligned interior holds at most one huge page: not worth a system call.
 ADVISE_FROM = 4 << 20
 _threshold_set: int | None = None  # what this process's mallopt call set, if any
+_requested = False  # a conversion asked for the threshold, which the next eager compression sets
+
+
+def request() -> None:
+    """Ask for :func:`return_freed_memory`, made when actcomp next compresses a tensor eagerly
+    (:func:`apply_request`), not now: a model that is only ever compiled never needs it.
+
+    >>> request(); apply_request() in {"set", "already set", "left to MALLOC_MMAP_THRESHOLD_", "not glibc", "refused",
+    ...                                 "disabled by ACTCOMP_RETURN_FREED_MEMORY=0"}
+    True
+    """
+    global _requested
+    _requested = True
+
+
+def apply_request() -> str | None:
+    """:func:`return_freed_memory`'s answer where a conversion asked for it and it has not run
+    since (called by every eager compression, so one check of a flag), else None."""
+    global _requested
+    if not _requested:
+        return None
+    _requested = False
+    return return_freed_memory()
 
 
 def return_freed_memory(threshold: int = MMAP_THRESHOLD) -> str:

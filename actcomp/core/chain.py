@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
+from actcomp import host_allocator
 from actcomp.core import backends, watchers
 from actcomp.core.packed import Encoded, Hints, Packed, PackedLayout
 from actcomp.errors import ActcompError
@@ -83,6 +84,8 @@ def _pack(stages: Sequence[Stage], spec: str, x: torch.Tensor, channel_dim: int 
         raise ActcompError(f"channel_dim={channel_dim} is out of range for a tensor of shape {tuple(x.shape)}")
     if states is None:
         states = [stage.initial_state() for stage in stages]
+    if not backends.tracing(x):
+        host_allocator.apply_request()  # what a conversion asked of glibc, once, outside compiled graphs
     hints = Hints(channel_dim=channel_dim if x.dim() else None)
     payload = x.detach()
     # Flagged unless every stage keeps NaN and inf itself (an exact mask, a cast, a sparsifier

@@ -61,13 +61,39 @@ def test_a_users_own_threshold_is_kept(monkeypatch):
     assert host_allocator.return_freed_memory() == "left to MALLOC_MMAP_THRESHOLD_"
 
 
+@pytest.mark.parametrize("rest", [None, "8bit"])
 @pytest.mark.parametrize("option, calls", [({}, 1), ({"return_freed_memory": False}, 0)])
-def test_to_compressed_returns_freed_memory_unless_told_not_to(monkeypatch, option, calls):
+def test_to_compressed_returns_freed_memory_at_the_first_eager_step_unless_told_not_to(monkeypatch, option, calls,
+                                                                                     rest):
     seen = []
     monkeypatch.setattr(host_allocator, "return_freed_memory", lambda: seen.append(1) or "set")
+    monkeypatch.setattr(host_allocator, "_requested", False)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    actcomp.to_compressed(net, "int8", first_layer=None, **option)
-    assert len(seen) == calls
+    actcomp.to_compressed(net, "int8", first_layer=None, rest=rest, **option)
+    assert seen == []  # asked for, not yet set: nothing has been compressed
+    for _ in range(2):
+        net(torch.randn(4, 8)).sum().backward()
+    assert len(seen) == calls  # set once, at the first step
+
+
+class _GeluMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(64, 256), torch.nn.Linear(256, 8)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def test_a_converted_model_only_ever_compiled_leaves_the_allocator_alone(monkeypatch):
+    # Inside a compiled graph Inductor plans the buffers; the threshold's page faults took a
+    # compiled ViT-S step from 1.04-1.09x to 1.41x plain's (stop 59).
+    monkeypatch.setattr(host_allocator, "return_freed_memory", lambda: pytest.fail("the allocator was touched"))
+    monkeypatch.setattr(host_allocator, "_requested", False)
+    compiled = torch.compile(actcomp.to_compressed(_GeluMLP(), "int8", rest="8bit"))  # Inductor: in the graph
+    for _ in range(2):
+        compiled(torch.randn(64, 64)).square().mean().backward()
+    assert host_allocator._requested  # still asked for, should the model run eagerly
 
 
 def test_a_conversion_that_changes_nothing_leaves_the_allocator_alone(monkeypatch):
