@@ -464,6 +464,34 @@ def test_the_joint_pass_keeps_every_compared_value_after_the_users_own_pass():
     assert [node.name for node in graph.nodes if "recompute" in node.meta] == [relu.name]
 
 
+def test_a_compiled_converted_sequential_compresses_inside_the_graph(monkeypatch):
+    # nn.Sequential's forward is torch's own code, where Dynamo starts no graph: called from the
+    # model's eager entry frame it ran eagerly, every layer with it, and the hooks kept what
+    # eager code saved as it was (the rest uncompressed, the step uncompiled).
+    from actcomp.layers import compressed_layer
+
+    eager_layers, kept = [], []
+    eager_forward, kept_form = compressed_layer._eager_forward, in_graph._kept_form
+    monkeypatch.setattr(compressed_layer, "_eager_forward",
+                        lambda module, *args: eager_layers.append(module) or eager_forward(module, *args))
+    monkeypatch.setattr(in_graph, "_kept_form",
+                        lambda plan, tensor, users, name: kept.append(name) or kept_form(plan, tensor, users, name))
+    monkeypatch.setattr(in_graph, "_hooks", functools.cache(in_graph._hooks.__wrapped__))
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 8))
+    converted = actcomp.to_compressed(copy.deepcopy(plain), "int8", rest="8bit", return_freed_memory=False)
+    x = torch.randn(512, 64)
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        reference = gradients(plain, torch.compile(plain), x)
+        lossy = gradients(converted, torch.compile(converted), x)
+
+    assert not eager_layers and kept
+    cosines = [F.cosine_similarity(a.flatten(), b.flatten(), 0) for a, b in zip(reference, lossy)]
+    assert min(cosines) > 0.999, cosines
+
+
 def test_a_compiled_converted_model_keeps_no_codes_of_what_the_backward_rebuilds(monkeypatch):
     """torch.compile(to_compressed(model, "int8", rest="8bit")): the converted Linear layers
     (one pipeline) leave their inputs to the hooks, which code them with that pipeline, and the
