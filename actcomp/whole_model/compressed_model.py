@@ -66,6 +66,7 @@ import functools
 import inspect
 import threading
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -145,7 +146,7 @@ def _whole_model_forward(module: CompressedModel, args: tuple, kwargs: dict):
         hooks = _enter_in_graph(module.actcomp_rest, _shared_linear_spec(module))
         try:
             if dynamo_starts_no_graph_at(forward):
-                return _compiled_forward(forward, args, kwargs)
+                return _compiled_forward_of(module)(forward, args, kwargs)
             return forward(*args, **kwargs)
         finally:
             _exit_in_graph(hooks)
@@ -165,6 +166,22 @@ def _compiled_forward(forward, args: tuple, kwargs: dict):
     would run eagerly (Dynamo starts no graph in torch's files), and with it every layer, under
     hooks that keep what eager code saves as it is."""
     return forward(*args, **kwargs)
+
+
+# Each model's copy of _compiled_forward, with a code object of its own: Dynamo keeps a code
+# object's graphs up to its recompile limit (8), and with one frame for every model the ninth
+# converted nn.Sequential a process compiled ran eagerly. Weak keys: a model's copy goes with it,
+# and nothing is added to the model (a function made here would not pickle).
+_FRAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled_forward_of(module: nn.Module):
+    frame = _FRAMES.get(module)
+    if frame is None:
+        name = f"_compiled_forward_{len(_FRAMES)}"
+        code = _compiled_forward.__code__.replace(co_name=name)  # a new code object (3.10 has no co_qualname)
+        frame = _FRAMES[module] = types.FunctionType(code, _compiled_forward.__globals__, name)
+    return frame
 
 
 class _InGraph:

@@ -492,6 +492,24 @@ def test_a_compiled_converted_sequential_compresses_inside_the_graph(monkeypatch
     assert min(cosines) > 0.999, cosines
 
 
+def test_more_converted_sequentials_than_dynamos_recompile_limit_all_compile(monkeypatch):
+    # The frame that lets Dynamo start a graph for nn.Sequential's forward is a copy per model:
+    # with one for all, the ninth model a process compiled ran eagerly (Dynamo's limit: 8 graphs
+    # a code object).
+    from actcomp.layers import compressed_layer
+
+    eager_layers = []
+    eager_forward = compressed_layer._eager_forward
+    monkeypatch.setattr(compressed_layer, "_eager_forward",
+                        lambda module, *args: eager_layers.append(module) or eager_forward(module, *args))
+    torch._dynamo.reset()
+    for width in range(16, 16 + 10):
+        net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 2))
+        compiled = torch.compile(actcomp.to_compressed(net, "int8", rest="8bit", return_freed_memory=False))
+        compiled(torch.randn(16, 8)).square().mean().backward()
+    assert not eager_layers
+
+
 def test_a_compiled_converted_model_keeps_no_codes_of_what_the_backward_rebuilds(monkeypatch):
     """torch.compile(to_compressed(model, "int8", rest="8bit")): the converted Linear layers
     (one pipeline) leave their inputs to the hooks, which code them with that pipeline, and the
