@@ -18,7 +18,6 @@ True
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -371,19 +370,6 @@ def called_from_compiled_code() -> bool:
         return False
     callback = get_eval_frame_callback()
     return callback is not None and callback is not False
-
-
-def dynamo_starts_no_graph_at(function: Any) -> bool:
-    """Whether Dynamo would run ``function``'s frame eagerly if it were called from a frame that
-    a compiled caller runs eagerly: a function of torch's own files (``nn.Sequential.forward``),
-    where Dynamo only inlines, never starts a graph (its skip list, checked on 2.14.1: "file
-    matches MOD_SKIPLIST"). If that changes, such a forward is wrapped once more, which costs
-    nothing."""
-    code = getattr(getattr(function, "__func__", function), "__code__", None)
-    return code is not None and os.path.abspath(code.co_filename).startswith(_TORCH_DIRECTORY)
-
-
-_TORCH_DIRECTORY = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def skip_frame_but_inline(code: Any) -> None:

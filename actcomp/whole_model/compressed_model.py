@@ -89,7 +89,7 @@ from actcomp.graph.saved_tensors import (
     tracking_scopes,
 )
 from actcomp.layers.compressed_layer import IN_GRAPH_LINEAR, traces_into_graphs
-from actcomp.torch_compat import called_from_compiled_code, dynamo_starts_no_graph_at, not_compiled_frame
+from actcomp.torch_compat import called_from_compiled_code, not_compiled_frame
 from actcomp.whole_model.checkpointed import forward_session
 from actcomp.whole_model.policy import RestPolicy
 from actcomp.whole_model.session import _Session, _unpack
@@ -145,9 +145,7 @@ def _whole_model_forward(module: CompressedModel, args: tuple, kwargs: dict):
     if called_from_compiled_code():
         hooks = _enter_in_graph(module.actcomp_rest, _shared_linear_spec(module))
         try:
-            if dynamo_starts_no_graph_at(forward):
-                return _compiled_forward_of(module)(forward, args, kwargs)
-            return forward(*args, **kwargs)
+            return _compiled_forward_of(module)(forward, args, kwargs)
         finally:
             _exit_in_graph(hooks)
     # Called from a compiled caller, the model-input hook was traced and recorded nothing.
@@ -162,9 +160,10 @@ def _whole_model_forward(module: CompressedModel, args: tuple, kwargs: dict):
 
 def _compiled_forward(forward, args: tuple, kwargs: dict):
     """A frame of actcomp's own for the compiled caller to start a graph at, ``forward`` inlined
-    in it: a forward of torch's own (``nn.Sequential``'s), called from the eager frame above,
-    would run eagerly (Dynamo starts no graph in torch's files), and with it every layer, under
-    hooks that keep what eager code saves as it is."""
+    in it: a forward of torch's own (``nn.Sequential``'s), called straight from the eager frame
+    above, ran eagerly (Dynamo starts no graph in torch's files), and with it every layer, under
+    hooks that keep what eager code saves as it is. Every model's forward goes through it, so
+    no test of where a forward is defined is needed."""
     return forward(*args, **kwargs)
 
 

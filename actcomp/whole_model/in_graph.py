@@ -274,7 +274,8 @@ def compress_in_graph(spec: str | Pipeline | None = "int8", rest: str | Mapping 
 
 
 class _Reorder:
-    """The user's ``reorder_for_peak_memory`` while a :func:`compress_in_graph` block runs."""
+    """The user's ``reorder_for_peak_memory`` (``user``) and ``allow_buffer_reuse`` (``reuse``)
+    while a :func:`compress_in_graph` block runs; the pass sets both per graph from them."""
 
     user: bool | None = None
     reuse: bool = True
