@@ -13,10 +13,12 @@ so each new one costs page faults: it took ViT-S's compress_in_graph step from 1
 plain's, its extern codec calls allocating where Inductor's generated code reuses buffers).
 Reported: the median over rounds of the step time over plain (and under the threshold), the
 step's peak RSS above what it starts from (parameters and optimizer state, no gradients) and
-plain's peak over it, the peak of the step's live tensors above the same start (on a CPU, from the
-profiler's allocation events: the RSS peak also counts whatever free heap glibc held resident
-from before the step, which differed by 2-5 MiB between processes of one configuration), and the
-first call's time (the compile): cold in the first round (Inductor's
+plain's peak over it; on a CPU two measures the allocator does not move, since the RSS peak counts
+only the pages the step touches beyond those resident before it, and glibc's heap holds 6-11 MiB
+free from the compile and the earlier steps, different in each process (one configuration's peak
+moved by 2-5 MiB between processes): the RSS peak from a start with that free heap handed back
+(``malloc_trim``), and the peak of the step's live tensors (the profiler's allocation events);
+and the first call's time (the compile): cold in the first round (Inductor's
 and Triton's caches in a fresh directory), with the caches warm in the last.
 
 - ``plain``: ``torch.compile(model)``;
@@ -92,10 +94,11 @@ def main() -> None:
         ratios = [run["step_s"] / plain["step_s"] for run, plain in zip(runs[name], runs["plain"])]
         peak = statistics.median(run["peak_bytes"] for run in runs[name])
         live = statistics.median(run["live_peak_bytes"] for run in runs[name])
+        trimmed = statistics.median(run["trimmed_peak_bytes"] for run in runs[name])
         threshold = [run["threshold_step_s"] / plain["threshold_step_s"] for run, plain in zip(runs[name], runs["plain"])]
         rows.append({"config": name, "step_over_plain": statistics.median(ratios),
                      "threshold_step_over_plain": statistics.median(threshold), "peak_mib": peak / 2**20,
-                     "live_peak_mib": live / 2**20,
+                     "trimmed_peak_mib": trimmed / 2**20, "live_peak_mib": live / 2**20,
                      "plain_peak_over_peak": statistics.median(runs["plain"][0]["peak_bytes"] / run["peak_bytes"]
                                                                for run in runs[name]),
                      "first_call_s": runs[name][0]["compile_s"], "warm_first_call_s": runs[name][-1]["compile_s"]})
@@ -103,11 +106,11 @@ def main() -> None:
                           {"model": args.model, "batch": args.batch, "img_size": args.img_size, "rounds": args.rounds,
                            "steps": args.steps, "mode": args.mode}, load_before)
     body = ["| configuration | step / compiled plain | the same, 64 KiB mmap threshold | step peak above start "
-            "| plain peak / peak | live tensors' peak | first call, cold | first call, warm cache |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "| plain peak / peak | the same, free heap trimmed first | live tensors' peak | first call, cold "
+            "| first call, warm cache |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     body += [f"| `{r['config']}` | **{r['step_over_plain']:.2f}x** | {r['threshold_step_over_plain']:.2f}x | "
              f"{r['peak_mib']:.0f} MiB | "
-             f"{r['plain_peak_over_peak']:.2f}x | {r['live_peak_mib']:.1f} MiB | "
+             f"{r['plain_peak_over_peak']:.2f}x | {r['trimmed_peak_mib']:.0f} MiB | {r['live_peak_mib']:.1f} MiB | "
              f"{r['first_call_s']:.0f} s | {r['warm_first_call_s']:.0f} s |" for r in rows]
     print("\n".join(body))
     write_results("compiled" if args.mode == "default" else f"compiled_{args.mode.replace('-', '_')}",
