@@ -416,6 +416,26 @@ def test_the_errors_are_measured_on_a_quarter_of_the_rows_and_eight_at_least(row
     assert with_loss.measured is with_loss.run and with_loss.measured_reference is with_loss.reference
 
 
+def test_rows_that_save_more_have_the_errors_measured_on_fewer_of_them():
+    """The floor is in plain's saved bytes, not rows: 8 rows that each save over a quarter of
+    _ERROR_BYTES (a ViT-S or resnet50 row at 224 px saves 56-81 MiB) have their errors measured on
+    a quarter of them, 2; rows saving less on as many as save _ERROR_BYTES."""
+    from actcomp.tools import budget
+    from actcomp.tools.user_batch import UserBatch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GELU(), nn.Conv2d(32, 32, 3, padding=1), nn.GELU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 3))
+    for size, measured in ((96, 2), (48, 7)):
+        batch = torch.randn(8, 3, size, size)
+        search = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, budget.KIND_SPECS)
+        per_row = search.plain_bytes / 8
+        assert measured == max(2, math.ceil(budget._ERROR_BYTES / per_row)), per_row
+        assert search.measured.rows == measured and search.errors_on == f"{measured} of 8 rows"
+        expected = UserBatch(batch[:measured]).gradients(copy.deepcopy(model))
+        assert all(torch.equal(search.measured_reference[name], expected[name]) for name in expected)
+
+
 @pytest.mark.parametrize(("spec", "rest"), [("int4", "4bit"), ("mink0.9+int8", "4bit")])
 def test_measured_on_a_quarter_of_32_rows_the_plan_still_beats_the_preset_at_its_bytes(spec, rest):
     torch.manual_seed(0)
