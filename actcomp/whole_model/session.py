@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from actcomp import host_allocator
 from actcomp.core.pipeline import Pipeline
 from actcomp.graph.not_compiled import not_compiled
 from actcomp.graph.saved_tensors import (
@@ -84,6 +85,7 @@ class _Session:
         self.norm_inputs.clear()
         self.norm_statistics.clear()
         self.attention_calls.clear()
+        host_allocator.forget_copy_buffer()
 
     def pack(self, tensor: torch.Tensor):
         if in_compressed_layer() and not listened():

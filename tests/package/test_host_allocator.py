@@ -236,3 +236,53 @@ def test_where_torch_cannot_tell_a_backward_ended_the_next_forward_lets_go(monke
     assert all(_LargeDecodes.seen.values()) and host_allocator._large is not None  # kept: nothing told it
     host_allocator.empty_for_writing(1 << 19, torch.float32)  # the next forward's first decode
     assert host_allocator._large is None and host_allocator._reused == []
+
+
+def test_a_copy_buffer_is_reused_only_while_nothing_holds_it_and_let_go_at_the_forwards_end(monkeypatch):
+    monkeypatch.setattr(host_allocator, "_threshold_set", host_allocator.MMAP_THRESHOLD)
+    monkeypatch.setattr(host_allocator, "_copy_buffer", None)
+    first = host_allocator.empty_for_copying(1 << 19, torch.float32)
+    pointer = first.data_ptr()
+    del first
+    assert host_allocator.empty_for_copying(1 << 19, torch.float32).data_ptr() == pointer  # free: handed out again
+    held = host_allocator.empty_for_copying(1 << 19, torch.float32)
+    assert host_allocator.empty_for_copying(1 << 19, torch.float32).data_ptr() != held.data_ptr()  # held: fresh
+    assert host_allocator.empty_for_copying(1 << 20, torch.float32).numel() == 1 << 20  # another size: fresh
+    small = host_allocator.empty_for_copying(16, torch.float32)  # below the threshold: torch's own
+    assert small.untyped_storage().data_ptr() != host_allocator._copy_buffer.untyped_storage().data_ptr()
+    host_allocator.forget_copy_buffer()
+    assert host_allocator._copy_buffer is None
+    monkeypatch.setattr(host_allocator, "_threshold_set", None)
+    host_allocator.empty_for_copying(1 << 19, torch.float32)
+    assert host_allocator._copy_buffer is None  # without the threshold nothing is remembered
+
+
+@pytest.mark.parametrize(("spec", "dtype"), [("int8", torch.float32), ("bf16", torch.float32), ("fp16", torch.float16)])
+def test_gapped_tensors_coded_through_the_copy_buffer_keep_their_own_codes(monkeypatch, spec, dtype):
+    # Attention's query, key and value of one qkv projection: slices of a wider tensor, copied
+    # dense into one reused buffer before their codec reads them. Each keeps the codes a fresh
+    # copy gives, and a codec that keeps its input as it is (fp16 of an fp16 tensor) keeps the
+    # buffer to itself: the next copy gets a fresh one.
+    from actcomp.core.pipeline import parse
+    from actcomp.whole_model.choosing import CodecChoice
+
+    monkeypatch.setattr(host_allocator, "_threshold_set", host_allocator.MMAP_THRESHOLD)
+    monkeypatch.setattr(host_allocator, "_copy_buffer", None)
+    torch.manual_seed(0)
+    qkv = torch.randn(8, 197, 3, 6, 64).to(dtype).permute(2, 0, 3, 1, 4)  # 1.2 MB a part in fp16
+    choice = CodecChoice(parse(spec))
+    kept, buffers = [], []
+    for part in qkv.unbind(0):
+        kept.append(choice.encode(part))
+        buffers.append(host_allocator._copy_buffer.data_ptr())
+    # Codes of their own: one buffer for all three; the input kept as it is: one buffer each.
+    assert len(set(buffers)) == (3 if spec == "fp16" else 1)
+    for part, form in zip(qkv.unbind(0), kept):
+        fresh = choice.codec.compress(part.permute(form.packed.layout.permutation).reshape(-1))
+        assert all(torch.equal(a, b) for a, b in zip(form.packed.tensors, fresh.tensors))
+        assert torch.equal(form.unpack(), choice.codec.decompress(fresh).view(part.permute(
+            form.packed.layout.permutation).shape).permute(_inverse(form.packed.layout.permutation)))
+
+
+def _inverse(permutation):
+    return tuple(sorted(range(len(permutation)), key=permutation.__getitem__))
