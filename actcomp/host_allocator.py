@@ -156,8 +156,8 @@ def empty_for_writing(count: int, dtype: torch.dtype) -> torch.Tensor:
     torch.Size([10])
     """
     global _large
-    nbytes = count * dtype.itemsize
-    if _threshold_set is None or nbytes < _threshold_set:
+    nbytes = _own_mapping(count, dtype)
+    if nbytes is None:
         return torch.empty(count, dtype=dtype)
     if not in_backward_pass():
         if _reused or _large is not None:
@@ -195,13 +195,20 @@ def empty_for_copying(count: int, dtype: torch.dtype) -> torch.Tensor:
     torch.Size([10])
     """
     global _copy_buffer
-    nbytes = count * dtype.itemsize
-    if _threshold_set is None or nbytes < _threshold_set:
+    nbytes = _own_mapping(count, dtype)
+    if nbytes is None:
         return torch.empty(count, dtype=dtype)
     with _reused_lock:
         if _copy_buffer is None or _copy_buffer.numel() != nbytes or storage_shared(_copy_buffer):
             _copy_buffer = torch.empty(nbytes, dtype=torch.uint8)
         return _copy_buffer.view(dtype)
+
+
+def _own_mapping(count: int, dtype: torch.dtype) -> int | None:
+    """The bytes of a buffer of ``count`` ``dtype`` values where this process maps it on its own
+    (the threshold set, the buffer at least its size): the buffers worth reusing; else None."""
+    nbytes = count * dtype.itemsize
+    return None if _threshold_set is None or nbytes < _threshold_set else nbytes
 
 
 def forget_copy_buffer() -> None:
