@@ -184,9 +184,9 @@ def empty_for_writing(count: int, dtype: torch.dtype) -> torch.Tensor:
 def empty_for_copying(count: int, dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty(count, dtype=dtype)`` on the CPU, for a tensor's values copied dense before a
     codec reads them (a slice of a wider tensor: attention's query, key and value of one qkv
-    projection, 36 a ViT-S step; a BatchNorm input in rows per channel). Where this process maps large buffers on their own, it hands
-    out again the one it handed out last, when it is of this size and nothing references it any
-    more (a codec that kept its input, as a cast to the input's own dtype does, keeps it
+    projection, 36 a ViT-S step; a BatchNorm input in rows per channel). Where this process maps
+    large buffers on their own, it hands out again the one it handed out last, when it is of this
+    size and nothing references it any more (a codec that kept its input, as a cast to the input's own dtype does, keeps it
     referenced, and the next copy gets a fresh one): a 1.2 MB copy into a fresh buffer took 370 µs
     of page faults, into a reused one 27 µs (AMD EPYC Zen 4, 2 threads). The buffer is forgotten
     when the forward that asked ends (:func:`forget_copy_buffer`). The values are undefined.

@@ -234,9 +234,9 @@ class CodecChoice:
 
 def _flat(values: torch.Tensor) -> torch.Tensor:
     """``values.reshape(-1)``; where that copies (gaps to close, or a norm's rows to gather: a
-    BatchNorm input's channels) on a CPU outside a traced graph,
-    into :func:`~actcomp.host_allocator.empty_for_copying`'s buffer, reused while nothing keeps it
-    (a fresh one faults its pages in: 370 against 27 µs for a ViT-S query at batch 4)."""
+    BatchNorm input's channels) on a CPU outside a traced graph, into
+    :func:`~actcomp.host_allocator.empty_for_copying`'s buffer, reused while nothing keeps it (a
+    fresh one faults its pages in: 370 against 27 µs for a ViT-S query at batch 4)."""
     if values.is_contiguous() or values.device.type != "cpu" or tracing(values):
         return values.reshape(-1)
     flat = host_allocator.empty_for_copying(values.numel(), values.dtype)
