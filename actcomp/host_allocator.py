@@ -185,18 +185,22 @@ def empty_for_copying(count: int, dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty(count, dtype=dtype)`` on the CPU, for a tensor's values copied dense before a
     codec reads them (a slice of a wider tensor: attention's query, key and value of one qkv
     projection, 36 a ViT-S step; a BatchNorm input in rows per channel). Where this process maps
-    large buffers on their own, it hands out again the one it handed out last, when it is of this
-    size and nothing references it any more (a codec that kept its input, as a cast to the input's own dtype does, keeps it
-    referenced, and the next copy gets a fresh one): a 1.2 MB copy into a fresh buffer took 370 µs
-    of page faults, into a reused one 27 µs (AMD EPYC Zen 4, 2 threads). The buffer is forgotten
-    when the forward that asked ends (:func:`forget_copy_buffer`). The values are undefined.
+    large buffers on their own, a buffer below :data:`ADVISE_FROM` is handed out again, the last
+    one, when it is of this size and nothing references it any more (a codec that kept its input,
+    as a cast to the input's own dtype does, keeps it referenced, and the next copy gets a fresh
+    one): a 1.2 MB copy into a fresh buffer took 370 µs of page faults, into a reused one 27 µs
+    (AMD EPYC Zen 4, 2 threads). A larger one is fresh each time: kept, it would sit idle through
+    the forward between copies (a resnet50 BatchNorm input at batch 32 is 102 MB; idle decode
+    buffers of every size once raised ViT-S's batch-32 peak by 45 MiB, stop 45). The buffer is
+    forgotten when the forward that asked ends (:func:`forget_copy_buffer`). The values are
+    undefined.
 
     >>> empty_for_copying(10, torch.float32).shape
     torch.Size([10])
     """
     global _copy_buffer
     nbytes = _own_mapping(count, dtype)
-    if nbytes is None:
+    if nbytes is None or nbytes >= ADVISE_FROM:
         return torch.empty(count, dtype=dtype)
     with _reused_lock:
         if _copy_buffer is None or _copy_buffer.numel() != nbytes or storage_shared(_copy_buffer):

@@ -247,7 +247,11 @@ def test_a_copy_buffer_is_reused_only_while_nothing_holds_it_and_let_go_at_the_f
     assert host_allocator.empty_for_copying(1 << 19, torch.float32).data_ptr() == pointer  # free: handed out again
     held = host_allocator.empty_for_copying(1 << 19, torch.float32)
     assert host_allocator.empty_for_copying(1 << 19, torch.float32).data_ptr() != held.data_ptr()  # held: fresh
-    assert host_allocator.empty_for_copying(1 << 20, torch.float32).numel() == 1 << 20  # another size: fresh
+    assert host_allocator.empty_for_copying(1 << 19 | 1, torch.float32).data_ptr() != held.data_ptr()  # another size
+    remembered = host_allocator._copy_buffer
+    large = host_allocator.empty_for_copying(host_allocator.ADVISE_FROM // 4, torch.float32)
+    assert host_allocator._copy_buffer is remembered and large.untyped_storage().data_ptr() != \
+        remembered.untyped_storage().data_ptr()  # of ADVISE_FROM and up: fresh, never kept idle
     small = host_allocator.empty_for_copying(16, torch.float32)  # below the threshold: torch's own
     assert small.untyped_storage().data_ptr() != host_allocator._copy_buffer.untyped_storage().data_ptr()
     host_allocator.forget_copy_buffer()
