@@ -16,7 +16,7 @@ step's peak RSS above what it starts from (parameters and optimizer state, no gr
 plain's peak over it; on a CPU two measures the allocator does not move, since the RSS peak counts
 only the pages the step touches beyond those resident before it, and glibc's heap holds 6-11 MiB
 free from the compile and the earlier steps, different in each process (one configuration's peak
-moved by 2-5 MiB between processes): the RSS peak from a start with that free heap handed back
+moved by up to 3 MiB between processes): the RSS peak from a start with that free heap handed back
 (``malloc_trim``), and the peak of the step's live tensors (the profiler's allocation events);
 and the first call's time (the compile): cold in the first round (Inductor's
 and Triton's caches in a fresh directory), with the caches warm in the last.

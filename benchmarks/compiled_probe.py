@@ -45,7 +45,7 @@ def live_peak(step) -> int:
     """The highest sum of the bytes ``step`` allocated and has not freed, over its run: torch's
     CPU allocations as the profiler records them, whatever glibc keeps resident beside them (the
     RSS peak also counts what the heap holds free from before the step: the same step measured
-    2-5 MiB apart by that alone)."""
+    up to 3 MiB apart by that alone)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
         step()
     events = sorted((event for event in profile.profiler.kineto_results.events() if event.name() == "[memory]"),
