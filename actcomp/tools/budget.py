@@ -19,8 +19,8 @@ loss, one seed), in three steps:
    round trip of its input (:mod:`actcomp.layers.weight_gradients`). An op kind bends the
    gradient flowing back through it, so a kind's rung takes a step of its own, run only when a
    choice in step 3 wants that rung (until then it counts as bending the gradient no less than
-   the kind's lighter rungs). Every error is measured on a quarter of a batch's rows, on at least
-   2 rows and as many as save 5.7 MB of plain's bytes (8 of vit_tiny's 5-token rows, 2 of
+   the kind's lighter rungs). Every error is measured on as many of a batch's rows as save 5.7 MB
+   of plain's bytes, 2 at least, whatever the batch's size (8 of vit_tiny's 5-token rows, 2 of
    ViT-S's at 224 px), or a language model's on a quarter of its tokens, 64 at least
    (:meth:`_Search._error_rows`), against plain's gradient there.
 3. **choice**: one rung per part minimising the summed error within the budget (an exact
@@ -86,12 +86,13 @@ _UNITS = 16384
 _RESOLVES, _MARGIN = 6, 0.002
 # A batch of at least this many rows has the rungs' bytes counted on a quarter of its rows.
 _PROBE_ROWS = 8
-# The parts' errors are measured on a quarter of the rows, but on no fewer than save this many of
-# plain's bytes, and 2 rows at least: 8 rows of vit_tiny at 32 px (5 tokens a row, 0.71 MiB), where
+# The parts' errors are measured on as many rows as save this many of plain's bytes, and 2 rows at
+# least, whatever the batch's size: 8 rows of vit_tiny at 32 px (5 tokens a row, 0.71 MiB), where
 # 2 rows chose a plan bending the gradient more than the 4-bit preset at its bytes (0.9813 against
 # 0.9821; 0.9847 on 4 rows, 0.9885 on all 8). The estimates rest on values, not rows: a row of
-# ViT-S or resnet50 at 224 px saves 56-81 MiB, and at 8 images their errors on 2 rows choose as
-# on all 8 (benchmarks/results/budget_stop60/).
+# ViT-S or resnet50 at 224 px saves 56-81 MiB, and their errors on 2 rows choose as on 8
+# (benchmarks/results/budget_stop60/ at 8 images, budget_stop61/ at 32). Until stop 61 a quarter
+# of a larger batch was taken, so the search's steps grew with the batch.
 _ERROR_BYTES = 5_700_000
 _ERROR_MIN_ROWS = 2
 # A language model's batch of too few rows to cut has its errors measured on a quarter of its
@@ -412,19 +413,19 @@ class _Search:
         """The batch the parts' errors are measured on, plain's gradient on it and that
         gradient's squared norm (``whole_norm`` is the whole batch's).
 
-        A quarter of the rows, but enough to save :data:`_ERROR_BYTES` of plain's bytes and
-        :data:`_ERROR_MIN_ROWS` at least, where the batch has more; a
+        As many rows as save :data:`_ERROR_BYTES` of plain's bytes, :data:`_ERROR_MIN_ROWS` at
+        least, where the batch has more (not a share of the batch: the estimates rest on values,
+        and a larger batch does not need more of them); a
         language model's batch of fewer rows (``input_ids``) on a quarter of its tokens,
         :data:`_ERROR_TOKENS` at least (a causal model computes a sequence's first tokens as it
         does in the whole sequence); both only where the loss is the model's own (a ``loss_fn``
         may hold the whole batch's labels), else the whole batch. Each part's error is a share of
         plain's squared gradient there, every part measured on the same rows, so the knapsack
-        compares like with like at a fraction of the steps' compute (a batch of 32 measures each
-        kind's rung on 8 rows; ViT-S's batch of 8 at 224 px on 2). The plan itself is measured on
-        the whole batch."""
+        compares like with like at a fraction of the steps' compute (ViT-S's batch of 8 or 32 at
+        224 px measures each kind's rung on 2 rows, vit_tiny's at 32 px on 8). The plan itself is
+        measured on the whole batch."""
         per_row = self.plain_bytes / self.run.rows if self.run.rows else 0
-        count = max(self.run.rows // 4, _ERROR_MIN_ROWS,
-                    math.ceil(_ERROR_BYTES / per_row) if per_row else self.run.rows)
+        count = max(_ERROR_MIN_ROWS, math.ceil(_ERROR_BYTES / per_row) if per_row else self.run.rows)
         rows = self.probe if self.probe is not self.run and self.probe.rows == count else self.run.first_rows(count)
         if rows is None:
             rows = self.run.first_tokens(max(_ERROR_TOKENS, self.run.tokens // 4))

@@ -394,11 +394,12 @@ def test_the_gradient_cosine_is_the_concatenated_gradients_cosine():
     assert math.isnan(gradient_cosine(got, {name: torch.zeros_like(grad) for name, grad in got.items()}))
 
 
-@pytest.mark.parametrize(("rows", "measured"), [(8, 8), (16, 8), (32, 8), (64, 16)])
-def test_the_errors_are_measured_on_a_quarter_of_the_rows_and_eight_at_least(rows, measured):
-    """Each part's error is measured on a quarter of the batch's rows, 8 at least (2 rows of
-    vit_tiny chose worse than the 4-bit preset at its bytes), against plain's gradient there; with
-    the user's own loss, which may hold the whole batch's labels, on every row."""
+@pytest.mark.parametrize(("rows", "measured"), [(8, 8), (16, 8), (32, 8), (64, 8)])
+def test_the_errors_are_measured_on_as_many_rows_whatever_the_batchs_size(rows, measured):
+    """Each part's error is measured on as many rows as save _ERROR_BYTES of plain's bytes (8 of
+    vit_tiny's rows at 32 px: 2 rows chose worse than the 4-bit preset at its bytes), not on a
+    share of the batch (64 rows took 16 until stop 61), against plain's gradient there; with the
+    user's own loss, which may hold the whole batch's labels, on every row."""
     from actcomp.tools import budget
     from actcomp.tools.user_batch import UserBatch
 
@@ -417,27 +418,28 @@ def test_the_errors_are_measured_on_a_quarter_of_the_rows_and_eight_at_least(row
 
 
 def test_rows_that_save_more_have_the_errors_measured_on_fewer_of_them():
-    """The floor is in plain's saved bytes, not rows: 8 rows that each save over a quarter of
+    """The floor is in plain's saved bytes, not rows: rows that each save over half of
     _ERROR_BYTES (a ViT-S or resnet50 row at 224 px saves 56-81 MiB) have their errors measured on
-    a quarter of them, 2; rows saving less on as many as save _ERROR_BYTES."""
+    2 of them, in a batch of 8 or of 32 (8 until stop 61); rows saving less on as many as save
+    _ERROR_BYTES."""
     from actcomp.tools import budget
     from actcomp.tools.user_batch import UserBatch
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GELU(), nn.Conv2d(32, 32, 3, padding=1), nn.GELU(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 3))
-    for size, measured in ((96, 2), (48, 7)):
-        batch = torch.randn(8, 3, size, size)
+    for rows, size, measured in ((8, 96, 2), (32, 96, 2), (8, 48, 7)):
+        batch = torch.randn(rows, 3, size, size)
         search = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, budget.KIND_SPECS)
-        per_row = search.plain_bytes / 8
+        per_row = search.plain_bytes / rows
         assert measured == max(2, math.ceil(budget._ERROR_BYTES / per_row)), per_row
-        assert search.measured.rows == measured and search.errors_on == f"{measured} of 8 rows"
+        assert search.measured.rows == measured and search.errors_on == f"{measured} of {rows} rows"
         expected = UserBatch(batch[:measured]).gradients(copy.deepcopy(model))
         assert all(torch.equal(search.measured_reference[name], expected[name]) for name in expected)
 
 
 @pytest.mark.parametrize(("spec", "rest"), [("int4", "4bit"), ("mink0.9+int8", "4bit")])
-def test_measured_on_a_quarter_of_32_rows_the_plan_still_beats_the_preset_at_its_bytes(spec, rest):
+def test_measured_on_8_of_32_rows_the_plan_still_beats_the_preset_at_its_bytes(spec, rest):
     torch.manual_seed(0)
     model, batch = timm.create_model("vit_tiny_patch16_224", num_classes=3, img_size=32), torch.randn(32, 3, 32, 32)
     preset = actcomp.check(model, batch, spec, rest=rest, rounds=1)
