@@ -17,11 +17,13 @@ loss, one seed), in three steps:
    A Linear/Conv layer's input serves only its own weight gradient, so one step measures every
    layer on every rung: each layer's backward recomputes its weight gradient through each rung's
    round trip of its input (:mod:`actcomp.layers.weight_gradients`). An op kind bends the
-   gradient flowing back through it, so a kind's rung takes a step of its own, run only when a
-   choice in step 3 wants that rung (until then it counts as bending the gradient no less than
-   the kind's lighter rungs). Every error is measured on as many of a batch's rows as save 5.7 MB
-   of plain's bytes, 2 at least, whatever the batch's size (8 of vit_tiny's 5-token rows, 2 of
-   ViT-S's at 224 px), or a language model's on a quarter of its tokens, 64 at least
+   gradient flowing back through it, so a kind's rung takes a backward of its own, run only when
+   a choice in step 3 wants that rung (until then it counts as bending the gradient no less than
+   the kind's lighter rungs); the rungs one choice wants share one forward, packed under each
+   rung's policy at once (:func:`~actcomp.whole_model.session.several_policies`). Every error
+   is measured on as many of a batch's rows as save 5.7 MB of plain's bytes, 2 at least,
+   whatever the batch's size (8 of vit_tiny's 5-token rows, 2 of ViT-S's at 224 px), or a
+   language model's on a quarter of its tokens, 64 at least
    (:meth:`_Search._error_rows`), against plain's gradient there.
 3. **choice**: one rung per part minimising the summed error within the budget (an exact
    multiple-choice knapsack over the bytes), then one run of the plan itself to measure what it
@@ -32,10 +34,10 @@ A Hugging Face causal LM is measured with its loss routed through the chunked cr
 as the plan's own call routes it: that loss's saved hidden states are kind "other".
 
 The search costs two steps on the whole batch (plain's, the plan's), one on the rows the errors
-are measured on (watching every layer's rungs: about four steps' compute), one there per kind's
-rung a choice wanted, a forward per rung of the longer ladder on a quarter of the rows, and a
-forward per plan solved again (``BudgetPlan.steps``, ``.forwards``); the docs quote what that is
-on our models. The plan prints as the call that pins it.
+are measured on (watching every layer's rungs: about four steps' compute), there a forward per
+round of kind rungs the choices wanted and a backward per rung, a forward per rung of the longer
+ladder on a quarter of the rows, and a forward per plan solved again (``BudgetPlan.steps``,
+``.backwards``, ``.forwards``); the docs quote what that is on our models. The plan prints as the call that pins it.
 
 >>> import torch, actcomp
 >>> _ = torch.manual_seed(0)
@@ -71,7 +73,8 @@ from actcomp.layers.weight_gradients import WeightGradientCall, watching_weight_
 from actcomp.losses.causal_lm import has_routable_loss
 from actcomp.tools.memory import MemoryReport, format_bytes, parse_bytes
 from actcomp.tools.user_batch import UserBatch, copy_model, gradient_cosine
-from actcomp.whole_model.policy import EXACT_KINDS, LOSSY_KINDS
+from actcomp.whole_model.policy import EXACT_KINDS, LOSSY_KINDS, RestPolicy
+from actcomp.whole_model.session import several_policies
 
 # Rungs from light to heavy. Linear/Conv inputs only serve the weight gradient (DropIT), so
 # min-k belongs on their ladder; the op kinds' tensors feed the gradient flowing back, so theirs
@@ -145,6 +148,8 @@ class BudgetPlan:
     forwards: int
     # Where the parts' errors were measured: "every row", "8 of 32 rows", "64 of 256 tokens".
     errors_on: str = "every row"
+    # Backwards over a step's retained forward, beyond that step's own (the op kinds' rungs).
+    backwards: int = 0
 
     @property
     def budget(self) -> float:
@@ -166,7 +171,8 @@ class BudgetPlan:
         lines = [f"budget {self.budget:.3f} of plain's {format_bytes(self.plain_bytes)} kept for backward: the plan "
                  f"keeps {format_bytes(self.kept_bytes)} ({self.kept_fraction:.3f}, {1 / self.kept_fraction:.1f}x "
                  f"fewer), gradient cosine {self.cosine:.4f} against plain's",
-                 f"search: {self.steps} steps and {self.forwards} forwards, the parts' errors measured on "
+                 f"search: {self.steps} steps, {self.backwards} more backwards and {self.forwards} forwards, the "
+                 "parts' errors measured on "
                  f"{self.errors_on}; the smallest reachable is {self.smallest_bytes / self.plain_bytes:.3f}",
                  "", "pin it:", "  " + self.call(), "",
                  f"{'part':<28} {'codec':<16} {'plain':>10} {'planned':>10} {'error':>9}"]
@@ -236,7 +242,8 @@ def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
                                 part.options[index].bytes, part.options[index].error, part.members)
                     for part, index in zip(parts, chosen))
     return BudgetPlan(budget_bytes, plain_bytes, kept, smallest, cosine, pipeline, rest, planned,
-                      tuple(sorted(search.unmeasured)), search.steps, search.forwards, search.errors_on)
+                      tuple(sorted(search.unmeasured)), search.steps, search.forwards, search.errors_on,
+                      search.backwards)
 
 
 def _fit(search: _Search, parts: list[_Part], capacity: int, budget_bytes: int, attention_floors: bool):
@@ -280,9 +287,9 @@ def _solve(search: _Search, parts: list[_Part], capacity: int) -> list[int]:
         wanted = [(at, index) for at, index in enumerate(chosen) if parts[at].options[index].error is None]
         if not wanted:
             return chosen
-        for at, index in wanted:
+        errors = search.kind_errors([(parts[at].name, parts[at].options[index].spec) for at, index in wanted])
+        for (at, index), error in zip(wanted, errors):
             part = parts[at]
-            error = search.kind_error(part.name, part.options[index].spec)
             options = list(part.options)
             options[index] = replace(options[index], error=error)
             parts[at] = replace(part, options=tuple(options))
@@ -353,7 +360,7 @@ class _Search:
         if not norm:
             raise ActcompError("plain's gradient is zero on this batch: no error can be measured; does the loss "
                                "depend on the parameters?")
-        self.steps, self.forwards = 1, 0
+        self.steps, self.forwards, self.backwards = 1, 0, 0
         self.unmeasured: set[str] = set()
         # Every copy measured routes the loss as the plan will: a lossy plan takes the chunked
         # loss (loss="auto"), whose saves a custom Function makes, kind "other". Measured with
@@ -599,11 +606,20 @@ class _Search:
         assumed = statistics.median(relative) * statistics.median(shares) if relative else 0.0
         return {layer: assumed if layer in unmeasured else error for layer, error in errors.items()}
 
-    def kind_error(self, kind: str, spec: str) -> float:
-        rest = _kinds_alone({kind: spec}, self.attention_floors)
-        got = self._gradients(to_compressed(copy_model(self.model), "mink0", rest=rest, loss=self.loss))
-        return sum(float((got[name] - grad).square().sum())
-                   for name, grad in self.measured_reference.items()) / self.norm
+    def kind_errors(self, rungs: Sequence[tuple[str, str]]) -> list[float]:
+        """Each (kind, spec)'s share of the squared gradient error, the kind alone at the spec:
+        one forward packing every save under each rung's policy, then a backward per rung over
+        the retained graph (:func:`~actcomp.whole_model.session.several_policies`), each giving
+        the gradient that rung's own step gives. The forward was most of a rung's step on a
+        language model (its Python per op) and a third of it on ViT-S."""
+        rests = [_kinds_alone({kind: spec}, self.attention_floors) for kind, spec in rungs]
+        converted = to_compressed(copy_model(self.model), "mink0", rest=rests[0], loss=self.loss)
+        self.steps += 1
+        self.backwards += len(rests) - 1
+        with several_policies([RestPolicy.parse(rest) for rest in rests]) as select:
+            found = self.measured.gradients_of_backwards(converted, len(rests), select)
+        return [sum(float((got[name] - grad).square().sum()) for name, grad in self.measured_reference.items())
+                / self.norm for got in (self._checked(got, self.measured_reference) for got in found)]
 
     def _gradients(self, converted: nn.Module) -> dict[str, torch.Tensor]:
         """``converted``'s gradients on the rows the parts' errors are measured on."""

@@ -111,6 +111,22 @@ class UserBatch:
         self.step(model)
         return _gradients(model)
 
+    def gradients_of_backwards(self, model: nn.Module, count: int,
+                               select: Callable[[int], None]) -> list[dict[str, torch.Tensor]]:
+        """One forward of :meth:`step`'s, then ``count`` backwards over it: before backward ``i``,
+        ``select(i)`` (what the saved tensors unpack as); each backward's gradients as
+        :meth:`gradients` gives them."""
+        model.train()
+        torch.manual_seed(self.seed)
+        loss = _loss(model(*self.inputs, **self.kwargs), self.loss_fn, self.seed)
+        found = []
+        for index in range(count):
+            model.zero_grad(set_to_none=True)
+            select(index)
+            loss.backward(retain_graph=index < count - 1)
+            found.append(_gradients(model))
+        return found
+
     def memory(self, model: nn.Module) -> MemoryReport:
         torch.manual_seed(self.seed)
         return memory_report(model, *self.inputs, **self.kwargs)

@@ -48,18 +48,18 @@ import torch
 from actcomp.graph.saved_tensors import tracking_scopes
 from actcomp.torch_compat import compress_checkpoint_recomputation
 from actcomp.whole_model.policy import RestPolicy
-from actcomp.whole_model.session import _Session, _unpack
+from actcomp.whole_model.session import _Session, _Sessions, open_session
 
 
 class _Forward(threading.local):
-    session: _Session | None = None
+    session: _Session | _Sessions | None = None
 
 
 _FORWARD = _Forward()
 
 
 @contextlib.contextmanager
-def forward_session(session: _Session) -> Iterator[None]:
+def forward_session(session: _Session | _Sessions) -> Iterator[None]:
     """Name ``session`` as this thread's running whole-model forward while the block runs, so
     that checkpointed blocks inside it compress what their recomputation saves."""
     _install()
@@ -89,10 +89,9 @@ def _recomputing(captured: tuple[RestPolicy, frozenset], inputs: list[torch.Tens
     block's inputs are kept as they are (checkpoint holds them until the block's backward ends:
     a code of one would only add bytes)."""
     policy, excluded = captured
-    session = _Session(policy, inputs)
-    session.excluded.update(excluded)
+    session = open_session(policy, inputs, excluded)
     try:
         with tracking_scopes():
-            yield session.pack, _unpack
+            yield session.pack, session.unpack
     finally:
         session.close()

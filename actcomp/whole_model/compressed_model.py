@@ -92,7 +92,7 @@ from actcomp.layers.compressed_layer import IN_GRAPH_LINEAR, traces_into_graphs
 from actcomp.torch_compat import called_from_compiled_code, not_compiled_frame
 from actcomp.whole_model.checkpointed import forward_session
 from actcomp.whole_model.policy import RestPolicy
-from actcomp.whole_model.session import _Session, _unpack
+from actcomp.whole_model.session import open_session
 
 
 class CompressedModel(SwappedModule):
@@ -246,7 +246,7 @@ def _start(owner: nn.Module, policy: RestPolicy, excluded: list, model_class: ty
             stacklevel=3,
         )
         return
-    session = _Session(policy, excluded)
+    session = open_session(policy, excluded)
     close = contextlib.ExitStack()
     # Autograd keeps the pack hook (this session) with every saved variable until backward
     # releases the last one. Holding the compressed tensors in the cache past the forward
@@ -258,7 +258,7 @@ def _start(owner: nn.Module, policy: RestPolicy, excluded: list, model_class: ty
     close.enter_context(forward_session(session))
     if entered is not None:
         enter_running_module(owner, entered)
-    close.enter_context(torch.autograd.graph.saved_tensors_hooks(session.pack, _unpack))
+    close.enter_context(torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack))
     _RUNNING.close = close
 
 

@@ -12,7 +12,9 @@ The compiled engine (:mod:`~actcomp.whole_model.in_graph`) shares the choosing a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -76,6 +78,10 @@ class _Session:
         # Fused attention calls whose inputs are coded for recomputation, by the call's scope,
         # until the call's output is saved (attention_recompute).
         self.attention_calls: dict[Scope, AttentionCall] = {}
+
+    @staticmethod
+    def unpack(holder) -> torch.Tensor:
+        return _unpack(holder)
 
     def close(self) -> None:
         """Forget the forward's tensors: the saved variables alone now decide what stays alive."""
@@ -258,6 +264,91 @@ def _recomputable_call(scope: Scope) -> bool:
     query = tensors[0]
     return (query.device.type == "cpu" and query.dtype.is_floating_point and query.dim() == 4
             and all(tensor.dtype == query.dtype and tensor.dim() == 4 and tensor.stride(-1) == 1 for tensor in tensors))
+
+
+class _Rungs(threading.local):
+    """The policies every whole-model forward of this thread packs under at once (none outside
+    :func:`several_policies`), and the one whose forms the backward running now unpacks."""
+
+    policies: tuple[RestPolicy, ...] = ()
+    current: int = 0
+
+
+_RUNGS = _Rungs()
+
+
+def open_session(policy: RestPolicy, excluded: Iterable[torch.Tensor], excluded_keys: Iterable = ()) -> _Session | _Sessions:
+    """The session a whole-model forward (or a checkpointed block's recomputation) packs
+    through: ``policy``'s, or inside :func:`several_policies` one per policy given there.
+    ``excluded`` are kept as they are, as are the storages of ``excluded_keys``."""
+    excluded, excluded_keys = list(excluded), set(excluded_keys)
+    sessions = [_Session(rung, excluded) for rung in (_RUNGS.policies or (policy,))]
+    for session in sessions:
+        session.excluded.update(excluded_keys)
+    return _Sessions(sessions) if _RUNGS.policies else sessions[0]
+
+
+class _Sessions:
+    """One forward packed under several policies: each save keeps one form per policy, and a
+    backward unpacks the forms of the policy :func:`several_policies` selected. The forward's
+    values do not depend on the policy (a code only changes what backward reads), so each
+    backward over the retained graph gives the gradient that policy's own step gives, bit for
+    bit (``tests/whole_model/test_several_policies.py``), for one forward instead of one each."""
+
+    def __init__(self, sessions: list[_Session]):
+        self.sessions = sessions
+        # What a checkpointed block inside takes to its recomputation (checkpointed._captured),
+        # which opens a _Sessions of its own through open_session.
+        self.policy, self.excluded = sessions[0].policy, sessions[0].excluded
+
+    def pack(self, tensor: torch.Tensor) -> tuple:
+        return tuple(session.pack(tensor) for session in self.sessions)
+
+    @staticmethod
+    def unpack(holders: tuple) -> torch.Tensor:
+        return _unpack(holders[_RUNGS.current])
+
+    def close(self) -> None:
+        for session in self.sessions:
+            session.close()
+
+
+@contextlib.contextmanager
+def several_policies(policies: Sequence[RestPolicy]) -> Iterator[Callable[[int], None]]:
+    """Every whole-model forward started inside packs each saved tensor under each of
+    ``policies``; the function yielded selects the policy whose forms the next backward reads.
+    The budget search measures its op kinds' rungs so: one forward, then one backward per rung
+    over the retained graph (``retain_graph=True``).
+
+    >>> import torch, actcomp
+    >>> from actcomp.whole_model.policy import RestPolicy
+    >>> net = actcomp.to_compressed(torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(),
+    ...                                                 torch.nn.Linear(64, 1)), {"*": None}, rest="exact")
+    >>> gradients = []
+    >>> with several_policies([RestPolicy.parse("exact"), RestPolicy.parse("4bit")]) as select:
+    ...     loss = net(torch.randn(4, 8)).sum()
+    ...     for rung in range(2):
+    ...         select(rung)
+    ...         loss.backward(retain_graph=rung == 0)
+    ...         gradients.append(net[0].weight.grad.clone())
+    ...         net.zero_grad()
+    >>> torch.equal(*gradients)  # the 4-bit derivative code of GELU's input bends the second
+    False
+    """
+    if not policies:
+        raise ValueError("several_policies needs at least one policy")
+
+    def select(index: int) -> None:
+        if not 0 <= index < len(policies):
+            raise IndexError(f"policy {index} of {len(policies)}")
+        _RUNGS.current = index
+
+    outer = _RUNGS.policies, _RUNGS.current
+    _RUNGS.policies, _RUNGS.current = tuple(policies), 0
+    try:
+        yield select
+    finally:
+        _RUNGS.policies, _RUNGS.current = outer
 
 
 @not_compiled

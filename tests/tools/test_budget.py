@@ -297,9 +297,10 @@ def replace_errors(part, search):
     """``part`` with every rung measured, as the search measured them before it was lazy."""
     from dataclasses import replace
 
+    unmeasured = [option for option in part.options if option.error is None]
+    errors = iter(search.kind_errors([(part.name, option.spec) for option in unmeasured]) if unmeasured else ())
     return replace(part, options=tuple(
-        replace(option, error=search.kind_error(part.name, option.spec)) if option.error is None else option
-        for option in part.options))
+        replace(option, error=next(errors)) if option.error is None else option for option in part.options))
 
 
 def test_rungs_no_choice_can_take_are_not_measured(monkeypatch):
