@@ -552,14 +552,14 @@ class _Search:
             if call.name not in squared[0]:
                 return
             calls[call.name] += 1
-            exact = call.grad_weight.double()
+            exact = call.grad_weight.float()
             for rung, pipeline in enumerate(pipelines):
                 if wanted is not None and rung not in wanted.get(call.name, ()):
                     continue
                 chosen = adapter_pipeline(call.name, pipeline)  # LoRA adapters' layers as to_compressed does
                 if chosen is not None:
-                    error = call.weight_gradient_through(chosen.fresh()).double() - exact
-                    squared[rung][call.name] += float(error.square().sum())
+                    through = call.weight_gradient_through(chosen.fresh())
+                    squared[rung][call.name] += float(self._squared_distance(through, exact))
 
         own_forward = set()
         if layers and pipelines:
@@ -611,15 +611,44 @@ class _Search:
         one forward packing every save under each rung's policy, then a backward per rung over
         the retained graph (:func:`~actcomp.whole_model.session.several_policies`), each giving
         the gradient that rung's own step gives. The forward was most of a rung's step on a
-        language model (its Python per op) and a third of it on ViT-S."""
+        language model (its Python per op)."""
         rests = [_kinds_alone({kind: spec}, self.attention_floors) for kind, spec in rungs]
         converted = to_compressed(copy_model(self.model), "mink0", rest=rests[0], loss=self.loss)
         self.steps += 1
         self.backwards += len(rests) - 1
         with several_policies([RestPolicy.parse(rest) for rest in rests]) as select:
-            found = self.measured.gradients_of_backwards(converted, len(rests), select)
-        return [sum(float((got[name] - grad).square().sum()) for name, grad in self.measured_reference.items())
-                / self.norm for got in (self._checked(got, self.measured_reference) for got in found)]
+            return self.measured.over_backwards(converted, len(rests), select, self._squared_error)
+
+    def _squared_error(self, model: nn.Module) -> float:
+        """``model``'s gradients' squared distance from plain's on the errors' rows, over the
+        latter's squared norm. Each difference is taken in float32 into one reused buffer: float64
+        copies of ViT-S's 22M gradients, their differences and squares (fresh pages each, under
+        the 1 MiB mmap threshold) were a third of a kind rung's time. A float32 difference of two
+        float32 gradients is exact where they are within a factor 2 of each other, and within
+        float32's rounding of the difference elsewhere."""
+        grads = self._checked({name: p.grad for name, p in model.named_parameters() if p.grad is not None},
+                              self.measured_reference)
+        total = sum(self._squared_distance(grads[name].reshape(-1), reference)
+                    for name, reference in self._reference32.items())
+        return float(total) / self.norm
+
+    @functools.cached_property
+    def _reference32(self) -> dict[str, torch.Tensor]:
+        """Plain's gradients on the errors' rows in float32 (exact: they were float32 or
+        narrower before their float64 copies)."""
+        return {name: grad.float() for name, grad in self.measured_reference.items()}
+
+    def _squared_distance(self, got: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+        """``|got - reference|^2`` (a float32 ``reference`` of ``got``'s shape), the difference
+        taken in float32 in a buffer kept per device and grown as needed, not a fresh one."""
+        buffers = self.__dict__.setdefault("_buffers", {})
+        buffer = buffers.get(reference.device)
+        if buffer is None or buffer.numel() < reference.numel():
+            buffer = buffers[reference.device] = torch.empty(reference.numel(), dtype=torch.float32,
+                                                             device=reference.device)
+        difference = torch.sub(got, reference, out=buffer[:reference.numel()].view(reference.shape))
+        # Squared in place, summed in float64 (a float32 dot product drifted by 1e-5 relative).
+        return difference.square_().sum(dtype=torch.float64)
 
     def _gradients(self, converted: nn.Module) -> dict[str, torch.Tensor]:
         """``converted``'s gradients on the rows the parts' errors are measured on."""

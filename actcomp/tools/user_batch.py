@@ -17,13 +17,15 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from actcomp.errors import ActcompError
 from actcomp.tools.memory import MemoryReport, forward_and_report, memory_report
+
+T = TypeVar("T")
 
 
 class UserBatch:
@@ -111,11 +113,18 @@ class UserBatch:
         self.step(model)
         return _gradients(model)
 
-    def gradients_of_backwards(self, model: nn.Module, count: int,
-                               select: Callable[[int], None]) -> list[dict[str, torch.Tensor]]:
-        """One forward of :meth:`step`'s, then ``count`` backwards over it: before backward ``i``,
-        ``select(i)`` (what the saved tensors unpack as); each backward's gradients as
-        :meth:`gradients` gives them."""
+    def over_backwards(self, model: nn.Module, count: int, select: Callable[[int], None],
+                       measure: Callable[[nn.Module], T] | None = None) -> list[T]:
+        """One forward of :meth:`step`'s, then ``count`` backwards over it: before backward ``i``
+        ``select(i)`` (what the saved tensors unpack as), after it ``measure(model)`` (by default
+        the gradients as :meth:`gradients` gives them), each backward's measure in a list.
+
+        >>> net = torch.nn.Linear(3, 1)
+        >>> found = UserBatch(torch.ones(2, 3)).over_backwards(net, 2, lambda index: None)
+        >>> torch.equal(found[0]["weight"], found[1]["weight"])
+        True
+        """
+        measure = _gradients if measure is None else measure
         model.train()
         torch.manual_seed(self.seed)
         loss = _loss(model(*self.inputs, **self.kwargs), self.loss_fn, self.seed)
@@ -124,7 +133,7 @@ class UserBatch:
             model.zero_grad(set_to_none=True)
             select(index)
             loss.backward(retain_graph=index < count - 1)
-            found.append(_gradients(model))
+            found.append(measure(model))
         return found
 
     def memory(self, model: nn.Module) -> MemoryReport:

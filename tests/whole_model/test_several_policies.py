@@ -85,7 +85,7 @@ def test_each_backward_gives_its_policys_own_step_bit_for_bit(build, batch):
     loss = "chunked" if has_routable_loss(plain) else "plain"
     converted = actcomp.to_compressed(copy.deepcopy(plain), "mink0", rest="exact", loss=loss)
     with several_policies([RestPolicy.parse(rest) for rest in RESTS]) as select:
-        found = run.gradients_of_backwards(converted, len(RESTS), select)
+        found = run.over_backwards(converted, len(RESTS), select)
     differ = 0
     for rest, got in zip(RESTS, found):
         expected = run.gradients(actcomp.to_compressed(copy.deepcopy(plain), "mink0", rest=rest, loss=loss))
@@ -120,8 +120,9 @@ def test_the_policies_are_forgotten_after_the_block_and_a_bad_index_is_refused()
 
 
 def test_the_budget_searchs_kind_errors_are_each_rungs_own_steps():
-    """``_Search.kind_errors`` (one forward, a backward per rung) against each rung's own step,
-    as the search measured them until stop 61: the same errors, exactly."""
+    """``_Search.kind_errors`` (one forward, a backward per rung, float32 differences) against
+    each rung's own step in float64, as the search measured them until stop 61: the same errors
+    to float32's rounding of each difference."""
     torch.manual_seed(0)
     entry = ZOO["llama"]
     model, batch = entry.build(), entry.batch()
@@ -137,5 +138,5 @@ def test_the_budget_searchs_kind_errors_are_each_rungs_own_steps():
                                                               loss=search.loss))
         expected = sum(float((got[name] - grad).square().sum())
                        for name, grad in search.measured_reference.items()) / search.norm
-        assert error == expected, (kind, spec)
+        assert error == pytest.approx(expected, rel=1e-6), (kind, spec)
     assert len(set(errors)) == len(errors) and min(errors) > 0
