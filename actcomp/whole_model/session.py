@@ -57,6 +57,16 @@ from actcomp.whole_model.kept_forms import AsIs, Compressed, Recomputed, Rescale
 from actcomp.whole_model.policy import Derivative, Lossy, RestPolicy
 
 
+@not_compiled
+def _unpack(holder) -> torch.Tensor:
+    if isinstance(holder, AsIs):
+        return holder.unpack()
+    refuse_double_backward("a whole-model compressed tensor",
+                           "the saved tensor is rebuilt from its compressed form, without its autograd history",
+                           "Convert the model back with actcomp.from_compressed(model) for this computation")
+    return holder.unpack()
+
+
 class _Session:
     """One training forward of a whole-model: chooses and applies codecs as tensors are saved."""
 
@@ -79,9 +89,7 @@ class _Session:
         # until the call's output is saved (attention_recompute).
         self.attention_calls: dict[Scope, AttentionCall] = {}
 
-    @staticmethod
-    def unpack(holder) -> torch.Tensor:
-        return _unpack(holder)
+    unpack = staticmethod(_unpack)  # the saved-tensor hooks' unpack, beside pack
 
     def close(self) -> None:
         """Forget the forward's tensors: the saved variables alone now decide what stays alive."""
@@ -349,13 +357,3 @@ def several_policies(policies: Sequence[RestPolicy]) -> Iterator[Callable[[int],
         yield select
     finally:
         _RUNGS.policies, _RUNGS.current = outer
-
-
-@not_compiled
-def _unpack(holder) -> torch.Tensor:
-    if isinstance(holder, AsIs):
-        return holder.unpack()
-    refuse_double_backward("a whole-model compressed tensor",
-                           "the saved tensor is rebuilt from its compressed form, without its autograd history",
-                           "Convert the model back with actcomp.from_compressed(model) for this computation")
-    return holder.unpack()
