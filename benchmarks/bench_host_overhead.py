@@ -157,7 +157,15 @@ class _HookClock:
         self.session, self.model_module, self.kept_as_is = session, compressed_model, AsIs
         self.seconds = {"compressed": 0.0, "kept": 0.0}
         self.calls = {"compressed": 0, "kept": 0}
-        self.pack, self.unpack = session._Session.pack, compressed_model._unpack
+        self.pack = session._Session.pack
+        # Since stop 61 the hooks' unpack is the session's own (a staticmethod); before, the
+        # module function compressed_model imported.
+        if "unpack" in vars(session._Session):
+            self.unpack_owner, self.unpack_name = session._Session, "unpack"
+            self.unpack, self.unpack_held = session._Session.unpack, vars(session._Session)["unpack"]
+        else:
+            self.unpack_owner, self.unpack_name = compressed_model, "_unpack"
+            self.unpack = self.unpack_held = compressed_model._unpack
 
     def __enter__(self):
         clock, pack, unpack, kept = self, self.pack, self.unpack, self.kept_as_is
@@ -174,7 +182,9 @@ class _HookClock:
             clock.add(not isinstance(holder, kept), time.perf_counter() - started, count=False)
             return tensor
 
-        self.session._Session.pack, self.model_module._unpack = timed_pack, timed_unpack
+        self.session._Session.pack = timed_pack
+        wrapped = staticmethod(timed_unpack) if self.unpack_owner is self.session._Session else timed_unpack
+        setattr(self.unpack_owner, self.unpack_name, wrapped)
         return self
 
     def add(self, compressed: bool, seconds: float, count: bool) -> None:
@@ -183,7 +193,8 @@ class _HookClock:
         self.calls[which] += count
 
     def __exit__(self, *exc):
-        self.session._Session.pack, self.model_module._unpack = self.pack, self.unpack
+        self.session._Session.pack = self.pack
+        setattr(self.unpack_owner, self.unpack_name, self.unpack_held)
 
 
 def whole_model(rests: list[str], rounds: int, device: torch.device, whole_steps: bool | None = None) -> list[dict]:
