@@ -154,7 +154,7 @@ class _HookClock:
             from actcomp.whole_model.kept_forms import AsIs
         except ImportError:  # a tree from before stop 46, when the session module held the forms
             AsIs = session._AsIs
-        self.session, self.model_module, self.kept_as_is = session, compressed_model, AsIs
+        self.session, self.kept_as_is = session, AsIs
         self.seconds = {"compressed": 0.0, "kept": 0.0}
         self.calls = {"compressed": 0, "kept": 0}
         self.pack = session._Session.pack

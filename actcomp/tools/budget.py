@@ -37,7 +37,8 @@ The search costs two steps on the whole batch (plain's, the plan's), one on the 
 are measured on (watching every layer's rungs: about four steps' compute), there a forward per
 round of kind rungs the choices wanted and a backward per rung, a forward per rung of the longer
 ladder on a quarter of the rows, and a forward per plan solved again (``BudgetPlan.steps``,
-``.backwards``, ``.forwards``); the docs quote what that is on our models. The plan prints as the call that pins it.
+``.backwards``, ``.forwards``); the docs quote what that is on our models. The plan prints as
+the call that pins it.
 
 >>> import torch, actcomp
 >>> _ = torch.manual_seed(0)
@@ -361,6 +362,7 @@ class _Search:
             raise ActcompError("plain's gradient is zero on this batch: no error can be measured; does the loss "
                                "depend on the parameters?")
         self.steps, self.forwards, self.backwards = 1, 0, 0
+        self._buffers: dict[torch.device, torch.Tensor] = {}  # _squared_distance's, by device
         self.unmeasured: set[str] = set()
         # Every copy measured routes the loss as the plan will: a lossy plan takes the chunked
         # loss (loss="auto"), whose saves a custom Function makes, kind "other". Measured with
@@ -641,10 +643,9 @@ class _Search:
     def _squared_distance(self, got: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
         """``|got - reference|^2`` (a float32 ``reference`` of ``got``'s shape), the difference
         taken in float32 in a buffer kept per device and grown as needed, not a fresh one."""
-        buffers = self.__dict__.setdefault("_buffers", {})
-        buffer = buffers.get(reference.device)
+        buffer = self._buffers.get(reference.device)
         if buffer is None or buffer.numel() < reference.numel():
-            buffer = buffers[reference.device] = torch.empty(reference.numel(), dtype=torch.float32,
+            buffer = self._buffers[reference.device] = torch.empty(reference.numel(), dtype=torch.float32,
                                                              device=reference.device)
         difference = torch.sub(got, reference, out=buffer[:reference.numel()].view(reference.shape))
         # Squared in place, summed in float64 (a float32 dot product drifted by 1e-5 relative).

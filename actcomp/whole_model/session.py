@@ -13,7 +13,6 @@ The compiled engine (:mod:`~actcomp.whole_model.in_graph`) shares the choosing a
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -274,9 +273,12 @@ def _recomputable_call(scope: Scope) -> bool:
             and all(tensor.dtype == query.dtype and tensor.dim() == 4 and tensor.stride(-1) == 1 for tensor in tensors))
 
 
-class _Rungs(threading.local):
-    """The policies every whole-model forward of this thread packs under at once (none outside
-    :func:`several_policies`), and the one whose forms the backward running now unpacks."""
+class _Rungs:
+    """The policies every whole-model forward packs under at once (none outside
+    :func:`several_policies`), and the one whose forms the backward running now unpacks. Not
+    thread-local: on a GPU autograd runs the backward, with its unpack hooks and a checkpointed
+    block's recomputation, in a thread of its own per device, which must see the selection made
+    in the caller's thread."""
 
     policies: tuple[RestPolicy, ...] = ()
     current: int = 0
@@ -323,8 +325,9 @@ class _Sessions:
 
 @contextlib.contextmanager
 def several_policies(policies: Sequence[RestPolicy]) -> Iterator[Callable[[int], None]]:
-    """Every whole-model forward started inside packs each saved tensor under each of
-    ``policies``; the function yielded selects the policy whose forms the next backward reads.
+    """Every whole-model forward started inside (in any thread: the budget search's own tool, not
+    for concurrent training) packs each saved tensor under each of ``policies``; the function
+    yielded selects the policy whose forms the next backward reads.
     The budget search measures its op kinds' rungs so: one forward, then one backward per rung
     over the retained graph (``retain_graph=True``).
 

@@ -98,6 +98,43 @@ def test_each_backward_gives_its_policys_own_step_bit_for_bit(build, batch):
     assert differ >= 3
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_backward_in_another_thread_reads_the_policy_selected(use_reentrant):
+    """On a GPU autograd runs the backward (its unpack hooks, a checkpointed block's
+    recomputation) in a device thread of its own: the selection made in the caller's thread
+    holds there. Each backward runs in a new thread here, as it would on a GPU."""
+    import threading
+
+    torch.manual_seed(0)
+    plain = Checkpointed(use_reentrant)
+    inputs = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    rests = [budget._kinds_alone({"activation": "int2:group=32"}), "exact"]
+    converted = actcomp.to_compressed(copy.deepcopy(plain), "mink0", rest="exact", loss="plain")
+
+    def backward_in_a_thread(loss):
+        thread = threading.Thread(target=loss.backward, kwargs={"retain_graph": True})
+        thread.start()
+        thread.join()
+
+    with several_policies([RestPolicy.parse(rest) for rest in rests]) as select:
+        converted.train()
+        torch.manual_seed(0)
+        loss = converted(inputs).square().sum()
+        found = []
+        for index in range(len(rests)):
+            converted.zero_grad(set_to_none=True)
+            select(index)
+            backward_in_a_thread(loss)
+            found.append({name: p.grad.clone() for name, p in converted.named_parameters()})
+    for rest, got in zip(rests, found):
+        model = actcomp.to_compressed(copy.deepcopy(plain), "mink0", rest=rest, loss="plain").train()
+        torch.manual_seed(0)
+        model(inputs).square().sum().backward()
+        for name, p in model.named_parameters():
+            assert torch.equal(got[name], p.grad), (rest, name)
+    assert not torch.equal(found[0]["blocks.0.up.weight"], found[1]["blocks.0.up.weight"])
+
+
 def test_the_policies_are_forgotten_after_the_block_and_a_bad_index_is_refused():
     from actcomp.whole_model import session
 
