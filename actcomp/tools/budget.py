@@ -7,9 +7,9 @@ loss, one seed), in three steps:
 1. **bytes**: what each part keeps under each rung of a ladder of codecs, one forward per rung
    (and one of plain layers beside the op kinds' first lossy rung: a layer's input that a
    kind's codec stops keeping, as fused attention's output, is then the layer's to free), on a
-   quarter of a batch of 8 rows or more (a language model's batch of fewer rows: a quarter of its
-   tokens, where what it saves grows as their count), scaled to the whole
-   (:meth:`_Search._probe_rows`).
+   quarter of a batch of 8 rows or more, or on the errors' rows (step 2) where fewer (a
+   language model's batch of fewer rows: a quarter of its tokens, where what it saves grows as
+   their count), scaled to the whole (:meth:`_Search._probe_rows`).
    The parts are the converted Linear/Conv layers (their inputs) and whole-model mode's lossy
    op kinds (activation, normalization, attention, other: what their ops save); pooling and
    dropout always take their exact codecs.
@@ -21,8 +21,8 @@ loss, one seed), in three steps:
    a choice in step 3 wants that rung (until then it counts as bending the gradient no less than
    the kind's lighter rungs); the rungs one choice wants share one forward, packed under each
    rung's policy at once (:func:`~actcomp.whole_model.session.several_policies`). Every error
-   is measured on as many of a batch's rows as save 5.7 MB of plain's bytes, 2 at least,
-   whatever the batch's size (8 of vit_tiny's 5-token rows, 2 of ViT-S's at 224 px), or a
+   is measured on as many of a batch's rows as save 5.7 MB of plain's bytes, one at least,
+   whatever the batch's size (8 of vit_tiny's 5-token rows, one of ViT-S's at 224 px), or a
    language model's on a quarter of its tokens, 64 at least
    (:meth:`_Search._error_rows`), against plain's gradient there.
 3. **choice**: one rung per part minimising the summed error within the budget (an exact
@@ -88,17 +88,23 @@ _UNITS = 16384
 # Solves against the plan's measured bytes (the parts' bytes overlap a little), and how far under
 # the budget a re-solve aims after a plan that went over (a fraction of the budget).
 _RESOLVES, _MARGIN = 6, 0.002
-# A batch of at least this many rows has the rungs' bytes counted on a quarter of its rows.
+# A batch of at least this many rows has the rungs' bytes counted on a quarter of its rows, or on
+# the rows its errors are measured on where those are fewer (bytes grow with the rows; a row's
+# values do not matter to them).
 _PROBE_ROWS = 8
-# The parts' errors are measured on as many rows as save this many of plain's bytes, and 2 rows at
+# The parts' errors are measured on as many rows as save this many of plain's bytes, one row at
 # least, whatever the batch's size: 8 rows of vit_tiny at 32 px (5 tokens a row, 0.71 MiB), where
 # 2 rows chose a plan bending the gradient more than the 4-bit preset at its bytes (0.9813 against
 # 0.9821; 0.9847 on 4 rows, 0.9885 on all 8). The estimates rest on values, not rows: a row of
-# ViT-S or resnet50 at 224 px saves 56-81 MiB, and their errors on 2 rows choose as on 8
-# (benchmarks/results/budget_stop60/ at 8 images, budget_stop61/ at 32). Until stop 61 a quarter
-# of a larger batch was taken, so the search's steps grew with the batch.
+# ViT-S or resnet50 at 224 px saves 56-81 MiB, and their errors on one row choose as on 2 or 8
+# (benchmarks/results/budget_stop62/; budget_stop60/ and budget_stop61/ for 2 rows against 8).
+# Until stop 61 a quarter of a larger batch was taken, so the search's steps grew with the batch;
+# until stop 62 two rows at least, a quarter of a batch of 8.
 _ERROR_BYTES = 5_700_000
-_ERROR_MIN_ROWS = 2
+_ERROR_MIN_ROWS = 1
+# A language model's rows (``input_ids``) are sequences: 2 at least, so that a batch of 2 is
+# measured on a quarter of each sequence's tokens (below), not on one whole sequence of the two.
+_ERROR_MIN_SEQUENCES = 2
 # A language model's batch of too few rows to cut has its errors measured on a quarter of its
 # tokens instead, this many at least.
 _ERROR_TOKENS = 64
@@ -383,12 +389,12 @@ class _Search:
         """The batch the rungs' bytes are counted on, and what scales its bytes to the batch's.
 
         The rungs' forwards only count bytes, and every part's bytes grow with the batch's rows,
-        so a batch of :data:`_PROBE_ROWS` or more rows is counted on a quarter of them, scaled by
-        plain's bytes on the whole over plain's on the quarter (resnet50 at batch 8: 9 forwards
-        at a quarter of the compute). What does not grow with the rows (a position table) is
-        scaled with the rest: the parts then look a little larger, and the plan is measured on
-        the whole batch and solved again (:func:`_fit`). A model that will not run on fewer rows
-        is counted on the whole.
+        so a batch of :data:`_PROBE_ROWS` or more rows is counted on a quarter of them, or on the
+        rows the errors are measured on where fewer (resnet50 at batch 8 or 32: 9 forwards on one
+        row), scaled by plain's bytes on the whole over plain's there. What does not grow with the
+        rows (a position table) is scaled with the rest: the parts then look a little larger, and
+        the plan is measured on the whole batch and solved again (:func:`_fit`). A model that will
+        not run on fewer rows is counted on the whole (one row that will not is tried as two).
 
         A language model's batch of fewer rows is counted on a quarter of its tokens
         (:data:`_ERROR_TOKENS` at least; a Llama's 1 x 2048: 8 forwards of 512 tokens) where
@@ -396,16 +402,21 @@ class _Search:
         otherwise (an eager attention's probabilities, as the sequence's square) is counted on
         the whole, since one scale for all would misjudge the parts."""
         count = self.run.rows
-        probe = self.run.first_rows(count // 4) if count >= _PROBE_ROWS else None
+        probe = self.run.first_rows(min(count // 4, self._error_row_count())) if count >= _PROBE_ROWS else None
         by_tokens = probe is None and count < _PROBE_ROWS
         if by_tokens:
             probe = self.run.first_tokens(max(_ERROR_TOKENS, self.run.tokens // 4))
         if probe is None:
             return self.run, 1.0
-        try:
-            self.forwards += 1
-            report = probe.memory(copy_model(self.model))
-        except Exception:  # noqa: BLE001 - any model that cannot run on fewer rows is counted whole
+        report = None
+        for candidate in filter(None, (probe, None if by_tokens else self._two_rows_for(probe))):
+            try:
+                self.forwards += 1
+                probe, report = candidate, candidate.memory(copy_model(self.model))
+                break
+            except Exception:  # noqa: BLE001 - any model that cannot run on fewer rows is counted whole
+                continue
+        if report is None:
             return self.run, 1.0
         if not report.total_bytes:
             return self.run, 1.0
@@ -431,19 +442,24 @@ class _Search:
         may hold the whole batch's labels), else the whole batch. Each part's error is a share of
         plain's squared gradient there, every part measured on the same rows, so the knapsack
         compares like with like at a fraction of the steps' compute (ViT-S's batch of 8 or 32 at
-        224 px measures each kind's rung on 2 rows, vit_tiny's at 32 px on 8). The plan itself is
+        224 px measures each kind's rung on one row, vit_tiny's at 32 px on 8). One row that will
+        not run (BatchNorm1d in training mode) is tried as two. The plan itself is
         measured on the whole batch."""
-        per_row = self.plain_bytes / self.run.rows if self.run.rows else 0
-        count = max(_ERROR_MIN_ROWS, math.ceil(_ERROR_BYTES / per_row) if per_row else self.run.rows)
+        count = self._error_row_count()
         rows = self.probe if self.probe is not self.run and self.probe.rows == count else self.run.first_rows(count)
         if rows is None:
             rows = self.run.first_tokens(max(_ERROR_TOKENS, self.run.tokens // 4))
         if rows is None or self.run.loss_fn is not None:
             return self.run, self.reference, whole_norm
-        try:
-            self.steps += 1
-            reference = rows.gradients(copy_model(self.model))
-        except Exception:  # noqa: BLE001 - a model that cannot step on fewer rows is measured whole
+        reference = None
+        for candidate in filter(None, (rows, self._two_rows_for(rows))):
+            try:
+                self.steps += 1
+                rows, reference = candidate, candidate.gradients(copy_model(self.model))
+                break
+            except Exception:  # noqa: BLE001 - a model that cannot step on fewer rows is measured whole
+                continue
+        if reference is None:
             return self.run, self.reference, whole_norm
         norm = _squared_norm(reference)
         if list(reference) != list(self.reference) or not 0 < norm < math.inf:
@@ -451,6 +467,20 @@ class _Search:
             # fine-tuning batch whose first tokens are all prompt, labelled -100: a NaN loss).
             return self.run, self.reference, whole_norm
         return rows, reference, norm
+
+    def _error_row_count(self) -> int:
+        """How many rows the parts' errors are measured on where the batch has more: as many as
+        save :data:`_ERROR_BYTES` of plain's bytes, :data:`_ERROR_MIN_ROWS` at least
+        (:data:`_ERROR_MIN_SEQUENCES` for a language model's sequences)."""
+        rows = self.run.rows
+        per_row = self.plain_bytes / rows if rows else 0
+        least = _ERROR_MIN_SEQUENCES if self.run.tokens else _ERROR_MIN_ROWS
+        return max(least, math.ceil(_ERROR_BYTES / per_row) if per_row else rows)
+
+    def _two_rows_for(self, rows: UserBatch) -> UserBatch | None:
+        """Two rows where ``rows`` is one: a layer may need two to run in training mode
+        (BatchNorm1d's statistics over the batch); else None, nothing more to try."""
+        return self.run.first_rows(2) if rows.rows == 1 else None
 
     def parts(self) -> tuple[list[_Part], int]:
         """Every part with its options (rung 0: plain layers, exact kind), and the bytes no part

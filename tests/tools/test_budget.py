@@ -407,7 +407,8 @@ def test_the_errors_are_measured_on_as_many_rows_whatever_the_batchs_size(rows, 
     torch.manual_seed(0)
     model, batch = timm.create_model("vit_tiny_patch16_224", num_classes=3, img_size=32), torch.randn(rows, 3, 32, 32)
     search = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, budget.KIND_SPECS)
-    assert search.measured.rows == measured and search.probe.rows == rows // 4
+    # The bytes are counted on a quarter of the rows, or on the errors' rows where fewer.
+    assert search.measured.rows == measured and search.probe.rows == min(rows // 4, measured)
     assert search.errors_on == (f"{measured} of {rows} rows" if measured < rows else "every row")
     if measured < rows:
         expected = UserBatch(batch[:measured]).gradients(copy.deepcopy(model))
@@ -419,24 +420,43 @@ def test_the_errors_are_measured_on_as_many_rows_whatever_the_batchs_size(rows, 
 
 
 def test_rows_that_save_more_have_the_errors_measured_on_fewer_of_them():
-    """The floor is in plain's saved bytes, not rows: rows that each save over half of
-    _ERROR_BYTES (a ViT-S or resnet50 row at 224 px saves 56-81 MiB) have their errors measured on
-    2 of them, in a batch of 8 or of 32 (8 until stop 61); rows saving less on as many as save
-    _ERROR_BYTES."""
+    """The floor is in plain's saved bytes, not rows: rows that each save over _ERROR_BYTES (a
+    ViT-S or resnet50 row at 224 px saves 56-81 MiB) have their errors measured on one of them, in
+    a batch of 8 or of 32 (8 until stop 61, 2 until stop 62), and their bytes counted there too;
+    rows saving less on as many as save _ERROR_BYTES."""
     from actcomp.tools import budget
     from actcomp.tools.user_batch import UserBatch
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GELU(), nn.Conv2d(32, 32, 3, padding=1), nn.GELU(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 3))
-    for rows, size, measured in ((8, 96, 2), (32, 96, 2), (8, 48, 7)):
+    for rows, size, measured in ((8, 160, 1), (32, 160, 1), (8, 96, 2), (8, 48, 7)):
         batch = torch.randn(rows, 3, size, size)
         search = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, budget.KIND_SPECS)
         per_row = search.plain_bytes / rows
-        assert measured == max(2, math.ceil(budget._ERROR_BYTES / per_row)), per_row
+        assert measured == max(1, math.ceil(budget._ERROR_BYTES / per_row)), per_row
         assert search.measured.rows == measured and search.errors_on == f"{measured} of {rows} rows"
+        assert search.probe.rows == min(rows // 4, measured)
         expected = UserBatch(batch[:measured]).gradients(copy.deepcopy(model))
         assert all(torch.equal(search.measured_reference[name], expected[name]) for name in expected)
+
+
+def test_one_row_that_will_not_run_is_measured_as_two():
+    """BatchNorm1d in training mode refuses a batch of one row: the errors and the bytes of rows
+    that would take one are measured on two instead (not on the whole batch), and the search
+    plans on them."""
+    from actcomp.tools import budget
+    from actcomp.tools.user_batch import UserBatch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(32, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Linear(16, 3))
+    batch = torch.randn(8, 3, 224, 224)
+    search = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, budget.KIND_SPECS)
+    assert budget._ERROR_BYTES < search.plain_bytes / 8  # one row would do, were it to run
+    assert search.measured.rows == 2 and search.probe.rows == 2 and search.errors_on == "2 of 8 rows"
+    plan = actcomp.plan_budget(model, batch, 0.3)
+    assert plan.kept_bytes <= plan.budget_bytes and plan.errors_on == "2 of 8 rows" and plan.cosine > 0.99
 
 
 @pytest.mark.parametrize(("spec", "rest"), [("int4", "4bit"), ("mink0.9+int8", "4bit")])
