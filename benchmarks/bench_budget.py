@@ -144,6 +144,24 @@ def peaks(name: str, plans: dict[str, actcomp.BudgetPlan], args) -> list[str]:
     return table
 
 
+def measure_errors_on_tokens(count: int) -> None:
+    """Make every search in this process measure a language model's parts' errors on the first
+    ``count`` tokens of its sequences (``--error-tokens``): does a shorter prefix choose as well?"""
+    from actcomp.tools import budget
+
+    error_rows = budget._Search._error_rows
+
+    def on_tokens(search, whole_norm):
+        first_tokens = search.run.first_tokens
+        search.run.first_tokens = lambda _quarter: first_tokens(count)
+        try:
+            return error_rows(search, whole_norm)
+        finally:
+            del search.run.first_tokens
+
+    budget._Search._error_rows = on_tokens
+
+
 def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.2, 0.1])
@@ -154,13 +172,18 @@ def main() -> None:
     parser.add_argument("--peak-rounds", type=int, default=2)
     parser.add_argument("--models", nargs="+", default=None, help="a subset of the models, by name")
     parser.add_argument("--images", type=int, default=8,
-                        help="the timm models' batch (the errors are measured on 2 of its rows at 224 px)")
+                        help="the timm models' batch (the errors are measured on one of its rows at 224 px)")
+    parser.add_argument("--error-tokens", type=int, default=None,
+                        help="an experiment: a language model's errors measured on its first N tokens, not on "
+                             "the search's quarter of them (the bytes and the plan's cosine as the search has them)")
     parser.add_argument("--search-rounds", type=int, default=1,
                         help="searches per budget, each timed against a plain step right after it (median)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS_DIR))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.error_tokens is not None:
+        measure_errors_on_tokens(args.error_tokens)
     load_before, started = load_average(), time.perf_counter()
     rows, body = [], ["Budgets: where the plan lands (kept fraction of plain's bytes for backward), the whole "
                       "gradient's cosine against plain's, and the search's cost (steps run; wall time over one "
@@ -193,7 +216,7 @@ def main() -> None:
             print(f"{name} {asked}: kept {plan.kept_fraction:.3f} cosine {plan.cosine:.4f} ({cost:.1f} steps)",
                   flush=True)
             if fraction == min(args.fractions):
-                notes.append(f"- {name}, budget {asked}: `{plan.call()}`")
+                notes.append(f"- {name}, budget {asked} (errors measured on {plan.errors_on}): `{plan.call()}`")
             if floors:
                 plans[f"plan, budget {fraction} (kept {plan.kept_fraction:.3f})"] = plan
         for spec, rest in [] if args.no_presets else PRESETS:

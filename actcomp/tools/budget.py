@@ -36,7 +36,7 @@ as the plan's own call routes it: that loss's saved hidden states are kind "othe
 The search costs two steps on the whole batch (plain's, the plan's), one on the rows the errors
 are measured on (watching every layer's rungs: about four steps' compute), there a forward per
 round of kind rungs the choices wanted and a backward per rung, a forward per rung of the longer
-ladder on a quarter of the rows, and a forward per plan solved again (``BudgetPlan.steps``,
+ladder where the bytes are counted, and a forward per plan solved again (``BudgetPlan.steps``,
 ``.backwards``, ``.forwards``); the docs quote what that is on our models. The plan prints as
 the call that pins it.
 
