@@ -103,10 +103,15 @@ _PROBE_ROWS = 8
 _ERROR_BYTES = 5_700_000
 _ERROR_MIN_ROWS = 1
 # A language model's rows (``input_ids``) are sequences: 2 at least, so that a batch of 2 is
-# measured on a quarter of each sequence's tokens (below), not on one whole sequence of the two.
+# measured on each sequence's first tokens (below), not on one whole sequence of the two.
 _ERROR_MIN_SEQUENCES = 2
-# A language model's batch of too few rows to cut has its errors measured on a quarter of its
-# tokens instead, this many at least.
+# A language model's batch of too few rows to cut has its errors measured on its first tokens
+# instead: as many as save _ERROR_BYTES, a quarter if fewer, this many at least. A Llama of 8 layers
+# (hidden 512, a sink token and outlier channels) at 1 x 2048 tokens chose as well on its first 64
+# as on 512 (a quarter, until stop 62): at 0.5, 0.2 and 0.1 the same bytes within 0.001 at the same
+# cosines, and at the presets' bytes 0.9983 / 0.9867 / 0.9880 / 0.9767 against 0.9983 / 0.9867 /
+# 0.9833 / 0.9768 (benchmarks/results/budget_stop62/long_llama_errors_on_*; 256 tokens chose worse
+# there, 0.9810 / 0.9818 / 0.9745 on three: choices among near-equal rungs are noisy at any length).
 _ERROR_TOKENS = 64
 # A language model's bytes are counted on its first tokens only where plain's bytes of every kind
 # there are the tokens' share of the whole's, within this (relative).
@@ -436,9 +441,9 @@ class _Search:
         As many rows as save :data:`_ERROR_BYTES` of plain's bytes, :data:`_ERROR_MIN_ROWS` at
         least, where the batch has more (not a share of the batch: the estimates rest on values,
         and a larger batch does not need more of them); a
-        language model's batch of fewer rows (``input_ids``) on a quarter of its tokens,
-        :data:`_ERROR_TOKENS` at least (a causal model computes a sequence's first tokens as it
-        does in the whole sequence); both only where the loss is the model's own (a ``loss_fn``
+        language model's batch of fewer rows (``input_ids``) on its first tokens
+        (:meth:`_error_token_count`: a causal model computes a sequence's first tokens as it does
+        in the whole sequence); both only where the loss is the model's own (a ``loss_fn``
         may hold the whole batch's labels), else the whole batch. Each part's error is a share of
         plain's squared gradient there, every part measured on the same rows, so the knapsack
         compares like with like at a fraction of the steps' compute (ViT-S's batch of 8 or 32 at
@@ -448,7 +453,7 @@ class _Search:
         count = self._error_row_count()
         rows = self.probe if self.probe is not self.run and self.probe.rows == count else self.run.first_rows(count)
         if rows is None:
-            rows = self.run.first_tokens(max(_ERROR_TOKENS, self.run.tokens // 4))
+            rows = self.run.first_tokens(self._error_token_count())
         if rows is None or self.run.loss_fn is not None:
             return self.run, self.reference, whole_norm
         reference = None
@@ -476,6 +481,16 @@ class _Search:
         per_row = self.plain_bytes / rows if rows else 0
         least = _ERROR_MIN_SEQUENCES if self.run.tokens else _ERROR_MIN_ROWS
         return max(least, math.ceil(_ERROR_BYTES / per_row) if per_row else rows)
+
+    def _error_token_count(self) -> int:
+        """How many of each sequence's first tokens a language model's batch of too few rows has
+        its errors measured on: as many as save :data:`_ERROR_BYTES` of plain's bytes, or a quarter
+        of them where that is fewer, :data:`_ERROR_TOKENS` at least (a Llama's 1 x 2048 tokens at
+        hidden 512: 64; the small one's 2 x 256: 64, a quarter)."""
+        tokens = self.run.tokens
+        per_token = self.plain_bytes / tokens if tokens else 0
+        by_bytes = math.ceil(_ERROR_BYTES / per_token) if per_token else tokens
+        return max(_ERROR_TOKENS, min(tokens // 4, by_bytes))
 
     def _two_rows_for(self, rows: UserBatch) -> UserBatch | None:
         """Two rows where ``rows`` is one: a layer may need two to run in training mode

@@ -496,6 +496,29 @@ def test_a_language_models_errors_are_measured_on_a_quarter_of_its_tokens():
     assert plan.cosine >= preset.cosine - 1e-4, (plan, preset.cosine)
 
 
+def test_a_long_sequences_errors_are_measured_on_as_many_tokens_as_save_the_errors_bytes(monkeypatch):
+    """A long sequence's errors are measured on as many of its first tokens as save _ERROR_BYTES
+    of plain's bytes where that is fewer than a quarter of them (a quarter until stop 62: 512 of
+    a Llama's 2048 tokens, where 64 chose as well), _ERROR_TOKENS at least; its bytes are still
+    counted on a quarter."""
+    from actcomp.tools import budget
+    from actcomp.tools.user_batch import UserBatch
+
+    model, _ = tiny_llama(2)
+    ids = torch.randint(1, 1000, (1, 1024), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    per_token = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, ()).plain_bytes / 1024
+    for tokens in (100, 64):
+        # The bytes of 100 tokens, then of 10: the floor of 64 holds.
+        monkeypatch.setattr(budget, "_ERROR_BYTES", round(per_token * (tokens if tokens > 64 else 10)))
+        search = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, budget.KIND_SPECS)
+        assert search.measured.tokens == tokens and search.errors_on == f"{tokens} of 1024 tokens"
+        assert search.probe.tokens == 256
+        cut = ids[:, :tokens]
+        expected = UserBatch({"input_ids": cut, "labels": cut}).gradients(copy.deepcopy(model))
+        assert all(torch.equal(search.measured_reference[name], expected[name]) for name in expected)
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_a_language_models_rungs_bytes_are_counted_on_a_quarter_of_its_tokens(attention, monkeypatch):
     """A batch of too few rows to cut (2 here) has its rungs' bytes counted on its first quarter
