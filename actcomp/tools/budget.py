@@ -23,8 +23,8 @@ loss, one seed), in three steps:
    rung's policy at once (:func:`~actcomp.whole_model.session.several_policies`). Every error
    is measured on as many of a batch's rows as save 5.7 MB of plain's bytes, one at least,
    whatever the batch's size (8 of vit_tiny's 5-token rows, one of ViT-S's at 224 px), or a
-   language model's on a quarter of its tokens, 64 at least
-   (:meth:`_Search._error_rows`), against plain's gradient there.
+   language model's sequences on as many of their first tokens as save as much, a quarter of
+   them if fewer, 64 at least (:meth:`_Search._error_rows`), against plain's gradient there.
 3. **choice**: one rung per part minimising the summed error within the budget (an exact
    multiple-choice knapsack over the bytes), then one run of the plan itself to measure what it
    keeps and its gradient cosine (one step on the whole batch); a plan that misses the budget by
