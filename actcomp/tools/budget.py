@@ -66,7 +66,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from actcomp.convert import compressed_layers, from_compressed, to_compressed
+from actcomp.convert import compressed_layers, to_compressed
 from actcomp.core.pipeline import as_pipeline
 from actcomp.errors import ActcompError
 from actcomp.graph.adapters import adapter_pipeline
@@ -501,14 +501,8 @@ class _Search:
         """Every part with its options (rung 0: plain layers, exact kind), and the bytes no part
         holds (the model's other saves)."""
         rungs = max(len(self.layer_specs), len(self.kind_specs))
-        # One copy serves every rung's forward, converted and restored in turn: a deep copy was a
-        # quarter of a byte forward's time on ViT-S at one row (55 of 220 ms; its 3000
-        # OrderedDicts each ask copyreg for their slots). A forward keeps the weights as they
-        # are; it moves BatchNorm's running statistics, which no saved tensor's size depends on.
-        shared = copy_model(self.model)
         measured = [self._report(None if rung == 0 else _rung(self.layer_specs, rung),
-                                 None if rung == 0 else _rung(self.kind_specs, rung), shared)
-                    for rung in range(rungs + 1)]
+                                 None if rung == 0 else _rung(self.kind_specs, rung)) for rung in range(rungs + 1)]
         reports = [report for report, _ in measured]
         # Every layer a spec converts, named from the first rung's copy (rung 0 converts none).
         converted = measured[1][1] if self.layer_specs else []
@@ -517,8 +511,7 @@ class _Search:
         # Plain layers beside lossy kinds: where a kind's codec keeps nothing of a tensor a layer
         # saves too (fused attention's output, run again in backward, is the output projection's
         # input), the layer's own row holds it, and compressing the layer frees it.
-        beside = self._report(None, _rung(self.kind_specs, 1), shared)[0] if self.kind_specs and converted else first
-        del shared  # not held through the steps that follow
+        beside = self._report(None, _rung(self.kind_specs, 1))[0] if self.kind_specs and converted else first
         plain_rows = _row_bytes(beside, scale)
         groups = _layer_groups(converted, beside)
         # Layers no part holds (keeping nothing of their own: a LoRA model's frozen base layers)
@@ -573,21 +566,14 @@ class _Search:
         gradients = self.run.gradients(to_compressed(copy_model(self.model), pipeline, rest=rest))
         return gradient_cosine(self._checked(gradients, self.reference), self.reference)
 
-    def _report(self, layer_spec: str | None, kind_spec: str | None,
-                plain: nn.Module | None = None) -> tuple[MemoryReport, list[str]]:
-        """The memory report of ``plain`` (a plain copy of the model, converted here and restored
-        after; a fresh copy if None) with every layer at ``layer_spec`` and every lossy kind at
-        ``kind_spec``, and the names of the layers converted (tests/tools/test_budget.py: the
-        reports equal fresh copies' rung by rung)."""
+    def _report(self, layer_spec: str | None, kind_spec: str | None) -> tuple[MemoryReport, list[str]]:
+        """The memory report of a copy with every layer at ``layer_spec`` and every lossy kind at
+        ``kind_spec``, and the names of the layers converted."""
         self.forwards += 1
         rest = "exact" if kind_spec is None else _kinds_alone({kind: kind_spec for kind in LOSSY_KINDS},
                                                               self.attention_floors)
-        converted = to_compressed(copy_model(self.model) if plain is None else plain, {"*": layer_spec}, rest=rest,
-                                  loss=self.loss)
-        try:
-            return self.probe.memory(converted), list(compressed_layers(converted))
-        finally:
-            from_compressed(converted)
+        converted = to_compressed(copy_model(self.model), {"*": layer_spec}, rest=rest, loss=self.loss)
+        return self.probe.memory(converted), list(compressed_layers(converted))
 
     def _layer_errors(self, layers: list[str],
                       wanted: Mapping[str, set[int]] | None = None) -> list[dict[str, float]]:

@@ -382,29 +382,6 @@ def test_the_first_rows_cut_the_tensors_of_the_batchs_rows_only():
     assert UserBatch((ids, table)).first_rows(8) is None and UserBatch(3.0).first_rows(1) is None
 
 
-@pytest.mark.parametrize("build", [resnet, vit, lambda: tiny_llama(2)], ids=["resnet18", "vit_tiny", "llama"])
-def test_the_rungs_bytes_counted_on_one_copy_converted_in_turn_are_fresh_copies(build):
-    """parts() counts every rung's bytes on one copy, converted for the rung and restored after:
-    each report equals a fresh copy's (the same bytes by kind, by module type and by layer), and
-    the copy comes back plain with the model's weights."""
-    from actcomp.tools import budget
-    from actcomp.tools.user_batch import UserBatch
-
-    model, batch = build()
-    search = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, budget.KIND_SPECS)
-    rungs = [(None, None), *((budget._rung(budget.LAYER_SPECS, rung), budget._rung(budget.KIND_SPECS, rung))
-                             for rung in range(1, len(budget.LAYER_SPECS) + 1)), (None, budget.KIND_SPECS[0])]
-    shared = copy.deepcopy(model)
-    for rung in rungs:
-        (fresh, fresh_layers), (reused, reused_layers) = search._report(*rung), search._report(*rung, shared)
-        assert reused_layers == fresh_layers and reused.total_bytes == fresh.total_bytes, rung
-        assert reused.kinds == fresh.kinds and reused.by_type() == fresh.by_type(), rung
-        assert budget._row_bytes(reused) == budget._row_bytes(fresh), rung
-        assert type(shared) is type(model) and not actcomp.compressed_layers(shared)
-        assert getattr(shared, "actcomp_rest", None) is None
-    assert all(torch.equal(a, b) for a, b in zip(shared.parameters(), model.parameters(), strict=True))
-
-
 def test_a_squared_distance_is_float64s_to_a_millionth():
     """The errors' squared distances are summed in float32 (torch's cascade of partial sums),
     each tensor's sum carried on in float64: within 1e-6 of float64 throughout on 1.8M elements
