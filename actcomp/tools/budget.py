@@ -413,15 +413,8 @@ class _Search:
             probe = self.run.first_tokens(max(_ERROR_TOKENS, self.run.tokens // 4))
         if probe is None:
             return self.run, 1.0
-        report = None
-        for candidate in filter(None, (probe, None if by_tokens else self._two_rows_for(probe))):
-            try:
-                self.forwards += 1
-                probe, report = candidate, candidate.memory(copy_model(self.model))
-                break
-            except Exception:  # noqa: BLE001 - any model that cannot run on fewer rows is counted whole
-                continue
-        if report is None:
+        probe, report = self._first_that_runs(probe, self._counted_memory, wider=not by_tokens)
+        if report is None:  # a model that cannot run on fewer rows is counted whole
             return self.run, 1.0
         if not report.total_bytes:
             return self.run, 1.0
@@ -456,15 +449,8 @@ class _Search:
             rows = self.run.first_tokens(self._error_token_count())
         if rows is None or self.run.loss_fn is not None:
             return self.run, self.reference, whole_norm
-        reference = None
-        for candidate in filter(None, (rows, self._two_rows_for(rows))):
-            try:
-                self.steps += 1
-                rows, reference = candidate, candidate.gradients(copy_model(self.model))
-                break
-            except Exception:  # noqa: BLE001 - a model that cannot step on fewer rows is measured whole
-                continue
-        if reference is None:
+        rows, reference = self._first_that_runs(rows, self._counted_gradients)
+        if reference is None:  # a model that cannot step on fewer rows is measured whole
             return self.run, self.reference, whole_norm
         norm = _squared_norm(reference)
         if list(reference) != list(self.reference) or not 0 < norm < math.inf:
@@ -492,10 +478,26 @@ class _Search:
         by_bytes = math.ceil(_ERROR_BYTES / per_token) if per_token else tokens
         return max(_ERROR_TOKENS, min(tokens // 4, by_bytes))
 
-    def _two_rows_for(self, rows: UserBatch) -> UserBatch | None:
-        """Two rows where ``rows`` is one: a layer may need two to run in training mode
-        (BatchNorm1d's statistics over the batch); else None, nothing more to try."""
-        return self.run.first_rows(2) if rows.rows == 1 else None
+    def _first_that_runs(self, rows: UserBatch, measure: Callable[[UserBatch], Any],
+                         wider: bool = True) -> tuple[UserBatch | None, Any]:
+        """``rows`` and ``measure(rows)``; where that raises and ``rows`` is one row (and
+        ``wider``), two rows and their measure, since a layer may need two to run in training mode
+        (BatchNorm1d's statistics over the batch); (None, None) where nothing ran."""
+        two = self.run.first_rows(2) if wider and rows.rows == 1 else None
+        for candidate in filter(None, (rows, two)):
+            try:
+                return candidate, measure(candidate)
+            except Exception:  # noqa: BLE001 - any failure on fewer rows sends the caller to the whole batch
+                continue
+        return None, None
+
+    def _counted_memory(self, rows: UserBatch) -> MemoryReport:
+        self.forwards += 1
+        return rows.memory(copy_model(self.model))
+
+    def _counted_gradients(self, rows: UserBatch) -> dict[str, torch.Tensor]:
+        self.steps += 1
+        return rows.gradients(copy_model(self.model))
 
     def parts(self) -> tuple[list[_Part], int]:
         """Every part with its options (rung 0: plain layers, exact kind), and the bytes no part
