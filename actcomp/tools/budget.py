@@ -444,7 +444,10 @@ class _Search:
         not run (BatchNorm1d in training mode) is tried as two. The plan itself is
         measured on the whole batch."""
         count = self._error_row_count()
-        rows = self.probe if self.probe is not self.run and self.probe.rows == count else self.run.first_rows(count)
+        # The bytes' rows serve where they are these rows, or the two that one row widened to.
+        widened = count == 1 and self.probe.rows == 2
+        rows = (self.probe if self.probe is not self.run and (self.probe.rows == count or widened)
+                else self.run.first_rows(count))
         if rows is None:
             rows = self.run.first_tokens(self._error_token_count())
         if rows is None or self.run.loss_fn is not None:

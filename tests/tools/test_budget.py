@@ -473,6 +473,8 @@ def test_one_row_that_will_not_run_is_measured_as_two():
     search = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, budget.KIND_SPECS)
     assert budget._ERROR_BYTES < search.plain_bytes / 8  # one row would do, were it to run
     assert search.measured.rows == 2 and search.probe.rows == 2 and search.errors_on == "2 of 8 rows"
+    # One row was tried once, for the bytes; the errors' reference went to the two rows at once.
+    assert search.measured is search.probe and (search.forwards, search.steps) == (2, 2)
     plan = actcomp.plan_budget(model, batch, 0.3)
     assert plan.kept_bytes <= plan.budget_bytes and plan.errors_on == "2 of 8 rows" and plan.cosine > 0.99
 
