@@ -269,6 +269,10 @@ def _fit(search: _Search, parts: list[_Part], capacity: int, budget_bytes: int, 
     best, kept = None, 0
     for attempt in range(_RESOLVES):
         chosen = _solve(search, parts, capacity)
+        if chosen is None:
+            if attempt == 0:
+                raise _unusable_rungs_error(parts, budget_bytes - capacity, budget_bytes, search.plain_bytes)
+            break  # solved again below the smallest plan: the closest measured one stands
         pipeline = _pipeline_mapping(parts, chosen, search.left_out)
         rest = _rest_mapping(parts, chosen, attention_floors)
         kept, cosine = search.kept_bytes(pipeline, rest, with_cosine=attempt == 0)
@@ -293,9 +297,12 @@ def _solve(search: _Search, parts: list[_Part], capacity: int) -> list[int]:
     lighter rung measured (a coarser code of the same tensors bends it no less), so the loop
     ends with a choice whose every rung is measured and which no other choice beats as long as
     a kind's errors grow along its ladder: the full search's choice, for a fraction of its steps.
-    ``parts`` is updated in place with what was measured."""
+    ``parts`` is updated in place with what was measured. None where nothing fits (a rung
+    measured unusable, or a capacity below the smallest plan)."""
     while True:
         chosen = _knapsack([_bounded(part) for part in parts], capacity)
+        if chosen is None:
+            return None
         wanted = [(at, index) for at, index in enumerate(chosen) if parts[at].options[index].error is None]
         if not wanted:
             return chosen
@@ -307,8 +314,28 @@ def _solve(search: _Search, parts: list[_Part], capacity: int) -> list[int]:
             parts[at] = replace(part, options=tuple(options))
 
 
+def _unusable_rungs_error(parts: list[_Part], fixed: int, budget_bytes: int, plain: int) -> ActcompError:
+    """The error for a budget that only rungs measured unusable (a non-finite gradient) reach."""
+    refused = [f"{part.name} at {option.spec}" for part in parts for option in part.options
+               if option.error is not None and math.isinf(option.error)]
+    smallest = fixed + sum(min(option.bytes for option in part.options
+                               if option.error is None or not math.isinf(option.error)) for part in parts)
+    return ActcompError(
+        f"the budget ({format_bytes(budget_bytes)}, {budget_bytes / plain:.3f} of plain's) cannot be met by codecs "
+        f"that keep the gradient finite on this batch: {', '.join(refused[:4])} gave a NaN or inf gradient, and "
+        f"without them the smallest reachable is {smallest / plain:.3f}; ask for at least that (BatchNorm over a "
+        "few values a channel can turn coarse codes into NaN: docs/guide/limitations.md, 'Tiny batch statistics')")
+
+
+def _usable_error(error: float) -> float:
+    """A measured error, or infinity where it is NaN: a rung whose gradient is not finite on
+    the batch is never chosen (NaN would poison the knapsack's sums and comparisons)."""
+    return error if not math.isnan(error) else math.inf
+
+
 def _bounded(part: _Part) -> _Part:
-    """``part`` with each unmeasured option's error bounded below by its lighter rungs'."""
+    """``part`` with each unmeasured option's error bounded below by its lighter rungs' (their
+    finite ones: a rung refused for a NaN gradient says nothing of the next)."""
     if all(option.error is not None for option in part.options):
         return part
     options, floor = [], 0.0
@@ -316,7 +343,7 @@ def _bounded(part: _Part) -> _Part:
         if option.error is None:
             options.append(replace(option, error=floor * (1 + _UNMEASURED) + _UNMEASURED_FLOOR))
         else:
-            floor = max(floor, option.error)
+            floor = max(floor, option.error) if math.isfinite(option.error) else floor
             options.append(option)
     return replace(part, options=tuple(options))
 
@@ -518,7 +545,7 @@ class _Search:
         # input), the layer's own row holds it, and compressing the layer frees it.
         beside = self._report(None, _rung(self.kind_specs, 1))[0] if self.kind_specs and converted else first
         plain_rows = _row_bytes(beside, scale)
-        groups = _layer_groups(converted, beside)
+        groups = _layer_groups(converted, beside, reports[1] if self.layer_specs else first)
         # Layers no part holds (keeping nothing of their own: a LoRA model's frozen base layers)
         # stay plain in the plan: its "*" rule would otherwise give them the commonest spec, its
         # error never measured.
@@ -627,7 +654,7 @@ class _Search:
             for layer in stepped:
                 squared[rung][layer] = sum(float((got[name] - self.measured_reference[name]).square().sum())
                                            for name in self._own(layer))
-        return [self._fill_unmeasured({layer: error / self.norm for layer, error in errors.items()},
+        return [self._fill_unmeasured({layer: _usable_error(error / self.norm) for layer, error in errors.items()},
                                       {layer for layer in layers if wanted is None or rung in wanted.get(layer, ())})
                 for rung, errors in enumerate(squared)]
 
@@ -682,7 +709,7 @@ class _Search:
                               self.measured_reference)
         total = sum(self._squared_distance(grads[name].reshape(-1), reference)
                     for name, reference in self._reference32.items())
-        return float(total) / self.norm
+        return _usable_error(float(total) / self.norm)
 
     @functools.cached_property
     def _reference32(self) -> dict[str, torch.Tensor]:
@@ -745,16 +772,19 @@ def _kinds_alone(specs: Mapping[str, str], attention_floors: bool = True) -> dic
     return rest
 
 
-def _layer_groups(converted: list[str], plain: MemoryReport) -> list[tuple[str, ...]]:
+def _layer_groups(converted: list[str], plain: MemoryReport, compressed: MemoryReport) -> list[tuple[str, ...]]:
     """The ``converted`` layers, less those reading the model's input (they run plain), grouped
-    by the input they share in ``plain`` (a ResNet block's conv1 and downsample, an LLM's q/k/v
-    projections): compressing one of them alone frees nothing, and one spec for the group
-    compresses the input once. Groups keeping nothing (a LoRA model's frozen base layers) are
-    left out."""
+    by the input they share (a ResNet block's conv1 and downsample, an LLM's q/k/v projections):
+    a storage ``plain``'s layers all keep (compressing one of them alone frees nothing), or the
+    input ``compressed``'s layers all read (one code for all of them: under autocast each plain
+    layer keeps a bf16 copy of its own, while one spec for the group codes the input once, so
+    the group's bytes at a rung are that one code's). Groups keeping nothing (a LoRA model's
+    frozen base layers) are left out."""
     layers = [name for name in converted if name not in plain.plain_on_input]
     group_of = {name: (name,) for name in layers}
-    for storage in plain.storages:
-        sharing = [name for name in layers if name in storage.savers]
+    shared = [storage.savers for storage in plain.storages] + compressed.shared_inputs
+    for names in shared:
+        sharing = [name for name in layers if name in names]
         if len(sharing) > 1:
             merged = tuple(sorted({member for name in sharing for member in group_of[name]}, key=layers.index))
             group_of.update({member: merged for member in merged})
@@ -784,18 +814,19 @@ def _lighter_only(options: list[_Option]) -> tuple[_Option, ...]:
     return tuple(kept)
 
 
-def _knapsack(parts: list[_Part], capacity: int, round_up: bool = True) -> list[int]:
+def _knapsack(parts: list[_Part], capacity: int, round_up: bool = True) -> list[int] | None:
     """One option per part with the least summed error whose bytes fit ``capacity``: dynamic
     programming over the bytes in :data:`_UNITS` units, each part's bytes rounded up, so the
     chosen bytes never exceed ``capacity`` (rounded down, ViT-S's 50 parts chose plans 0.1% over
     the budget, each solved and measured again); where nothing fits so (a capacity within the
     rounding of the smallest plan), rounded down. Ties go to the option listed first (less
-    compressed). Index 0 for every part if nothing is needed.
+    compressed). Index 0 for every part if nothing is needed; None if nothing fits, an option
+    of infinite error (:func:`_usable_error`) never being taken.
 
     >>> a = (_Option(None, 100, 0.0), _Option("int8", 25, 0.1), _Option("int4", 12, 0.5))
     >>> parts = [_Part("a", "layer", a, ("a",)), _Part("b", "layer", a[:2], ("b",))]
-    >>> _knapsack(parts, 130), _knapsack(parts, 60), _knapsack(parts, 1000)
-    ([1, 0], [1, 1], [0, 0])
+    >>> _knapsack(parts, 130), _knapsack(parts, 60), _knapsack(parts, 1000), _knapsack(parts, 30)
+    ([1, 0], [1, 1], [0, 0], None)
     """
     unit = max(capacity, 1) / _UNITS
     units = (lambda size: math.ceil(size / unit)) if round_up else (lambda size: int(size / unit))
@@ -818,9 +849,7 @@ def _knapsack(parts: list[_Part], capacity: int, round_up: bool = True) -> list[
         best = step
         picks.append(pick)
     if math.isinf(float(best.min())):
-        if round_up:
-            return _knapsack(parts, capacity, round_up=False)
-        raise ActcompError("no plan fits the budget at the knapsack's resolution; ask for a little more")
+        return _knapsack(parts, capacity, round_up=False) if round_up else None
     used = int(torch.argmin(best))  # the first of equal errors: the fewest bytes
     chosen = []
     for part, pick in zip(reversed(parts), reversed(picks)):

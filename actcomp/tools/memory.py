@@ -114,6 +114,9 @@ class MemoryReport:
     # Converted layers that ran plain because they read the model input (first_layer="auto").
     plain_on_input: list[str] = field(default_factory=list)
     kinds: list[KindRow] = field(default_factory=list)
+    # Compressed layers that read one input (a ResNet block's conv1 and downsample, an LLM's q/k/v
+    # projections), each group in the order they ran: one spec for a group codes that input once.
+    shared_inputs: list[tuple[str, ...]] = field(default_factory=list)
 
     @classmethod
     def from_recorder(cls, recorder: SavedTensorRecorder) -> MemoryReport:
@@ -134,7 +137,8 @@ class MemoryReport:
                    input_bytes=sum(s.nbytes for s in storages if s.kind == "input"),
                    parameter_copy_bytes=sum(s.nbytes for s in storages if s.kind == "parameter_copy"),
                    not_freed=not_freed, plain_on_input=plain_on_input,
-                   kinds=_kind_rows(storages, recorder.plain.values()))
+                   kinds=_kind_rows(storages, recorder.plain.values()),
+                   shared_inputs=_shared_inputs(recorder.layer_inputs))
 
     @property
     def total_bytes(self) -> int:
@@ -396,6 +400,19 @@ def _module_rows(storages: list[SavedStorage], modules: dict[str, nn.Module]) ->
             per_module[storage.savers[0]] += storage.nbytes
     return [ModuleRow(name, _type_name(modules[name]), nbytes, _spec_of(modules[name]))
             for name, nbytes in per_module.items()]
+
+
+def _shared_inputs(layer_inputs: dict[str, tuple | None]) -> list[tuple[str, ...]]:
+    """The compressed layers that read one input storage, grouped (groups of two or more).
+
+    >>> _shared_inputs({"q": (1, 0), "k": (1, 0), "o": (2, 0), "x": None, "y": None})
+    [('q', 'k')]
+    """
+    readers: dict[tuple, list[str]] = defaultdict(list)
+    for layer, key in layer_inputs.items():
+        if key is not None:
+            readers[key].append(layer)
+    return [tuple(names) for names in readers.values() if len(names) > 1]
 
 
 def _layer_input_fates(recorder: SavedTensorRecorder,
