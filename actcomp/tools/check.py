@@ -88,6 +88,8 @@ class CheckReport:
     layers: list[CheckRow]
     suggestions: list[str]
     together: str = ""
+    # The call checked, as it pastes: a mapping of layer specs or a dict rest as Python writes them.
+    call: str = ""
 
     def flagged(self) -> list[CheckRow]:
         """The rows under their floor."""
@@ -113,7 +115,7 @@ class CheckReport:
         rest = "" if self.rest is None else f", rest={self.rest!r}"
         ratio = self.plain_bytes / self.kept_bytes if self.kept_bytes else float("inf")
         lines = [*self.verdict(), "",
-                 f"actcomp check: to_compressed(model, {self.pipeline!r}{rest})",
+                 f"actcomp check: {self.call or f'to_compressed(model, {self.pipeline!r}{rest})'}",
                  f"whole gradient: cosine {self.cosine:.4f} against plain's (floor {self.floor:.3f})"
                  f"{_mark(self.cosine < self.floor)}",
                  f"kept for backward: {format_bytes(self.plain_bytes)} -> {format_bytes(self.kept_bytes)} "
@@ -253,7 +255,7 @@ def check(model: nn.Module, batch: Any, pipeline: str | Pipeline | Mapping = "mi
     whole_floor = min(floor, linear_floor)
     if layer_rows:
         row = kept.get("linear")
-        kind_rows.append(CheckRow("linear (Linear/Conv inputs)", _spec_text(pipeline),
+        kind_rows.append(CheckRow("linear (Linear/Conv inputs)", _spec_summary(pipeline),
                                   gradient_cosine(layer_gradients, reference), linear_floor, True,
                                   row.plain_bytes if row else 0, row.kept_bytes if row else 0))
     if policy is not None:
@@ -269,7 +271,7 @@ def check(model: nn.Module, batch: Any, pipeline: str | Pipeline | Mapping = "mi
     problems, together = _problems(kind_rows, layer_rows, pipeline, whole, whole_floor)
     return CheckReport(_spec_text(pipeline), None if rest is None else str(rest), whole, whole_floor,
                        plain_report.total_bytes, kept_report.total_bytes, step_time, kind_rows, layer_rows,
-                       problems, together)
+                       problems, together, _call_text(pipeline, rest))
 
 
 def _choice_text(choice) -> str:
@@ -350,6 +352,30 @@ def _spec_text(pipeline: str | Pipeline | Mapping) -> str:
     if isinstance(pipeline, Mapping):
         return ", ".join(f"{pattern}: {spec}" for pattern, spec in pipeline.items())
     return parse(pipeline).spec if isinstance(pipeline, str) else pipeline.spec
+
+
+def _spec_summary(pipeline: str | Pipeline | Mapping) -> str:
+    """The Linear/Conv row's spec: the spec, or for a mapping the count of layers under each
+    (the layer table lists them one by one).
+
+    >>> _spec_summary({"fc": "int8", "conv1": None, "*": "int4"})
+    'per layer: int8, None, int4'
+    """
+    if not isinstance(pipeline, Mapping):
+        return _spec_text(pipeline)
+    specs = list(dict.fromkeys(str(spec) for spec in pipeline.values()))
+    return "per layer: " + ", ".join(specs[:3]) + (f" and {len(specs) - 3} more" if len(specs) > 3 else "")
+
+
+def _call_text(pipeline: str | Pipeline | Mapping, rest: Any) -> str:
+    """``to_compressed``'s call for ``pipeline`` and ``rest`` as it pastes.
+
+    >>> _call_text({"fc": "int8", "*": "int4"}, {"activation": "int8"})
+    "to_compressed(model, {'fc': 'int8', '*': 'int4'}, rest={'activation': 'int8'})"
+    """
+    layers = dict(pipeline) if isinstance(pipeline, Mapping) else _spec_text(pipeline)
+    rest_text = "" if rest is None else f", rest={dict(rest) if isinstance(rest, Mapping) else str(rest)!r}"
+    return f"to_compressed(model, {layers!r}{rest_text})"
 
 
 def _lighter(spec: str) -> str | None:

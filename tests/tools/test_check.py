@@ -246,3 +246,20 @@ def test_columns_hold_long_layer_names():
         assert all(row[at - 1] == " " and row[at] != " " for row in rows), (column, rows)
     kinds = next(line for line in lines if line.startswith("op kind (alone)"))
     assert kinds.index("spec") == header.index("spec") == len("a_rather_long_module_name_for_a_projection_layer") + 1
+
+
+def test_a_mapping_and_a_dict_rest_print_as_a_call_that_pastes_and_a_short_layers_row():
+    """The header's call is the one checked, as Python writes it (it printed the mapping as one
+    quoted string, which to_compressed cannot read, and a dict rest as the string of a dict), and
+    the Linear/Conv row names the specs once instead of every layer's rule, which had widened
+    the spec column of both tables to the whole mapping's length."""
+    layers, rest = {"5": "int8", "7": None, "*": "int4"}, {"activation": "int8", "normalization": "exact"}
+    report = actcomp.check(net(), BATCH, layers, rest=rest, rounds=1)
+    call = next(line for line in str(report).splitlines() if line.startswith("actcomp check: "))
+    pasted = eval(call.removeprefix("actcomp check: "), {"to_compressed": actcomp.to_compressed, "model": net()})
+    assert {name: layer.spec for name, layer in actcomp.compressed_layers(pasted).items()} == {
+        "0": "int4", "2": "int4", "5": "int8"}
+    assert pasted.actcomp_rest == actcomp.to_compressed(net(), layers, rest=rest).actcomp_rest
+    linear = next(row for row in report.kinds if row.name.startswith("linear"))
+    assert linear.spec == "per layer: int8, None, int4"
+    assert max(len(line) for line in str(report).splitlines() if not line.startswith(("actcomp check", "-", "  "))) < 120
