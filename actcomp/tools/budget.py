@@ -271,7 +271,7 @@ def _fit(search: _Search, parts: list[_Part], capacity: int, budget_bytes: int, 
         chosen = _solve(search, parts, capacity)
         if chosen is None:
             if attempt == 0:
-                raise _unusable_rungs_error(parts, budget_bytes - capacity, budget_bytes, search.plain_bytes)
+                raise _unusable_rungs_error(search, parts, budget_bytes - capacity, budget_bytes, search.plain_bytes)
             break  # solved again below the smallest plan: the closest measured one stands
         pipeline = _pipeline_mapping(parts, chosen, search.left_out)
         rest = _rest_mapping(parts, chosen, attention_floors)
@@ -303,23 +303,41 @@ def _solve(search: _Search, parts: list[_Part], capacity: int) -> list[int]:
         chosen = _knapsack([_bounded(part) for part in parts], capacity)
         if chosen is None:
             return None
-        wanted = [(at, index) for at, index in enumerate(chosen) if parts[at].options[index].error is None]
-        if not wanted:
+        if not _measured(search, parts, list(enumerate(chosen))):
             return chosen
-        errors = search.kind_errors([(parts[at].name, parts[at].options[index].spec) for at, index in wanted])
-        for (at, index), error in zip(wanted, errors):
-            part = parts[at]
-            options = list(part.options)
-            options[index] = replace(options[index], error=error)
-            parts[at] = replace(part, options=tuple(options))
 
 
-def _unusable_rungs_error(parts: list[_Part], fixed: int, budget_bytes: int, plain: int) -> ActcompError:
-    """The error for a budget that only rungs measured unusable (a non-finite gradient) reach."""
+def _measured(search: _Search, parts: list[_Part], options: list[tuple[int, int]]) -> bool:
+    """Measure the errors of the ``(part, option)`` pairs not measured yet, into ``parts``;
+    whether there were any."""
+    wanted = [(at, index) for at, index in options if parts[at].options[index].error is None]
+    errors = search.kind_errors([(parts[at].name, parts[at].options[index].spec) for at, index in wanted]) \
+        if wanted else []
+    for (at, index), error in zip(wanted, errors):
+        part = parts[at]
+        updated = list(part.options)
+        updated[index] = replace(updated[index], error=error)
+        parts[at] = replace(part, options=tuple(updated))
+    return bool(wanted)
+
+
+def _unusable_rungs_error(search: _Search, parts: list[_Part], fixed: int, budget_bytes: int,
+                          plain: int) -> ActcompError:
+    """The error for a budget that only rungs measured unusable (a non-finite gradient) reach,
+    naming them and the smallest plan of usable ones: each part's lightest rung not refused is
+    measured first (a coarse rung's NaN often comes with the next one's), so the figure given is
+    one a plan meets, not a guess the next call refutes."""
+
+    def lightest_usable(part: _Part) -> int:
+        usable = [index for index, option in enumerate(part.options)
+                  if option.error is None or not math.isinf(option.error)]
+        return min(usable, key=lambda index: part.options[index].bytes)
+
+    while _measured(search, parts, [(at, lightest_usable(part)) for at, part in enumerate(parts)]):
+        pass
     refused = [f"{part.name} at {option.spec}" for part in parts for option in part.options
                if option.error is not None and math.isinf(option.error)]
-    smallest = fixed + sum(min(option.bytes for option in part.options
-                               if option.error is None or not math.isinf(option.error)) for part in parts)
+    smallest = fixed + sum(part.options[lightest_usable(part)].bytes for part in parts)
     return ActcompError(
         f"the budget ({format_bytes(budget_bytes)}, {budget_bytes / plain:.3f} of plain's) cannot be met by codecs "
         f"that keep the gradient finite on this batch: {', '.join(refused[:4])} gave a NaN or inf gradient, and "

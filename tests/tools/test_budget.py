@@ -587,29 +587,36 @@ def _zoo_batch(entry: ZooModel) -> tuple[Any, Callable | None]:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("entry", ZOO, ids=[entry.id for entry in ZOO])
-def test_every_zoo_models_plan_keeps_and_bends_what_it_says(entry, single_thread):
+def test_every_zoo_models_plan_keeps_and_bends_what_it_says(entry, autocast, single_thread):
     """Over the zoo's families (convolutions with their own forward, TF padding, shifted windows,
-    an encoder-decoder): the plan for a fifth of plain's bytes lands within 5% under it, its
-    pinned call keeps exactly the bytes it reports and ``check`` measures the cosine it reports.
-    Where a fifth cannot be met (a tiny batch whose saves are mostly weight-derived, as BiT's
-    standardised weights at 32 px), the error's smallest reachable fraction is one a plan meets."""
+    an encoder-decoder), in fp32 and under bf16 autocast: the plan for a fifth of plain's bytes
+    lands within 5% under it, its pinned call keeps exactly the bytes it reports and ``check``
+    measures the cosine it reports. Where a fifth cannot be met (a tiny batch whose saves are
+    mostly weight-derived, as BiT's standardised weights at 32 px; or only by a rung whose
+    gradient is NaN, as EfficientNet's BatchNorm inputs in int2 under autocast), the error's
+    smallest reachable fraction is one a plan meets. (Under autocast the tiny batches' BatchNorm
+    gradients are mostly cancellation noise: the cosines are reported, not judged.)"""
     torch.manual_seed(0)
     model = entry.build()
     torch.manual_seed(2)
     batch, loss_fn = _zoo_batch(entry)
-    fraction = 0.2
-    try:
-        plan = actcomp.plan_budget(model, batch, fraction, loss_fn=loss_fn)
-    except actcomp.ActcompError as error:
-        found = re.search(r"the smallest reachable is (\d\.\d{3})", str(error))
-        assert found is not None and float(found[1]) > fraction, error
-        fraction = float(found[1]) + 0.01
-        plan = actcomp.plan_budget(model, batch, fraction, loss_fn=loss_fn)
-    assert 0.95 * fraction <= plan.kept_fraction <= fraction, plan
-    pinned = actcomp.to_compressed(copy.deepcopy(model), plan.pipeline, rest=plan.rest)
-    assert UserBatch(batch, loss_fn).memory(pinned).total_bytes == plan.kept_bytes
-    checked = actcomp.check(model, batch, plan.pipeline, rest=plan.rest, loss_fn=loss_fn, rounds=1)
+    fraction, plan = 0.2, None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        for _ in range(3):
+            try:
+                plan = actcomp.plan_budget(model, batch, fraction, loss_fn=loss_fn)
+                break
+            except actcomp.ActcompError as error:
+                found = re.search(r"the smallest reachable is (\d\.\d{3})", str(error))
+                assert found is not None and float(found[1]) > fraction, error
+                fraction = float(found[1]) + 0.01
+        assert plan is not None
+        assert 0.95 * fraction <= plan.kept_fraction <= fraction, plan
+        pinned = actcomp.to_compressed(copy.deepcopy(model), plan.pipeline, rest=plan.rest)
+        assert UserBatch(batch, loss_fn).memory(pinned).total_bytes == plan.kept_bytes
+        checked = actcomp.check(model, batch, plan.pipeline, rest=plan.rest, loss_fn=loss_fn, rounds=1)
     assert checked.cosine == pytest.approx(plan.cosine, abs=1e-9)
 
 
