@@ -36,8 +36,9 @@ def not_compiled(function: _F) -> _F:
 # the warning, which would otherwise be a graph break at every call.
 WHOLE_MODEL_FALLBACK = "a whole-model forward left the compiled graph"
 LAYER_FALLBACK = "a converted Linear/Conv layer left the compiled graph"
-_HOW = ("actcomp.compress_in_graph(model) compresses inside the compiled graph instead "
-        "(docs/guide/compiled.md); this is said once a process")
+_HOW = ("to compress inside one graph with no break, compile the plain model (not to_compressed) and run its "
+        "training forward under `with actcomp.compress_in_graph(spec, rest=...):` (docs/guide/compiled.md); "
+        "this is said once a process")
 
 
 def warn_if_leaving_graph(key: str) -> None:

@@ -1231,6 +1231,9 @@ def test_torch_compile_of_a_training_step_compresses_in_the_graph_within_compile
             torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
         _two_compiled_steps(compiled, model, plain, inputs, train_step)
     assert sum("compress_in_graph's hooks" in str(warning.message) for warning in said) == 1
+    # Its advice is the API as it is: a context manager taking a spec (it said
+    # "compress_in_graph(model)", which raises: a model is no spec).
+    assert any("`with actcomp.compress_in_graph(spec, rest=...):`" in str(warning.message) for warning in said)
     assert traced, "the pack hook was never traced: nothing was compressed in the graph"
     # Measured (torch 2.14.1): graph breaks while compiling the first step only, at the
     # whole-model forward (its frame runs eagerly to enter the hooks; the model's own forward it
