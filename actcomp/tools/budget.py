@@ -311,14 +311,15 @@ def _measured(search: _Search, parts: list[_Part], options: list[tuple[int, int]
     """Measure the errors of the ``(part, option)`` pairs not measured yet, into ``parts``;
     whether there were any."""
     wanted = [(at, index) for at, index in options if parts[at].options[index].error is None]
-    errors = search.kind_errors([(parts[at].name, parts[at].options[index].spec) for at, index in wanted]) \
-        if wanted else []
+    if not wanted:
+        return False
+    errors = search.kind_errors([(parts[at].name, parts[at].options[index].spec) for at, index in wanted])
     for (at, index), error in zip(wanted, errors):
         part = parts[at]
         updated = list(part.options)
         updated[index] = replace(updated[index], error=error)
         parts[at] = replace(part, options=tuple(updated))
-    return bool(wanted)
+    return True
 
 
 def _unusable_rungs_error(search: _Search, parts: list[_Part], fixed: int, budget_bytes: int,

@@ -586,9 +586,16 @@ def _zoo_batch(entry: ZooModel) -> tuple[Any, Callable | None]:
     return batch["x"], lambda logits, targets=batch["targets"]: F.cross_entropy(logits.float(), targets)
 
 
+# BiT's and NFNet's saves at 32 px are mostly their standardised weights, which no plan codes:
+# their fp32 runs (a plan at 0.98, 20-25 s each) cover their own-forward convolutions.
+_WEIGHT_BOUND = {"resnetv2_50x1_bit", "nfnet_l0"}
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-@pytest.mark.parametrize("entry", ZOO, ids=[entry.id for entry in ZOO])
+@pytest.mark.parametrize(("entry", "autocast"), [(entry, autocast) for entry in ZOO for autocast in (False, True)
+                                                 if not (autocast and entry.id in _WEIGHT_BOUND)],
+                         ids=lambda value: value.id if isinstance(value, ZooModel) else
+                         ("bf16-autocast" if value else "fp32"))
 def test_every_zoo_models_plan_keeps_and_bends_what_it_says(entry, autocast, single_thread):
     """Over the zoo's families (convolutions with their own forward, TF padding, shifted windows,
     an encoder-decoder), in fp32 and under bf16 autocast: the plan for a fifth of plain's bytes
