@@ -265,19 +265,28 @@ def _fit(search: _Search, parts: list[_Part], capacity: int, budget_bytes: int, 
     is measured with one step, its bytes and gradient from the same forward: it is mostly the
     one kept (the knapsack's choice fits the parts' bytes, which the plan's own measure matches
     on our models to 0.1%). A later plan is measured with a forward, and the winner's gradient
-    with a step if it was not the first."""
-    best, kept = None, 0
+    with a step if it was not the first. A choice made again is not measured again: within the
+    budget it ends the search (more room did not change the least-error choice: its errors tie,
+    as a LoRA model's adapters' inputs at initialisation, whose gradient is zero, and the fewest
+    bytes win the tie), over it the room shrinks further."""
+    best, kept, measured = None, 0, {}
     for attempt in range(_RESOLVES):
         chosen = _solve(search, parts, capacity)
         if chosen is None:
             if attempt == 0:
                 raise _unusable_rungs_error(search, parts, budget_bytes - capacity, budget_bytes, search.plain_bytes)
             break  # solved again below the smallest plan: the closest measured one stands
-        pipeline = _pipeline_mapping(parts, chosen, search.left_out)
-        rest = _rest_mapping(parts, chosen, attention_floors)
-        kept, cosine = search.kept_bytes(pipeline, rest, with_cosine=attempt == 0)
-        if kept <= budget_bytes and (best is None or kept > best[3]):
-            best = (chosen, pipeline, rest, kept, cosine)
+        if tuple(chosen) in measured:
+            kept = measured[tuple(chosen)]
+            if kept <= budget_bytes:
+                break
+        else:
+            pipeline = _pipeline_mapping(parts, chosen, search.left_out)
+            rest = _rest_mapping(parts, chosen, attention_floors)
+            kept, cosine = search.kept_bytes(pipeline, rest, with_cosine=attempt == 0)
+            measured[tuple(chosen)] = kept
+            if kept <= budget_bytes and (best is None or kept > best[3]):
+                best = (chosen, pipeline, rest, kept, cosine)
         if kept <= budget_bytes and (kept >= 0.95 * budget_bytes or not any(chosen)):
             break
         capacity += budget_bytes - kept - (_MARGIN * budget_bytes if kept > budget_bytes else 0)

@@ -672,3 +672,25 @@ def test_under_autocast_layers_reading_one_input_are_one_part():
     shared = [part.members for part in plan.parts if len(part.members) > 1]
     assert tuple(f"model.layers.0.self_attn.{name}_proj" for name in "qkv") in shared, shared
     assert 0.95 * 0.2 <= plan.kept_fraction <= 0.2, plan
+
+
+def test_a_plan_chosen_again_is_not_measured_again(monkeypatch):
+    """A LoRA model at initialisation: its adapters' gradient is zero (B starts at zero), so every
+    rung of their inputs errs 0 and the knapsack takes the fewest bytes, well under a loose
+    budget. More room chose the same plan again, and the search measured it on the whole batch
+    five more times, one forward each, before its re-solves ran out."""
+    peft = pytest.importorskip("peft")
+    from actcomp.tools import budget
+
+    model, batch = tiny_llama(2)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    measured = []
+    original = budget._Search.kept_bytes
+
+    def kept_bytes(self, pipeline, rest, **kwargs):
+        measured.append((repr(pipeline), repr(rest)))
+        return original(self, pipeline, rest, **kwargs)
+
+    monkeypatch.setattr(budget._Search, "kept_bytes", kept_bytes)
+    plan = actcomp.plan_budget(model, batch, 0.7)  # the same plan as at 0.6: 0.584, cosine 1
+    assert plan.kept_fraction <= 0.7 and len(measured) == len(set(measured)), (plan.kept_fraction, len(measured))
