@@ -219,13 +219,13 @@ def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
     ``budget`` is a fraction of plain's kept bytes (a float in (0, 1]) or bytes for this batch
     (an int, or a size such as ``"1.5GiB"``). ``batch``, ``loss_fn`` and ``seed`` as for
     :func:`actcomp.check`. ``layer_specs`` and ``kind_specs`` are the ladders searched (fewer
-    rungs, fewer steps). ``attention_floors=False`` lets fused attention's query, key, value and
-    output take the attention rungs too (``rest={..., "attention_floors": False}``): one step's
-    cosine on a random model hardly drops, but a trained language model's sink token bends the
-    gradient, and training from scratch suffers too (a byte-level Llama's validation loss 1.18x
-    plain's at 8.5x fewer bytes without the floors, 0.92x with them; ``bench_lm_text.py``): keep
-    them. The same model, batch and seed give the
-    same plan. Where the budget cannot be met the error names the smallest reachable fraction;
+    rungs, fewer steps; one spec alone is a ladder of one). ``attention_floors=False`` lets
+    fused attention's query, key, value and output take the attention rungs too
+    (``rest={..., "attention_floors": False}``): one step's cosine on a random model hardly
+    drops, but a trained language model's sink token bends the gradient, and training from
+    scratch suffers too (a byte-level Llama's validation loss 1.18x plain's at 8.5x fewer bytes
+    without the floors, 0.92x with them; ``bench_lm_text.py``): keep them. The same model, batch
+    and seed give the same plan. Where the budget cannot be met the error names the smallest reachable fraction;
     a plan whose measured cosine falls below 0.9 warns. Called under ``torch.autocast`` it plans
     for mixed precision (the bytes and the fraction are autocast's). ``model`` is not modified.
     """
@@ -233,7 +233,7 @@ def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
         raise ActcompError("plan_budget takes the plain model (it converts copies itself); this one is converted "
                            "already: pass the model before to_compressed, or actcomp.from_compressed(model)")
     _budget_bytes(budget, 1)  # a malformed budget is refused before anything is measured
-    search = _Search(model, UserBatch(batch, loss_fn, seed), tuple(layer_specs), tuple(kind_specs), attention_floors)
+    search = _Search(model, UserBatch(batch, loss_fn, seed), _ladder(layer_specs), _ladder(kind_specs), attention_floors)
     plain_bytes = search.plain_bytes
     budget_bytes = _budget_bytes(budget, plain_bytes)
     parts, fixed = search.parts()
@@ -256,6 +256,15 @@ def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
     return BudgetPlan(budget_bytes, plain_bytes, kept, smallest, cosine, pipeline, rest, planned,
                       tuple(sorted(search.unmeasured)), search.steps, search.forwards, search.errors_on,
                       search.backwards)
+
+
+def _ladder(specs: str | Sequence[str]) -> tuple[str, ...]:
+    """A ladder of specs; one spec given alone is a ladder of one rung (not of its letters).
+
+    >>> _ladder("int8"), _ladder(["bf16", "int8"])
+    (('int8',), ('bf16', 'int8'))
+    """
+    return (specs,) if isinstance(specs, str) else tuple(specs)
 
 
 def _fit(search: _Search, parts: list[_Part], capacity: int, budget_bytes: int, attention_floors: bool):

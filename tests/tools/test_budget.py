@@ -694,3 +694,11 @@ def test_a_plan_chosen_again_is_not_measured_again(monkeypatch):
     monkeypatch.setattr(budget._Search, "kept_bytes", kept_bytes)
     plan = actcomp.plan_budget(model, batch, 0.7)  # the same plan as at 0.6: 0.584, cosine 1
     assert plan.kept_fraction <= 0.7 and len(measured) == len(set(measured)), (plan.kept_fraction, len(measured))
+
+
+def test_one_spec_alone_is_a_ladder_of_one():
+    """``kind_specs="int8"`` was read letter by letter: "unknown stage 'i'"."""
+    model, batch = outlier_net()
+    alone = actcomp.plan_budget(model, batch, 0.5, layer_specs="int8", kind_specs="int8")
+    listed = actcomp.plan_budget(model, batch, 0.5, layer_specs=("int8",), kind_specs=("int8",))
+    assert (alone.pipeline, alone.rest, alone.kept_bytes) == (listed.pipeline, listed.rest, listed.kept_bytes)
