@@ -44,7 +44,15 @@ from torch.overrides import TorchFunctionMode
 
 from actcomp.errors import ActcompError
 from actcomp.graph.model_inputs import tensors_in
-from actcomp.graph.op_kinds import GATE, PRODUCTS, is_gate_product, known_functions, module_kind
+from actcomp.graph.op_kinds import (
+    GATE,
+    PRODUCTS,
+    SCALE,
+    is_gate_product,
+    is_parameter_scale,
+    known_functions,
+    module_kind,
+)
 from actcomp.torch_compat import (
     drops_saved_tensors,
     is_accumulate_grad,
@@ -184,9 +192,10 @@ class _FunctionScopes(TorchFunctionMode):
             product = known is None and func in PRODUCTS
         except TypeError:  # an unhashable callable
             known, product = None, False
-        if product and _STATE.tracking and innermost_kind() is None and is_gate_product(func, args):
-            # A gated MLP's product outside any kind's scope (inside attention it stays attention's).
-            known = GATE
+        if product and _STATE.tracking and innermost_kind() is None:
+            # A gated MLP's product, or a LayerScale's, outside any kind's scope (inside attention
+            # it stays attention's, inside a norm module the norm's).
+            known = GATE if is_gate_product(func, args) else SCALE if is_parameter_scale(func, args) else None
         if known is None or not _STATE.tracking:
             return func(*args, **kwargs) if kwargs else func(*args)
         scopes = _STATE.scopes
