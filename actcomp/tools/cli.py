@@ -7,10 +7,12 @@ installed command; ``python -m actcomp ...`` runs the same).
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import copy
 import importlib
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -79,10 +81,12 @@ def _add_check_arguments(check: argparse.ArgumentParser) -> None:
                         help="a function returning (model, batch): a file path or module name, a colon, its name "
                              "(batch: a tensor, a tuple of positional arguments or a dict of keyword arguments)")
     source.add_argument("--timm", metavar="NAME", help="a timm model (random weights) on random images instead")
-    check.add_argument("--pipeline", default=None, help="spec for Linear/Conv inputs (default mink0.9+int8)")
-    check.add_argument("--rest", metavar="PRESET_OR_SPEC", default=None,
-                       help="whole-model policy ('8bit', '4bit', 'exact', a spec; 'none': Linear/Conv mode only; "
-                            "default 8bit)")
+    check.add_argument("--pipeline", default=None, type=_spec_or_mapping,
+                       help="spec for Linear/Conv inputs (default mink0.9+int8), or a mapping of layer names to "
+                            "specs as --budget prints it: \"{'fc': 'int8', '*': 'int4'}\"")
+    check.add_argument("--rest", metavar="PRESET_OR_SPEC", default=None, type=_spec_or_mapping,
+                       help="whole-model policy ('8bit', '4bit', 'exact', a spec, or a mapping of op kinds as "
+                            "--budget prints it; 'none': Linear/Conv mode only; default 8bit)")
     check.add_argument("--budget", metavar="FRACTION_OR_SIZE", default=None,
                        help="plan the codecs instead (actcomp.plan_budget): a fraction of plain's kept bytes (0.1) or "
                             "a size for this batch (1.5GiB); prints the plan, then checks it")
@@ -389,10 +393,33 @@ def _check(args: argparse.Namespace) -> int:
             pipeline, rest = plan.pipeline, plan.rest
         else:
             pipeline = args.pipeline or "mink0.9+int8"
-            rest = None if (args.rest or "8bit").lower() == "none" else (args.rest or "8bit")
+            rest = args.rest or "8bit"
+            rest = None if isinstance(rest, str) and rest.lower() == "none" else rest
         print(check(model, batch, pipeline, rest=rest, floor=args.floor, layer_floor=args.layer_floor,
                     rounds=args.rounds))
     return 0
+
+
+def _spec_or_mapping(text: str) -> str | dict:
+    """``--pipeline`` or ``--rest``: a spec or preset as it is, or a mapping written as Python
+    or JSON writes one (the plan ``--budget`` prints pastes here).
+
+    >>> _spec_or_mapping("int8"), _spec_or_mapping("{'fc': 'int8', '*': None}")
+    ('int8', {'fc': 'int8', '*': None})
+    """
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a mapping: write it as Python or JSON does, "
+                                         "\"{'fc': 'int8', '*': 'int4'}\"")
+    return value
 
 
 def _budget_argument(text: str) -> float | str:

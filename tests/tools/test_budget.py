@@ -158,6 +158,17 @@ def test_check_budget_prints_the_plan_then_checks_it(capsys):
     assert main(["check", "--model", "examples/check_models.py:llama", "--budget", "0.3",
                  "--rest", "8bit"]) == 2
     assert "--budget chooses the pipeline and rest itself" in capsys.readouterr().err
+    # The call it prints to pin the plan pastes into --pipeline and --rest, and checks the same.
+    layers, rest = re.search(r"actcomp\.to_compressed\(model, (\{.*\}), rest=(\{.*\})\)", out).groups()
+    assert main(["check", "--model", "examples/check_models.py:llama", "--pipeline", layers, "--rest", rest,
+                 "--rounds", "1"]) == 0
+    pinned = capsys.readouterr().out
+    for line in ("whole gradient: cosine", "actcomp check: "):
+        assert next(row for row in out.splitlines() if row.startswith(line)) == next(
+            row for row in pinned.splitlines() if row.startswith(line))
+    with pytest.raises(SystemExit) as refused:  # argparse's own error, as for any bad option
+        main(["check", "--model", "examples/check_models.py:llama", "--rest", "{'activation': int8}"])
+    assert refused.value.code == 2 and "is not a mapping: write it as Python or JSON does" in capsys.readouterr().err
 
 
 def test_lifting_sdpas_floors_reaches_lower_and_pins_the_lift():
