@@ -146,6 +146,16 @@ def is_gate_product(function, args: tuple) -> bool:
         and first.shape == second.shape
 
 
+def is_parameter(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a parameter or a view of one, including the unsharded parameters
+    FSDP2 all-gathers for the forward (``model.parameters()`` returns the shards meanwhile).
+
+    >>> is_parameter(torch.nn.Linear(2, 2).weight.t()), is_parameter(torch.randn(2))
+    (True, False)
+    """
+    return isinstance(tensor, nn.Parameter) or isinstance(view_base(tensor), nn.Parameter)
+
+
 def is_parameter_scale(function, args: tuple) -> bool:
     """Whether ``function(*args)`` scales an activation by a parameter (or a view of one) of
     fewer elements, broadcast: a LayerScale's ``x * gamma`` (timm's ``LayerScale``, ConvNeXt's
@@ -166,8 +176,7 @@ def is_parameter_scale(function, args: tuple) -> bool:
     if not (isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)):
         return False
     for scale, activation in ((first, second), (second, first)):
-        if (isinstance(scale, nn.Parameter) or isinstance(view_base(scale), nn.Parameter)) \
-                and not isinstance(activation, nn.Parameter) and activation.is_floating_point() \
+        if is_parameter(scale) and not isinstance(activation, nn.Parameter) and activation.is_floating_point() \
                 and activation.requires_grad and scale.numel() < activation.numel():
             return True
     return False

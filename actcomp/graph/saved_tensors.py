@@ -25,8 +25,6 @@ whole-model mode (which codec a saved tensor gets). Both need the same facts:
 ...     _ = torch.nn.Sequential(torch.nn.LayerNorm(4))(torch.randn(2, 4))
 ...     current_scopes()
 []
->>> is_parameter(torch.nn.Linear(2, 2).weight.t()), is_parameter(torch.randn(2))
-(True, False)
 """
 
 from __future__ import annotations
@@ -60,7 +58,6 @@ from actcomp.torch_compat import (
     top_saved_tensors_hooks,
     torch_function_disabled,
     version_of,
-    view_base,
 )
 
 
@@ -266,12 +263,6 @@ def tracking_scopes() -> Iterator[None]:
         _STATE.scopes.clear()
         pre.remove()
         post.remove()
-
-
-def is_parameter(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a parameter or a view of one, including the unsharded parameters
-    FSDP2 all-gathers for the forward (``model.parameters()`` returns the shards meanwhile)."""
-    return isinstance(tensor, nn.Parameter) or isinstance(view_base(tensor), nn.Parameter)
 
 
 def is_parameter_copy(tensor: torch.Tensor) -> bool:

@@ -355,8 +355,8 @@ def _spec_text(pipeline: str | Pipeline | Mapping) -> str:
 
 
 def _spec_summary(pipeline: str | Pipeline | Mapping) -> str:
-    """The Linear/Conv row's spec: the spec, or for a mapping the count of layers under each
-    (the layer table lists them one by one).
+    """The Linear/Conv row's spec: the spec, or for a mapping its distinct specs, three at most
+    (the layer table lists every layer's).
 
     >>> _spec_summary({"fc": "int8", "conv1": None, "*": "int4"})
     'per layer: int8, None, int4'

@@ -35,13 +35,12 @@ import torch
 from torch import nn
 
 from actcomp.errors import ActcompError
-from actcomp.graph.op_kinds import KINDS
+from actcomp.graph.op_kinds import KINDS, is_parameter
 from actcomp.graph.saved_tensors import (
     SavedEvent,
     in_compressed_layer,
     innermost_kind,
     innermost_module,
-    is_parameter,
     is_parameter_copy,
     listening,
     tracking_scopes,

@@ -21,6 +21,7 @@ import torch
 from actcomp import host_allocator
 from actcomp.core.pipeline import Pipeline
 from actcomp.graph.not_compiled import not_compiled
+from actcomp.graph.op_kinds import is_parameter
 from actcomp.graph.saved_tensors import (
     SavedEvent,
     Scope,
@@ -28,7 +29,6 @@ from actcomp.graph.saved_tensors import (
     announce,
     in_compressed_layer,
     innermost_kind,
-    is_parameter,
     is_parameter_copy,
     listened,
     refuse_double_backward,
