@@ -232,10 +232,10 @@ def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
     if compressed_layers(model) or getattr(model, "actcomp_rest", None) is not None:
         raise ActcompError("plan_budget takes the plain model (it converts copies itself); this one is converted "
                            "already: pass the model before to_compressed, or actcomp.from_compressed(model)")
-    _budget_bytes(budget, 1)  # a malformed budget is refused before anything is measured
+    bytes_of_budget(budget, 1)  # a malformed budget is refused before anything is measured
     search = _Search(model, UserBatch(batch, loss_fn, seed), _ladder(layer_specs), _ladder(kind_specs), attention_floors)
     plain_bytes = search.plain_bytes
-    budget_bytes = _budget_bytes(budget, plain_bytes)
+    budget_bytes = bytes_of_budget(budget, plain_bytes)
     parts, fixed = search.parts()
     smallest = fixed + sum(min(option.bytes for option in part.options) for part in parts)
     if smallest > budget_bytes:
@@ -385,10 +385,11 @@ def _bounded(part: _Part) -> _Part:
     return replace(part, options=tuple(options))
 
 
-def _budget_bytes(budget: float | int | str, plain_bytes: int) -> int:
-    """``budget`` in bytes: a fraction of ``plain_bytes``, bytes, or a size string.
+def bytes_of_budget(budget: float | int | str, plain_bytes: int) -> int:
+    """``budget`` in bytes: a fraction of ``plain_bytes``, bytes, or a size string; a malformed
+    one raises (the command line asks before it builds a model).
 
-    >>> _budget_bytes(0.25, 1000), _budget_bytes(300, 1000), _budget_bytes("1KiB", 4096)
+    >>> bytes_of_budget(0.25, 1000), bytes_of_budget(300, 1000), bytes_of_budget("1KiB", 4096)
     (250, 300, 1024)
     """
     if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):

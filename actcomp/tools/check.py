@@ -255,7 +255,7 @@ def check(model: nn.Module, batch: Any, pipeline: str | Pipeline | Mapping = "mi
     whole_floor = min(floor, linear_floor)
     if layer_rows:
         row = kept.get("linear")
-        kind_rows.append(CheckRow("linear (Linear/Conv inputs)", _spec_summary(pipeline),
+        kind_rows.append(CheckRow("linear (Linear/Conv inputs)", spec_summary(pipeline),
                                   gradient_cosine(layer_gradients, reference), linear_floor, True,
                                   row.plain_bytes if row else 0, row.kept_bytes if row else 0))
     if policy is not None:
@@ -354,11 +354,11 @@ def _spec_text(pipeline: str | Pipeline | Mapping) -> str:
     return parse(pipeline).spec if isinstance(pipeline, str) else pipeline.spec
 
 
-def _spec_summary(pipeline: str | Pipeline | Mapping) -> str:
+def spec_summary(pipeline: str | Pipeline | Mapping) -> str:
     """The Linear/Conv row's spec: the spec, or for a mapping its distinct specs, three at most
     (the layer table lists every layer's).
 
-    >>> _spec_summary({"fc": "int8", "conv1": None, "*": "int4"})
+    >>> spec_summary({"fc": "int8", "conv1": None, "*": "int4"})
     'per layer: int8, None, int4'
     """
     if not isinstance(pipeline, Mapping):

@@ -16,16 +16,17 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from actcomp.convert import compressed_layers, to_compressed
-from actcomp.core.pipeline import Pipeline, parse
+from actcomp.core.pipeline import parse
 from actcomp.errors import ActcompError
 from actcomp.tools import peak_rss
+from actcomp.tools.check import spec_summary
 from actcomp.tools.demo import run_demo
 from actcomp.tools.max_batch import largest_batch, parse_budget
 from actcomp.tools.memory import MemoryReport, format_bytes, memory_report
@@ -106,9 +107,15 @@ def _add_check_arguments(check: argparse.ArgumentParser) -> None:
 
 def _add_report_arguments(report: argparse.ArgumentParser) -> None:
     report.add_argument("--model", required=True, help="timm model name, e.g. resnet18 or vit_small_patch16_224")
-    report.add_argument("--pipeline", required=True, help="spec for Linear/Conv inputs, e.g. 'mink0.9+int8'")
-    report.add_argument("--rest", metavar="PRESET_OR_SPEC", default=None,
-                        help="whole-model mode: compress every other saved tensor too ('8bit', '4bit', 'exact', or a spec)")
+    report.add_argument("--pipeline", default=None, type=_spec_or_mapping,
+                        help="spec for Linear/Conv inputs, e.g. 'mink0.9+int8', or a mapping of layer names to specs "
+                             "as --budget prints it: \"{'fc': 'int8', '*': 'int4'}\"")
+    report.add_argument("--rest", metavar="PRESET_OR_SPEC", default=None, type=_spec_or_mapping,
+                        help="whole-model mode: compress every other saved tensor too ('8bit', '4bit', 'exact', a spec, "
+                             "or a mapping of op kinds as --budget prints it)")
+    report.add_argument("--budget", metavar="FRACTION_OR_SIZE", default=None,
+                        help="plan the codecs instead of --pipeline and --rest (actcomp.plan_budget on this batch): a "
+                             "fraction of plain's kept bytes (0.1) or a size (1.5GiB); prints the plan, then reports it")
     report.add_argument("--batch", type=int, default=8,
                         help="batch size of the measured forward and of the --rss steps (default %(default)s)")
     report.add_argument("--img-size", type=int, default=224,
@@ -168,18 +175,50 @@ def _demo(args: argparse.Namespace) -> int:
 class _ReportSettings:
     """The report's arguments once read and checked, before any model is built."""
 
-    pipeline: Pipeline
-    rest: RestPolicy | None
-    budget: int | None
+    # The codecs as given (a spec, or a mapping as --budget prints it), or as the plan chose them.
+    spec: str | dict | None
+    rest: str | dict | None
+    plan_budget: float | str | None
+    max_batch: int | None
     plt: Any
+
+    @property
+    def label(self) -> str:
+        """The Linear/Conv codecs in words: the spec, or a mapping's distinct specs."""
+        return self.spec if isinstance(self.spec, str) else spec_summary(self.spec)
+
+    @property
+    def rest_label(self) -> str:
+        """The whole-model policy in words: a preset or spec, or a mapping's rule per kind."""
+        return self.rest if isinstance(self.rest, str) else str(RestPolicy.parse(self.rest))
+
+    def title(self) -> str:
+        """``pipeline 'int8', rest '8bit'``; a mapping's words unquoted."""
+        rest = f", rest {_quoted(self.rest, self.rest_label)}" if self.rest is not None else ""
+        return f"pipeline {_quoted(self.spec, self.label)}{rest}"
+
+    def method(self) -> str:
+        """The compressed row's name in a table of methods: the spec and preset, or the plan's."""
+        if isinstance(self.spec, dict) or isinstance(self.rest, dict):
+            return "compressed (the codecs above)"
+        return self.label + (f", rest {self.rest}" if self.rest is not None else "")
+
+
+def _quoted(value: str | dict, words: str) -> str:
+    """``words`` quoted where ``value`` is a spec or preset as the user typed it."""
+    return repr(words) if isinstance(value, str) else words
 
 
 def _report(args: argparse.Namespace) -> int:
-    """``python -m actcomp report``: the memory tables, then each measurement asked for."""
+    """``python -m actcomp report``: the memory tables (of the plan ``--budget`` makes, printed
+    first, where asked), then each measurement asked for."""
     settings = _read_report_arguments(args)
-    plain, compressed = _build_models(args, settings)
+    plain = _timm_model(args.model, args.img_size)
     x = torch.randn(args.batch, 3, args.img_size, args.img_size)
     with torch.autocast("cpu", dtype=torch.bfloat16) if args.amp else contextlib.nullcontext():
+        if settings.plan_budget is not None:
+            settings = _planned(settings, plain, x)
+        compressed = to_compressed(copy.deepcopy(plain), settings.spec, rest=settings.rest)
         before = memory_report(plain, x)
         after = memory_report(compressed, x)
     _print_memory(args, settings, before, after)
@@ -187,22 +226,51 @@ def _report(args: argparse.Namespace) -> int:
     if args.layers:
         print(after.table())
     if args.rss:
-        _print_peak_rss(args, settings.pipeline.spec)
-    if settings.budget is not None:
-        _print_largest_batches(args, settings.pipeline.spec, settings.budget)
+        _print_peak_rss(args, settings)
+    if settings.max_batch is not None:
+        _print_largest_batches(args, settings)
     if settings.plt is not None:
-        _plot_by_type(settings.plt, args, settings.pipeline.spec, before, after)
+        _plot_by_type(settings.plt, args, settings.label, before, after)
     return 0
 
 
 def _read_report_arguments(args: argparse.Namespace) -> _ReportSettings:
     """Every check that needs no model, so a typo fails in a second, not after the measurements."""
-    pipeline = parse(args.pipeline)
-    rest = None if args.rest is None else RestPolicy.parse(args.rest)
-    budget = parse_budget(" ".join(args.max_batch), "--max-batch") if args.max_batch is not None else None
+    from actcomp.tools.budget import bytes_of_budget
+
+    plan_budget = None
+    if args.budget is not None:
+        if args.pipeline is not None or args.rest is not None:
+            raise ActcompError("--budget chooses the pipeline and rest itself: drop --pipeline and --rest, or --budget")
+        plan_budget = _budget_argument(args.budget)
+        bytes_of_budget(plan_budget, 1)
+    elif args.pipeline is None:
+        raise ActcompError("report needs the codecs: --pipeline SPEC (e.g. 'mink0.9+int8', with --rest for whole-model "
+                           "mode), or --budget FRACTION to plan them")
+    else:
+        _check_pipeline(args.pipeline)
+        if args.rest is not None:
+            RestPolicy.parse(args.rest)
+    max_batch = parse_budget(" ".join(args.max_batch), "--max-batch") if args.max_batch is not None else None
     plt = pyplot_for(args.plot) if args.plot else None
     _check_timm_arguments(args.model, args.batch, args.img_size)
-    return _ReportSettings(pipeline, rest, budget, plt)
+    return _ReportSettings(args.pipeline, args.rest, plan_budget, max_batch, plt)
+
+
+def _check_pipeline(pipeline: str | dict) -> None:
+    """A spec, or every spec of a layer mapping, parsed: a typo is an error before any work."""
+    for spec in pipeline.values() if isinstance(pipeline, dict) else [pipeline]:
+        if spec is not None:
+            parse(spec)
+
+
+def _planned(settings: _ReportSettings, plain: nn.Module, x: torch.Tensor) -> _ReportSettings:
+    """``settings`` with the codecs :func:`actcomp.plan_budget` chooses on ``x``; the plan printed."""
+    from actcomp.tools.budget import plan_budget
+
+    plan = plan_budget(plain, x, settings.plan_budget)
+    print(plan, end="\n\n")
+    return replace(settings, spec=plan.pipeline, rest=plan.rest)
 
 
 def _check_timm_arguments(name: str, batch: int, img_size: int) -> None:
@@ -234,19 +302,11 @@ def _timm_model(name: str, img_size: int) -> nn.Module:
         return timm.create_model(name, pretrained=False)
 
 
-def _build_models(args: argparse.Namespace, settings: _ReportSettings) -> tuple[nn.Module, nn.Module]:
-    """The plain timm model (seeded) and a converted copy of it."""
-    plain = _timm_model(args.model, args.img_size)
-    return plain, to_compressed(copy.deepcopy(plain), settings.pipeline, rest=settings.rest)
-
-
 def _print_memory(args: argparse.Namespace, settings: _ReportSettings, before: MemoryReport,
                   after: MemoryReport) -> None:
     """The title, then bytes per layer type (Linear/Conv mode) or per op kind (whole-model mode)."""
     precision = "bf16 autocast" if args.amp else "fp32"
-    mode = f", rest {str(settings.rest)!r}" if settings.rest is not None else ""
-    print(f"{args.model}, batch {args.batch}, {args.img_size}x{args.img_size}, {precision}, "
-          f"pipeline {settings.pipeline.spec!r}{mode}")
+    print(f"{args.model}, batch {args.batch}, {args.img_size}x{args.img_size}, {precision}, {settings.title()}")
     print(f"memory: {X_LESS_NOTE}")
     if settings.rest is None:
         _print_rows("layer type", _type_rows(before, after), before.total_bytes, after.total_bytes)
@@ -311,12 +371,13 @@ def _print_conversion(compressed: nn.Module, after: MemoryReport) -> None:
           f"their input ({format_bytes(lost)} kept anyway)")
 
 
-def _print_peak_rss(args: argparse.Namespace, spec: str) -> None:
+def _print_peak_rss(args: argparse.Namespace, settings: _ReportSettings) -> None:
     """Peak RSS of plain and compressed training steps, each in a fresh process."""
     sizes = dict(batch=args.batch, img_size=args.img_size, amp=args.amp, threads=args.threads)
     rss = []
+    probes = [("plain", None, None), ("compressed", settings.spec, settings.rest)]
     # Each probe trains in a fresh process and can take minutes on a large model: say what is running.
-    for number, (label, probe_spec, rest) in enumerate([("plain", None, None), ("compressed", spec, args.rest)], start=1):
+    for number, (label, probe_spec, rest) in enumerate(probes, start=1):
         print(f"measuring peak RSS: {label} ({number}/2) ...", end="", file=sys.stderr, flush=True)
         started = time.perf_counter()
         # Looked up at call time (the module's, not a copy), so tests can stand in for the fresh processes.
@@ -327,10 +388,11 @@ def _print_peak_rss(args: argparse.Namespace, spec: str) -> None:
           " (fresh processes, AdamW, the allocator as your process gets it: actcomp.tools.peak_rss)")
 
 
-def _print_largest_batches(args: argparse.Namespace, spec: str, budget: int) -> None:
-    """The largest batch under ``budget``: plain, checkpointed per block, and compressed."""
-    compressed = f"{spec}, rest {args.rest}" if args.rest else spec
-    methods = [("plain", None, None, False), ("checkpoint per block", None, None, True), (compressed, spec, args.rest, False)]
+def _print_largest_batches(args: argparse.Namespace, settings: _ReportSettings) -> None:
+    """The largest batch under ``--max-batch``: plain, checkpointed per block, and compressed."""
+    budget, spec, rest = settings.max_batch, settings.spec, settings.rest
+    methods = [("plain", None, None, False), ("checkpoint per block", None, None, True),
+               (settings.method(), spec, rest, False)]
     found = []
     for label, method_spec, rest, checkpoint in methods:
         print(f"largest batch in {format_bytes(budget)}: {label} ...", file=sys.stderr, flush=True)
@@ -372,17 +434,19 @@ def _plot_by_type(plt, args: argparse.Namespace, spec: str, before: MemoryReport
 def _check(args: argparse.Namespace) -> int:
     """``actcomp check``: :func:`actcomp.tools.check.check` on a model of the user's (with
     ``--budget``, of the plan :func:`actcomp.tools.budget.plan_budget` makes for it)."""
-    from actcomp.tools.budget import plan_budget
+    from actcomp.tools.budget import bytes_of_budget, plan_budget
     from actcomp.tools.check import check
 
+    if args.budget is not None:
+        if args.pipeline is not None or args.rest is not None:
+            raise ActcompError("--budget chooses the pipeline and rest itself: drop --pipeline and --rest, or --budget")
+        bytes_of_budget(_budget_argument(args.budget), 1)  # a malformed budget before the model is built
     if args.timm:
         _check_timm_arguments(args.timm, args.batch, args.img_size)
         model = _timm_model(args.timm, args.img_size)
         batch = torch.randn(args.batch, 3, args.img_size, args.img_size, generator=torch.Generator().manual_seed(0))
     else:
         model, batch = _from_factory(args.model)
-    if args.budget is not None and (args.pipeline is not None or args.rest is not None):
-        raise ActcompError("--budget chooses the pipeline and rest itself: drop --pipeline and --rest, or --budget")
     # Autocast on the model's device: the steps, the plan's bytes and the codecs all see the
     # dtypes a mixed-precision step gives them (a BatchNorm's bf16 input takes "8bit"'s int4).
     device = next((parameter.device.type for parameter in model.parameters()), "cpu")

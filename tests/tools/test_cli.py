@@ -355,6 +355,77 @@ def test_report_max_batch_searches_plain_checkpoint_and_compressed(monkeypatch, 
     assert "batch 16: peak" in err and "(over)" in err
 
 
+def _total_row(out: str) -> list[str]:
+    return next(line.split() for line in out.splitlines() if line.startswith("total"))
+
+
+def test_report_budget_prints_the_plan_then_reports_what_it_keeps(capsys):
+    assert main(["report", "--model", "resnet18", "--budget", "0.5", *TINY]) == 0
+
+    out = capsys.readouterr().out
+    assert out.startswith("budget 0.500 of plain's") and "pin it:" in out
+    plan_line, table = out.split("\n", 1)[0], out.split("pin it:", 1)[1]
+    assert "resnet18, batch 2, 32x32, fp32, pipeline per layer: " in table
+    assert ", rest activation=" in table  # the plan's rest mapping, rule by rule
+    # The table measures the plan's own call: the same bytes the plan says it keeps.
+    kept = re.search(r"the plan keeps (\S+ \S+) \(", plan_line).group(1)
+    assert " ".join(_total_row(table)[3:5]) == kept
+
+
+def test_report_takes_the_plan_pasted_as_mappings(monkeypatch, capsys):
+    import actcomp.tools.peak_rss
+
+    assert main(["report", "--model", "resnet18", "--budget", "0.5", *TINY]) == 0
+    planned = capsys.readouterr().out
+    layers, rest = re.search(r"actcomp\.to_compressed\(model, (\{.*\}), rest=(\{.*\})\)", planned).groups()
+    asked = []
+    monkeypatch.setattr(actcomp.tools.peak_rss, "peak_rss", lambda model, spec, **kwargs: asked.append(
+        (spec, kwargs["rest"])) or 2**20)
+
+    assert main(["report", "--model", "resnet18", "--pipeline", layers, "--rest", rest, *TINY, "--rss"]) == 0
+
+    pinned = capsys.readouterr().out
+    assert _total_row(pinned) == _total_row(planned.split("pin it:", 1)[1])
+    # The fresh-process probe gets the mappings themselves (JSON carries them to it).
+    assert asked == [(None, None), (eval(layers), eval(rest))]
+
+
+def test_a_mapping_spec_trains_in_the_fresh_process_probe():
+    from actcomp.tools.peak_rss import training_steps
+
+    peak, seconds = training_steps("resnet18", {"fc": None, "layer4.*": "int4", "*": "int8"}, batch=2, img_size=32,
+                                   steps=1, rest={"activation": "exact", "normalization": "int8"})
+    assert 50 * 2**20 < peak < 16 * 2**30 and len(seconds) == 1
+
+
+def test_report_max_batch_names_a_plans_row(monkeypatch, capsys):
+    from actcomp.tools import max_batch
+
+    monkeypatch.setattr(max_batch, "peak_rss", lambda model, spec, *, batch, abort_above, **kwargs:
+                        (800 + (10 if spec else 40) * batch) * 2**20)
+    assert main(["report", "--model", "resnet18", "--pipeline", "{'fc': None, '*': 'int8'}", *TINY,
+                 "--max-batch", "2GiB"]) == 0
+    assert "compressed (the codecs above)" in capsys.readouterr().out.splitlines()[-1]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--budget", "0.5", "--pipeline", "int8"], "--budget chooses the pipeline and rest itself"),
+    (["--budget", "0.5", "--rest", "8bit"], "--budget chooses the pipeline and rest itself"),
+    (["--budget", "1.5"], r"budget=1.5: a fraction of plain's kept bytes must be in (0, 1]"),
+    (["--budget", "lots"], "cannot read 'lots' as a memory size"),
+    ([], "report needs the codecs: --pipeline SPEC"),
+    (["--pipeline", "{'fc': 'int9'}"], "int9"),
+])
+def test_report_refuses_bad_codecs_before_any_work(arguments, message, no_work, capsys):
+    assert main(["report", "--model", "resnet18", *TINY, *arguments]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_check_refuses_a_bad_budget_before_building_the_model(no_work, capsys):
+    assert main(["check", "--timm", "resnet18", "--budget", "lots"]) == 2
+    assert "cannot read 'lots' as a memory size" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("budget, message", [
     (["4 gigs"], "--max-batch: cannot read '4 gigs' as a memory size"),
     # A bare number would be 4 bytes: a search that probes for minutes and cannot succeed.
