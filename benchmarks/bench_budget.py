@@ -5,7 +5,8 @@ what the search costs, and the plan against the hand-picked presets at the prese
 
 Models (random weights, one batch each, as a user would plan on theirs): timm's resnet50 and
 ViT-S at 224 px (8 images; ``--images``), and the Llama-shaped model of ``bench_lm_quality.py`` with a trained
-model's outliers built in (hidden 256, 4 layers, 2 x 256 tokens, a sink token first); asked for
+model's outliers built in (hidden 256, 4 layers, 2 x 256 tokens, a sink token first; ``--sequences``
+for more rows); asked for
 by name only, ``"llama 8 layers (outliers, 2048 tokens)"``: the same with hidden 512, 8 layers and
 1 x 2048 tokens (``bench_lm_families.py``'s sizes, a 2000-token vocabulary), whose step is long
 enough for the search's fixed costs to show less. For each:
@@ -48,7 +49,7 @@ DEFAULT_MODELS = ("resnet50", "vit_small_patch16_224", "llama (outliers)")
 LONG_LLAMA = "llama 8 layers (outliers, 2048 tokens)"
 
 
-def build(name: str, images: int = 8) -> tuple[torch.nn.Module, object]:
+def build(name: str, images: int = 8, sequences: int = 2) -> tuple[torch.nn.Module, object]:
     """One model of the benchmark and its batch, built when asked for."""
     if name in ("resnet50", "vit_small_patch16_224"):
         import timm
@@ -56,7 +57,7 @@ def build(name: str, images: int = 8) -> tuple[torch.nn.Module, object]:
         torch.manual_seed(0)
         return timm.create_model(name, pretrained=False), torch.randn(images, 3, 224, 224)
     if name == "llama (outliers)":
-        ids = torch.randint(1, 2000, (2, 256), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(1, 2000, (sequences, 256), generator=torch.Generator().manual_seed(0))
         ids[:, 0] = 0  # the sink token
         return llama(outliers=True), {"input_ids": ids, "labels": ids}
     if name == LONG_LLAMA:
@@ -173,6 +174,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=None, help="a subset of the models, by name")
     parser.add_argument("--images", type=int, default=8,
                         help="the timm models' batch (the errors are measured on one of its rows at 224 px)")
+    parser.add_argument("--sequences", type=int, default=2,
+                        help="the Llama-shaped model's batch: sequences of 256 tokens (the search's cost falls with it)")
     parser.add_argument("--error-tokens", type=int, default=None,
                         help="an experiment: a language model's errors measured on its first N tokens, not on "
                              "the search's quarter of them (the bytes and the plan's cosine as the search has them)")
@@ -194,7 +197,7 @@ def main() -> None:
                "| model | preset | kept | preset cosine | plan cosine |", "|---|---|---:|---:|---:|"]
     notes, peak_tables = [], []
     for name in args.models or DEFAULT_MODELS:
-        model, batch = build(name, args.images)
+        model, batch = build(name, args.images, args.sequences)
         step = step_seconds(model, batch)
         plans = {}
         budgets = [(fraction, True) for fraction in args.fractions]
@@ -238,7 +241,8 @@ def main() -> None:
         body += ["", "## What a user gets: peaks in fresh processes", *peak_tables]
     device = torch.device("cpu")
     header = header_lines(device, args.threads, 0, time.perf_counter() - started,
-                          {"fractions": args.fractions, "images": args.images, "search rounds": args.search_rounds},
+                          {"fractions": args.fractions, "images": args.images, "sequences": args.sequences,
+                           "search rounds": args.search_rounds},
                           load_before)
     write_results("budget", device, args.threads, header, "Memory budgets: plan_budget against its targets", body,
                   rows, COLUMNS, Path(args.out))

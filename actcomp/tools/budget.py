@@ -8,8 +8,9 @@ loss, one seed), in three steps:
    (and one of plain layers beside the op kinds' first lossy rung: a layer's input that a
    kind's codec stops keeping, as fused attention's output, is then the layer's to free), on a
    quarter of a batch of 8 rows or more, or on the errors' rows (step 2) where fewer (a
-   language model's batch of fewer rows: a quarter of its tokens, where what it saves grows as
-   their count), scaled to the whole (:meth:`_Search._probe_rows`).
+   language model's sequences, those rows or every row of a batch of fewer: a quarter of their
+   tokens too, where what it saves grows as their count), scaled to the whole
+   (:meth:`_Search._probe_rows`).
    The parts are the converted Linear/Conv layers (their inputs) and whole-model mode's lossy
    op kinds (activation, normalization, attention, other: what their ops save); pooling and
    dropout always take their exact codecs.
@@ -451,9 +452,10 @@ class _Search:
         # The parts' errors are measured on fewer rows (or tokens) where the batch has enough
         # (_error_rows), against plain's gradient there; the plan's cosine on the whole batch.
         self.measured, self.measured_reference, self.norm = self._error_rows(norm)
-        self.errors_on = ("every row" if self.measured is self.run else
-                          f"{self.measured.rows} of {run.rows} rows" if self.measured.rows < run.rows else
-                          f"{self.measured.tokens} of {run.tokens} tokens")
+        tokens = f"{self.measured.tokens} of {run.tokens} tokens" if self.measured.tokens < run.tokens else ""
+        rows = f"{self.measured.rows} of {run.rows} rows" if self.measured.rows < run.rows else ""
+        self.errors_on = ("every row" if self.measured is self.run else " of ".join(filter(None, (tokens, rows)))
+                          or "every row")
 
     def _probe_rows(self) -> tuple[UserBatch, float]:
         """The batch the rungs' bytes are counted on, and what scales its bytes to the batch's.
@@ -466,30 +468,36 @@ class _Search:
         the plan is measured on the whole batch and solved again (:func:`_fit`). A model that will
         not run on fewer rows is counted on the whole (one row that will not is tried as two).
 
-        A language model's batch of fewer rows is counted on a quarter of its tokens
-        (:data:`_ERROR_TOKENS` at least; a Llama's 1 x 2048: 8 forwards of 512 tokens) where
-        every op kind's plain bytes there are that share of the whole's: a model whose saves grow
-        otherwise (an eager attention's probabilities, as the sequence's square) is counted on
-        the whole, since one scale for all would misjudge the parts."""
+        A language model's sequences (however many: those rows, or every row of a batch of fewer)
+        are counted on a quarter of their tokens (:data:`_ERROR_TOKENS` at least; a Llama's 1 x
+        2048: 8 forwards of 512 tokens; 2 of a small one's 16 x 256: 64 each) where every op
+        kind's plain bytes there are that share of the whole's: a model whose saves grow otherwise
+        (an eager attention's probabilities, as the sequence's square; rotary tables, by the tokens
+        alone, once rows are cut too) is counted on those rows, or on the whole, since one scale
+        for all would misjudge the parts."""
         count = self.run.rows
-        probe = self.run.first_rows(min(count // 4, self._error_row_count())) if count >= _PROBE_ROWS else None
-        by_tokens = probe is None and count < _PROBE_ROWS
-        if by_tokens:
-            probe = self.run.first_tokens(max(_ERROR_TOKENS, self.run.tokens // 4))
-        if probe is None:
-            return self.run, 1.0
+        rows = self.run.first_rows(min(count // 4, self._error_row_count())) if count >= _PROBE_ROWS else None
+        cut = (rows or self.run).first_tokens(max(_ERROR_TOKENS, self.run.tokens // 4)) if self.run.tokens else None
+        for probe, by_tokens in ((cut, True), (rows, False)):
+            counted = self._scaled_probe(probe, by_tokens) if probe is not None else None
+            if counted is not None:
+                return counted
+        return self.run, 1.0
+
+    def _scaled_probe(self, probe: UserBatch, by_tokens: bool) -> tuple[UserBatch, float] | None:
+        """``probe`` (or the two rows one row widened to) and the scale of its bytes to the
+        whole batch's; None where it does not run, saves nothing, or (``by_tokens``) where a kind's
+        plain bytes there are not the probe's share of the whole's (:data:`_LINEAR`)."""
         probe, report = self._first_that_runs(probe, self._counted_memory, wider=not by_tokens)
-        if report is None:  # a model that cannot run on fewer rows is counted whole
-            return self.run, 1.0
-        if not report.total_bytes:
-            return self.run, 1.0
+        if report is None or not report.total_bytes:  # a model that cannot run on fewer rows
+            return None
         scale = self.plain_bytes / report.total_bytes
         if by_tokens:
-            share = self.run.tokens / probe.tokens
+            share = self.run.rows * self.run.tokens / (probe.rows * probe.tokens)
             ratios = [scale] + [self._plain_kinds.get(row.kind, 0) / row.plain_bytes
                                 for row in report.kinds if row.plain_bytes]
             if any(abs(ratio / share - 1) > _LINEAR for ratio in ratios):
-                return self.run, 1.0
+                return None
         return probe, scale
 
     def _error_rows(self, whole_norm: float) -> tuple[UserBatch, dict[str, torch.Tensor], float]:
@@ -498,10 +506,12 @@ class _Search:
 
         As many rows as save :data:`_ERROR_BYTES` of plain's bytes, :data:`_ERROR_MIN_ROWS` at
         least, where the batch has more (not a share of the batch: the estimates rest on values,
-        and a larger batch does not need more of them); a
-        language model's batch of fewer rows (``input_ids``) on its first tokens
+        and a larger batch does not need more of them); a language model's sequences
+        (``input_ids``: those rows, or every row of a batch of fewer) on their first tokens
         (:meth:`_error_token_count`: a causal model computes a sequence's first tokens as it does
-        in the whole sequence); both only where the loss is the model's own (a ``loss_fn``
+        in the whole sequence; until stop 64 a batch of more rows took its rows whole, 4x the
+        tokens of 2 x 256 on the small Llama of ``bench_budget.py``, at no better a choice); both
+        only where the loss is the model's own (a ``loss_fn``
         may hold the whole batch's labels), else the whole batch. Each part's error is a share of
         plain's squared gradient there, every part measured on the same rows, so the knapsack
         compares like with like at a fraction of the steps' compute (ViT-S's batch of 8 or 32 at
@@ -513,8 +523,9 @@ class _Search:
         widened = count == 1 and self.probe.rows == 2
         rows = (self.probe if self.probe is not self.run and (self.probe.rows == count or widened)
                 else self.run.first_rows(count))
-        if rows is None:
-            rows = self.run.first_tokens(self._error_token_count())
+        if self.run.tokens:  # a language model's sequences, however many: their first tokens
+            sequences = rows or self.run
+            rows = sequences.first_tokens(self._error_token_count(sequences.rows)) or rows
         if rows is None or self.run.loss_fn is not None:
             return self.run, self.reference, whole_norm
         rows, reference = self._first_that_runs(rows, self._counted_gradients)
@@ -536,13 +547,14 @@ class _Search:
         least = _ERROR_MIN_SEQUENCES if self.run.tokens else _ERROR_MIN_ROWS
         return max(least, math.ceil(_ERROR_BYTES / per_row) if per_row else rows)
 
-    def _error_token_count(self) -> int:
-        """How many of each sequence's first tokens a language model's batch of too few rows has
-        its errors measured on: as many as save :data:`_ERROR_BYTES` of plain's bytes, or a quarter
-        of them where that is fewer, :data:`_ERROR_TOKENS` at least (a Llama's 1 x 2048 tokens at
-        hidden 512: 64; the small one's 2 x 256: 64, a quarter)."""
+    def _error_token_count(self, sequences: int) -> int:
+        """How many of each sequence's first tokens a language model has its errors measured on,
+        over ``sequences`` of its rows: as many as save :data:`_ERROR_BYTES` of plain's bytes
+        there, or a quarter of them where that is fewer, :data:`_ERROR_TOKENS` at least (a Llama's
+        1 x 2048 tokens at hidden 512: 64; the small one's 2 x 256, or 2 of its 16 x 256: 64, a
+        quarter)."""
         tokens = self.run.tokens
-        per_token = self.plain_bytes / tokens if tokens else 0
+        per_token = self.plain_bytes * sequences / self.run.rows / tokens if tokens else 0
         by_bytes = math.ceil(_ERROR_BYTES / per_token) if per_token else tokens
         return max(_ERROR_TOKENS, min(tokens // 4, by_bytes))
 

@@ -523,6 +523,32 @@ def test_a_language_models_errors_are_measured_on_a_quarter_of_its_tokens():
     assert plan.cosine >= preset.cosine - 1e-4, (plan, preset.cosine)
 
 
+def test_a_language_models_many_sequences_are_measured_on_two_of_them_and_their_first_tokens():
+    """A batch of 16 sequences has its errors measured, and its rungs' bytes counted, on its
+    first 2 sequences' first quarter of tokens, as a batch of 2 is (until stop 64 on 2 whole
+    sequences: 4x the tokens, at no better a choice); the plan fills the budget, measured on the
+    whole batch, and at the 4-bit preset's bytes bends the gradient no more than the preset."""
+    from actcomp.tools import budget
+
+    model, _ = tiny_llama(2)
+    ids = torch.randint(1, 1000, (16, 256), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    search = budget._Search(model, UserBatch(batch), budget.LAYER_SPECS, budget.KIND_SPECS)
+    assert (search.measured.rows, search.measured.tokens) == (2, 64)
+    assert search.errors_on == "64 of 256 tokens of 2 of 16 rows"
+    # The rotary tables grow with the tokens alone, 3% of this tiny model's attention bytes: one
+    # scale for rows and tokens would misjudge them, so its bytes are counted on 2 whole rows.
+    assert (search.probe.rows, search.probe.tokens) == (2, 256) and search.scale == pytest.approx(8, rel=0.01)
+    expected = UserBatch({"input_ids": ids[:2, :64], "labels": ids[:2, :64]}).gradients(copy.deepcopy(model))
+    assert all(torch.equal(search.measured_reference[name], expected[name]) for name in expected)
+    plan = actcomp.plan_budget(model, batch, 0.2)
+    assert 0.95 * plan.budget_bytes <= plan.kept_bytes <= plan.budget_bytes, plan
+    preset = actcomp.check(model, batch, "int4", rest="4bit", rounds=1)
+    preset_bytes = actcomp.memory_report(actcomp.to_compressed(copy.deepcopy(model), "int4", rest="4bit"),
+                                         **batch).total_bytes
+    assert actcomp.plan_budget(model, batch, preset_bytes).cosine >= preset.cosine - 1e-4
+
+
 def test_a_long_sequences_errors_are_measured_on_as_many_tokens_as_save_the_errors_bytes(monkeypatch):
     """A long sequence's errors are measured on as many of its first tokens as save _ERROR_BYTES
     of plain's bytes where that is fewer than a quarter of them (a quarter until stop 62: 512 of
