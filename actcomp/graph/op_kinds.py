@@ -16,7 +16,7 @@ activation      ReLU family (exact 1-bit masks), smooth activations (GELU, SiLU,
 normalization   batch, layer, group, instance and RMS norms, and a parameter's elementwise
                 scale of an activation (LayerScale: see :func:`is_parameter_scale`)
 attention       softmax, scaled-dot-product attention, everything inside attention modules
-pooling         max pooling (exact window offsets)
+pooling         max pooling (exact window offsets), average pooling (its input's shape)
 dropout         dropout masks (exact 1-bit)
 linear          Linear / Conv inputs (the layer's own pipeline, never these hooks)
 other           any other op (kept as is unless asked)
@@ -81,6 +81,9 @@ def _table() -> dict:
         "pooling": {
             "max_pool2d": [F.max_pool2d, F.max_pool2d_with_indices, torch.max_pool2d],
             "pool": [F.max_pool1d, F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d],
+            # Average pooling's backward reads its input's shape and layout only.
+            "avg_pool": [F.avg_pool2d, F.avg_pool1d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
+                         F.adaptive_avg_pool3d],
         },
         "dropout": {
             "dropout": [F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout],

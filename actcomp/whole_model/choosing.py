@@ -142,6 +142,8 @@ OP_CODECS: dict[str, tuple[OpCodec, ...]] = {
     # Every float tensor a dropout op saves is its 0-or-scale mask (alpha dropout's too).
     "dropout": (OpCodec(DropoutMask),),
     "max_pool2d": (OpCodec(PoolOffsets, _pool_settings), OpCodec(ShapeOnly)),
+    # avg_pool and adaptive_avg_pool (1-3d) save their input for its shape and layout alone.
+    "avg_pool": (OpCodec(ShapeOnly),),
     "sdpa": (OpCodec(DropoutMask, _sdpa_mask_settings),),
     # Named by the compiled engine, which sees a tensor the backward only compares with one
     # constant (ReLU's output, tested ``<= 0``) rather than the op that saved it.

@@ -420,7 +420,8 @@ register_implementation(
 @register_codec
 @dataclass(frozen=True)
 class ShapeOnly(Compressor):
-    """A tensor whose backward reads only its shape and layout (MaxPool's input): no bytes.
+    """A tensor whose backward reads only its shape and layout (max and average pooling's
+    input): no bytes.
     Decodes to a broadcast zero, which the packed layout turns into its tensor's layout."""
 
     name = "shape-only"

@@ -42,10 +42,12 @@ EXACT_CODECS = {"relu-mask", "clamp-mask", "dropout-mask", "shape-only", "pool-o
                 "pool-offsets4", "pool-offsets8"}
 
 # The exact codecs each zoo model uses under rest="exact" (none: GELU/SiLU models without
-# dropout in training, whose saved tensors are all kept as they are).
+# dropout in training, whose saved tensors are all kept as they are). "shape-only": a max or
+# average pooling's input (NFNet's and MaxViT's pooled shortcuts, since stop 64).
 _RESNET = {"relu-mask", "pool-offsets4", "shape-only"}
 EXACT_CODECS_USED = {
-    "resnet18": _RESNET, "resnetv2_50x1_bit": _RESNET, "nfnet_l0": {"relu-mask"},
+    "resnet18": _RESNET, "resnetv2_50x1_bit": _RESNET, "nfnet_l0": {"relu-mask", "shape-only"},
+    "maxvit_nano_rw_256": {"shape-only"},
     "mobilenetv3_small_050": {"relu-mask"}, "regnetx_002": {"relu-mask"},
     "bert": {"dropout-mask"}, "gpt2": {"dropout-mask"}, "t5": {"dropout-mask", "relu-mask"},
 }

@@ -124,6 +124,7 @@ CALLS = {
     "hardtanh": lambda f, h: f(h, -0.5, 0.7),
     "dropout": lambda f, h: f(h, 0.3, True),
     "max_pool2d": lambda f, h: f(h, 3, 2, 1),
+    "avg_pool": lambda f, h: f(h, 3, 2, 1),
     "sdpa": lambda f, h: f(h, h, h, dropout_p=0.3),
 }
 
