@@ -26,6 +26,7 @@ as an attention op's query or key              ``bf16`` at most (the attention k
                                                rule); its mask as it is
 only as a matrix product's operand (a Linear   ``spec`` (a layer's weight gradient)        no
   layer's input)
+only as an average pooling's input             ``shape-only``: no bytes                    yes
 through a comparison and otherwise (a ReLU     the comparison's bits beside the values'    the
   output that is the next Linear's input)      code, decoded values moved to the side the  mask:
                                                bits say (:class:`~.kept_forms.Sided`)      yes
@@ -40,7 +41,7 @@ max-pooling's indices reach the hooks already as Inductor's int8 offsets and are
 Tensors of fewer than :data:`MIN_ELEMENTS` elements, integer tensors and what torch does not
 hand to the hooks (parameters, the step's inputs and outputs: ``saved_tensors_hooks_filtering_mode
 = "donated"``) are kept as they are; so is everything under ``rest="exact"`` except the 1-bit
-forms, whose gradients are bit-identical to the compiled step without hooks.
+and shape-only forms, whose gradients are bit-identical to the compiled step without hooks.
 
 Under a plan with a lossy codec the partitioner decides differently what reaches the hooks at
 all: it may rebuild in backward a value only a matrix product reads there (a norm's output,
@@ -103,6 +104,12 @@ _COMPARISONS = SCALAR_COMPARISONS
 # A Linear layer's weight gradient reads its input through one matrix product; a batched one is
 # attention's (its operands take the kinds' choices, as eager mode's attention scope gives them).
 _MATMULS = {torch.ops.aten.mm.default}
+# Average pooling's backward reads its input (argument "self") for the shape alone: the op
+# table's avg_pool entry keeps only that, as eager mode does (1-d pools reach the graph as 2-d).
+_AVERAGE_POOL_BACKWARDS = {torch.ops.aten.avg_pool2d_backward.default, torch.ops.aten.avg_pool3d_backward.default,
+                           torch.ops.aten._adaptive_avg_pool2d_backward.default,
+                           torch.ops.aten._adaptive_avg_pool3d_backward.default}
+_AVERAGE_POOL = Scope("pooling", op="avg_pool")
 
 
 @functools.cache
@@ -395,6 +402,7 @@ def _kept_form(plan: _Plan, saved: torch.Tensor, users: list[fx.Node], name: str
     - read only through one comparison with a constant: the op ``"compared"`` (its exact bits);
     - read by an attention op: kind ``"attention"``, knowing which argument it is;
     - read only as a (not batched) matrix product's operand: a Linear input, ``spec``'s;
+    - read only as an average pooling's input: op ``"avg_pool"``, its shape alone;
     - otherwise the ``"activation"`` kind's choice (decomposed norms and activations look alike
       here), a statistic kept as it is against the largest tensor its readers take.
 
@@ -414,6 +422,8 @@ def _kept_form(plan: _Plan, saved: torch.Tensor, users: list[fx.Node], name: str
         if len(comparisons) == len(users) or mask is None:
             return mask
     others = [user for user in users if user not in comparisons]
+    if others and not comparisons and all(_pools_shape_only(user, name) for user in others):
+        return _encoded(choose_codec(policy, saved, "pooling", _AVERAGE_POOL), saved)
     attention = _attention_scope(others, name)
     if attention is not None:
         values = _encoded(choose_codec(policy, saved, "attention", attention), saved)
@@ -425,6 +435,13 @@ def _kept_form(plan: _Plan, saved: torch.Tensor, users: list[fx.Node], name: str
     if values is None:
         return None  # kept whole, the comparison is in it
     return values if mask is None else Sided(values, mask)
+
+
+def _pools_shape_only(user: fx.Node, name: str) -> bool:
+    """Whether ``user`` is an average pooling's backward reading the saved node ``name`` as its
+    input alone, whose shape is all it reads."""
+    positions = [index for index, value in enumerate(user.args) if isinstance(value, fx.Node) and value.name == name]
+    return user.target in _AVERAGE_POOL_BACKWARDS and positions == [1]
 
 
 def _encoded(choice: CodecChoice | None, saved: torch.Tensor) -> Compressed | None:

@@ -554,3 +554,40 @@ def test_the_linear_layers_shared_pipeline_is_found_once_and_forgotten_when_conv
     model[0].actcomp_pipeline = actcomp.core.pipeline.as_pipeline("int8", "test")  # two pipelines: none shared
     actcomp.to_compressed(model, "fp8", rest="8bit", filter_fn=lambda module, name: False, return_freed_memory=False)
     assert _shared_linear_spec(model) is None
+
+
+def test_an_average_poolings_input_keeps_its_shape_alone_and_the_gradients_bit_for_bit(monkeypatch):
+    # avg_pool2d_backward reads its input for the shape: kept as shape-only, as eager mode keeps
+    # it (stop 64), not in the activation kind's code.
+    class Pooled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.head = torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            y = torch.tanh(self.conv(x)) * 2
+            y = F.avg_pool2d(y, 3, 1, 1, count_include_pad=False) - y
+            return self.head(F.adaptive_avg_pool2d(F.avg_pool2d(y, 2), 1).flatten(1))
+
+    torch.manual_seed(0)
+    model = Pooled()
+    step, x = torch.compile(model), torch.randn(8, 3, 32, 32)
+    forms = []
+    pack = in_graph._pack
+
+    def recording(saved, plan):
+        packed = pack(saved, plan)
+        forms.append(packed[0] if isinstance(packed, tuple) else "as is")
+        return packed
+
+    monkeypatch.setattr(in_graph, "_pack", recording)
+    in_graph._hooks.cache_clear()
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        plain = gradients(model, step, x)
+        for rest in ("exact", "8bit"):
+            forms.clear()
+            kept = gradients(model, step, x, (None, rest))
+            assert sum(str(form).startswith("ShapeOnly(") for form in forms) >= 2, forms  # both pools
+            if rest == "exact":
+                assert all(torch.equal(a, b) for a, b in zip(plain, kept, strict=True))
+    in_graph._hooks.cache_clear()
