@@ -291,6 +291,15 @@ def product_inputs(node: Any) -> tuple[tuple[Any, int], tuple[Any, int]] | None:
 # CPU's flash kernel. The CUDA kernels (flash, memory-efficient, cuDNN) are not on this list
 # until a GPU run has checked them; theirs keep the attention floors. A renamed node is treated
 # as unknown: the floors again, correct and larger.
+# The backward ops of average pooling as a compiled graph holds them (1-d pools reach it as
+# 2-d; the adaptive ones are aten's private ops): each reads its input argument ("self", the
+# second) for the shape alone.
+AVERAGE_POOL_BACKWARDS = frozenset({
+    torch.ops.aten.avg_pool2d_backward.default, torch.ops.aten.avg_pool3d_backward.default,
+    torch.ops.aten._adaptive_avg_pool2d_backward.default, torch.ops.aten._adaptive_avg_pool3d_backward.default,
+})
+
+
 _RECOMPUTABLE_ATTENTION_NODES = frozenset({"ScaledDotProductFlashAttentionForCpuBackward0"})
 
 

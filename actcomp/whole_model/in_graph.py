@@ -75,6 +75,7 @@ from actcomp.core.pipeline import Pipeline, as_pipeline
 from actcomp.errors import ActcompError
 from actcomp.graph.saved_tensors import Scope
 from actcomp.torch_compat import (
+    AVERAGE_POOL_BACKWARDS,
     aot_saved_tensor_hook_context,
     argument_names,
     backward_compiled_with_forward,
@@ -105,10 +106,7 @@ _COMPARISONS = SCALAR_COMPARISONS
 # attention's (its operands take the kinds' choices, as eager mode's attention scope gives them).
 _MATMULS = {torch.ops.aten.mm.default}
 # Average pooling's backward reads its input (argument "self") for the shape alone: the op
-# table's avg_pool entry keeps only that, as eager mode does (1-d pools reach the graph as 2-d).
-_AVERAGE_POOL_BACKWARDS = {torch.ops.aten.avg_pool2d_backward.default, torch.ops.aten.avg_pool3d_backward.default,
-                           torch.ops.aten._adaptive_avg_pool2d_backward.default,
-                           torch.ops.aten._adaptive_avg_pool3d_backward.default}
+# table's avg_pool entry keeps only that, as eager mode does.
 _AVERAGE_POOL = Scope("pooling", op="avg_pool")
 
 
@@ -441,7 +439,7 @@ def _pools_shape_only(user: fx.Node, name: str) -> bool:
     """Whether ``user`` is an average pooling's backward reading the saved node ``name`` as its
     input alone, whose shape is all it reads."""
     positions = [index for index, value in enumerate(user.args) if isinstance(value, fx.Node) and value.name == name]
-    return user.target in _AVERAGE_POOL_BACKWARDS and positions == [1]
+    return user.target in AVERAGE_POOL_BACKWARDS and positions == [1]
 
 
 def _encoded(choice: CodecChoice | None, saved: torch.Tensor) -> Compressed | None:
