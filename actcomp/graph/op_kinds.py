@@ -13,8 +13,9 @@ kind            ops
 ==============  ===========================================================================
 activation      ReLU family (exact 1-bit masks), smooth activations (GELU, SiLU, ...) and
                 gate products (a gated MLP's ``act(gate) * up``: see :func:`is_gate_product`)
-normalization   batch, layer, group, instance and RMS norms, and a parameter's elementwise
-                scale of an activation (LayerScale: see :func:`is_parameter_scale`)
+normalization   batch, layer, group, instance and RMS norms, and an activation scaled by a
+                parameter or an activation of fewer elements (LayerScale, squeeze-excitation:
+                :func:`is_scale`)
 attention       softmax, scaled-dot-product attention, everything inside attention modules
 pooling         max pooling (exact window offsets), average pooling (its input's shape)
 dropout         dropout masks (exact 1-bit)
@@ -159,19 +160,29 @@ def is_parameter(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, nn.Parameter) or isinstance(view_base(tensor), nn.Parameter)
 
 
-def is_parameter_scale(function, args: tuple) -> bool:
-    """Whether ``function(*args)`` scales an activation by a parameter (or a view of one) of
-    fewer elements, broadcast: a LayerScale's ``x * gamma`` (timm's ``LayerScale``, ConvNeXt's
-    ``x.mul(gamma.reshape(1, -1, 1, 1))``, DINOv2, DeiT-III, CaiT). The product saves the
-    activation for the parameter's gradient alone, as a Linear saves its input for its weight's,
-    and on those models that was 37-43% of what ``rest="8bit"`` kept, as it was: it is coded as
-    a norm's input now (the scale is a norm's affine weight on its own).
+def is_scale(function, args: tuple) -> bool:
+    """Whether ``function(*args)`` scales an activation by a factor of fewer elements, broadcast:
+    a parameter (or a view of one), or another activation that requires grad.
+
+    - A LayerScale's ``x * gamma`` (timm's ``LayerScale``, ConvNeXt's
+      ``x.mul(gamma.reshape(1, -1, 1, 1))``, DINOv2, DeiT-III, CaiT): 37-43% of what
+      ``rest="8bit"`` kept on those models, as it was, until stop 63.
+    - A squeeze-excitation's ``x * gate`` (a per-channel sigmoid of the pooled activation:
+      EfficientNet, MobileNetV3, RegNetY, CoAtNet, MaxViT, GhostNet), or a spatial gate: kept as
+      it was until stop 64.
+
+    Either product saves the activation for the factor's gradient alone (a sum over the
+    broadcast positions), as a Linear saves its input for its weight's: it is coded as a norm's
+    input (the factor is a norm's affine weight, or a norm's statistic, on its own). A factor
+    that does not require grad (a mask, a constant) is no scale: the product then saves only
+    the factor. Two activations of one shape are a gate (:func:`is_gate_product`).
 
     >>> x, gamma = torch.randn(2, 8, requires_grad=True), nn.Parameter(torch.ones(8))
-    >>> is_parameter_scale(torch.mul, (x, gamma)), is_parameter_scale(torch.mul, (gamma.reshape(1, 8), x))
+    >>> is_scale(torch.mul, (x, gamma)), is_scale(torch.mul, (gamma.reshape(1, 8), x))
     (True, True)
-    >>> is_parameter_scale(torch.mul, (x, torch.ones(8))), is_parameter_scale(torch.mul, (x, x))
-    (False, False)
+    >>> gate = torch.randn(2, 1, requires_grad=True).sigmoid()
+    >>> is_scale(torch.mul, (x, gate)), is_scale(torch.mul, (x, torch.ones(8))), is_scale(torch.mul, (x, x))
+    (True, False, False)
     """
     if not is_product(function) or len(args) < 2:
         return False
@@ -179,8 +190,8 @@ def is_parameter_scale(function, args: tuple) -> bool:
     if not (isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)):
         return False
     for scale, activation in ((first, second), (second, first)):
-        if is_parameter(scale) and not isinstance(activation, nn.Parameter) and activation.is_floating_point() \
-                and activation.requires_grad and scale.numel() < activation.numel():
+        if (is_parameter(scale) or scale.requires_grad) and not isinstance(activation, nn.Parameter) \
+                and activation.is_floating_point() and activation.requires_grad and scale.numel() < activation.numel():
             return True
     return False
 

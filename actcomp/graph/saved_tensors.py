@@ -47,7 +47,7 @@ from actcomp.graph.op_kinds import (
     PRODUCTS,
     SCALE,
     is_gate_product,
-    is_parameter_scale,
+    is_scale,
     known_functions,
     module_kind,
 )
@@ -190,9 +190,9 @@ class _FunctionScopes(TorchFunctionMode):
         except TypeError:  # an unhashable callable
             known, product = None, False
         if product and _STATE.tracking and innermost_kind() is None:
-            # A gated MLP's product, or a LayerScale's, outside any kind's scope (inside attention
+            # A gated MLP's product, or a LayerScale's or squeeze-excitation's, outside any kind's scope (inside attention
             # it stays attention's, inside a norm module the norm's).
-            known = GATE if is_gate_product(func, args) else SCALE if is_parameter_scale(func, args) else None
+            known = GATE if is_gate_product(func, args) else SCALE if is_scale(func, args) else None
         if known is None or not _STATE.tracking:
             return func(*args, **kwargs) if kwargs else func(*args)
         scopes = _STATE.scopes

@@ -626,6 +626,11 @@ def _zoo_batch(entry: ZooModel) -> tuple[Any, Callable | None]:
 # BiT's and NFNet's saves at 32 px are mostly their standardised weights, which no plan codes:
 # their fp32 runs (a plan at 0.98, 20-25 s each) cover their own-forward convolutions.
 _WEIGHT_BOUND = {"resnetv2_50x1_bit", "nfnet_l0"}
+# Plans whose bytes come in coarse steps on the zoo's tiny batch (2 images at 32 px): since its
+# squeeze-excitation inputs are coded (stop 64), MobileNetV3's fp32 plans at a fifth keep 0.158 or
+# 0.241 of plain's bytes, both measured by the search, and no choice of rungs lies between (the
+# knapsack's bytes match each measured plan's to the byte). The plan under the budget stands.
+_COARSE = {("mobilenetv3_small_050", False): 0.75}
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -657,7 +662,7 @@ def test_every_zoo_models_plan_keeps_and_bends_what_it_says(entry, autocast, sin
                 assert found is not None and float(found[1]) > fraction, error
                 fraction = float(found[1]) + 0.01
         assert plan is not None
-        assert 0.95 * fraction <= plan.kept_fraction <= fraction, plan
+        assert _COARSE.get((entry.id, autocast), 0.95) * fraction <= plan.kept_fraction <= fraction, plan
         pinned = actcomp.to_compressed(copy.deepcopy(model), plan.pipeline, rest=plan.rest)
         assert UserBatch(batch, loss_fn).memory(pinned).total_bytes == plan.kept_bytes
         checked = actcomp.check(model, batch, plan.pipeline, rest=plan.rest, loss_fn=loss_fn, rounds=1)
