@@ -47,8 +47,9 @@ def compiled():
     return model, torch.compile(model), torch.randn(512, 64)
 
 
-def test_exact_forms_give_the_compiled_steps_gradients_bit_for_bit(compiled, monkeypatch):
-    model, step, x = compiled
+def recorded_forms(monkeypatch) -> list:
+    """The forms ``_pack`` gives each saved tensor from now on (a codec's, or "as is"), in a list
+    filled as graphs are compiled; the hooks' cache is cleared so new graph modules call it."""
     forms = []
     pack = in_graph._pack
 
@@ -59,6 +60,12 @@ def test_exact_forms_give_the_compiled_steps_gradients_bit_for_bit(compiled, mon
 
     monkeypatch.setattr(in_graph, "_pack", recording)
     in_graph._hooks.cache_clear()  # new graph modules that call the patched function
+    return forms
+
+
+def test_exact_forms_give_the_compiled_steps_gradients_bit_for_bit(compiled, monkeypatch):
+    model, step, x = compiled
+    forms = recorded_forms(monkeypatch)
 
     # A graph served from a cache (the same source compiled by an earlier run) retraces no hook.
     with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
@@ -572,16 +579,7 @@ def test_an_average_poolings_input_keeps_its_shape_alone_and_the_gradients_bit_f
     torch.manual_seed(0)
     model = Pooled()
     step, x = torch.compile(model), torch.randn(8, 3, 32, 32)
-    forms = []
-    pack = in_graph._pack
-
-    def recording(saved, plan):
-        packed = pack(saved, plan)
-        forms.append(packed[0] if isinstance(packed, tuple) else "as is")
-        return packed
-
-    monkeypatch.setattr(in_graph, "_pack", recording)
-    in_graph._hooks.cache_clear()
+    forms = recorded_forms(monkeypatch)
     with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
         plain = gradients(model, step, x)
         for rest in ("exact", "8bit"):
