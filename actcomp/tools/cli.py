@@ -236,18 +236,11 @@ def _report(args: argparse.Namespace) -> int:
 
 def _read_report_arguments(args: argparse.Namespace) -> _ReportSettings:
     """Every check that needs no model, so a typo fails in a second, not after the measurements."""
-    from actcomp.tools.budget import bytes_of_budget
-
-    plan_budget = None
-    if args.budget is not None:
-        if args.pipeline is not None or args.rest is not None:
-            raise ActcompError("--budget chooses the pipeline and rest itself: drop --pipeline and --rest, or --budget")
-        plan_budget = _budget_argument(args.budget)
-        bytes_of_budget(plan_budget, 1)
-    elif args.pipeline is None:
+    plan_budget = _planning_budget(args)
+    if plan_budget is None and args.pipeline is None:
         raise ActcompError("report needs the codecs: --pipeline SPEC (e.g. 'mink0.9+int8', with --rest for whole-model "
                            "mode), or --budget FRACTION to plan them")
-    else:
+    if plan_budget is None:
         _check_pipeline(args.pipeline)
         if args.rest is not None:
             RestPolicy.parse(args.rest)
@@ -255,6 +248,20 @@ def _read_report_arguments(args: argparse.Namespace) -> _ReportSettings:
     plt = pyplot_for(args.plot) if args.plot else None
     _check_timm_arguments(args.model, args.batch, args.img_size)
     return _ReportSettings(args.pipeline, args.rest, plan_budget, max_batch, plt)
+
+
+def _planning_budget(args: argparse.Namespace) -> float | str | None:
+    """``--budget`` of ``report`` and ``check``, read and checked before any model is built
+    (None where not given): it excludes ``--pipeline`` and ``--rest``, and a malformed one fails."""
+    from actcomp.tools.budget import bytes_of_budget
+
+    if args.budget is None:
+        return None
+    if args.pipeline is not None or args.rest is not None:
+        raise ActcompError("--budget chooses the pipeline and rest itself: drop --pipeline and --rest, or --budget")
+    budget = _budget_argument(args.budget)
+    bytes_of_budget(budget, 1)
+    return budget
 
 
 def _check_pipeline(pipeline: str | dict) -> None:
@@ -434,13 +441,10 @@ def _plot_by_type(plt, args: argparse.Namespace, spec: str, before: MemoryReport
 def _check(args: argparse.Namespace) -> int:
     """``actcomp check``: :func:`actcomp.tools.check.check` on a model of the user's (with
     ``--budget``, of the plan :func:`actcomp.tools.budget.plan_budget` makes for it)."""
-    from actcomp.tools.budget import bytes_of_budget, plan_budget
+    from actcomp.tools.budget import plan_budget
     from actcomp.tools.check import check
 
-    if args.budget is not None:
-        if args.pipeline is not None or args.rest is not None:
-            raise ActcompError("--budget chooses the pipeline and rest itself: drop --pipeline and --rest, or --budget")
-        bytes_of_budget(_budget_argument(args.budget), 1)  # a malformed budget before the model is built
+    budget = _planning_budget(args)
     if args.timm:
         _check_timm_arguments(args.timm, args.batch, args.img_size)
         model = _timm_model(args.timm, args.img_size)
@@ -451,8 +455,8 @@ def _check(args: argparse.Namespace) -> int:
     # dtypes a mixed-precision step gives them (a BatchNorm's bf16 input takes "8bit"'s int4).
     device = next((parameter.device.type for parameter in model.parameters()), "cpu")
     with torch.autocast(device, dtype=torch.bfloat16) if args.amp else contextlib.nullcontext():
-        if args.budget is not None:
-            plan = plan_budget(model, batch, _budget_argument(args.budget))
+        if budget is not None:
+            plan = plan_budget(model, batch, budget)
             print(plan, end="\n\n")
             pipeline, rest = plan.pipeline, plan.rest
         else:
