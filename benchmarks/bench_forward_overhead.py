@@ -119,8 +119,10 @@ class _Probes:
         self.pack_s = self.encode_s = 0.0
         self.counting = False
         probes, mode_class = self, saved_tensors._FunctionScopes
-        mode_call, pack, unpack, encode = (mode_class.__torch_function__, session._Session.pack,
-                                           compressed_model._unpack, choosing.CodecChoice.encode)
+        # The unpack hook: the session's since stop 46's split, the model module's before.
+        unpack = session._Session.unpack if hasattr(session._Session, "unpack") else compressed_model._unpack
+        mode_call, pack, encode = (mode_class.__torch_function__, session._Session.pack,
+                                   choosing.CodecChoice.encode)
         known = op_kinds.function_kind
 
         def counted_mode_call(self, func, types, args=(), kwargs=None):
@@ -152,7 +154,10 @@ class _Probes:
         self.plain_mode_call, self.counted_mode_call = mode_call, counted_mode_call
         self.mode_class = mode_class
         session._Session.pack = timed_pack
-        compressed_model._unpack = counted_unpack
+        if hasattr(session._Session, "unpack"):
+            session._Session.unpack = staticmethod(counted_unpack)
+        else:
+            compressed_model._unpack = counted_unpack
         choosing.CodecChoice.encode = timed_encode
 
     def reset(self) -> None:

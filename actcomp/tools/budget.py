@@ -885,18 +885,14 @@ def _knapsack(parts: list[_Part], capacity: int, round_up: bool = True) -> list[
     best[0] = 0.0
     picks = []
     for part in parts:
-        step = torch.full_like(best, infinity)
-        pick = torch.zeros(_UNITS + 1, dtype=torch.int64)
+        # Row i: the least error with option i taken, by bytes used; the minimum over the rows
+        # takes the first of equal ones (torch.min's index), the option listed first.
+        shifted = torch.full((len(part.options), _UNITS + 1), infinity, dtype=torch.float64)
         for index, option in enumerate(part.options):
             weight = units(option.bytes)
-            if weight > _UNITS:
-                continue
-            shifted = torch.full_like(best, infinity)
-            shifted[weight:] = best[:_UNITS + 1 - weight] + option.error
-            better = shifted < step
-            step = torch.where(better, shifted, step)
-            pick[better] = index
-        best = step
+            if weight <= _UNITS:
+                torch.add(best[:_UNITS + 1 - weight], option.error, out=shifted[index, weight:])
+        best, pick = shifted.min(dim=0)
         picks.append(pick)
     if math.isinf(float(best.min())):
         return _knapsack(parts, capacity, round_up=False) if round_up else None

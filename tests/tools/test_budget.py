@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 import re
 from collections.abc import Callable
@@ -744,3 +745,43 @@ def test_one_spec_alone_is_a_ladder_of_one():
     alone = actcomp.plan_budget(model, batch, 0.5, layer_specs="int8", kind_specs="int8")
     listed = actcomp.plan_budget(model, batch, 0.5, layer_specs=("int8",), kind_specs=("int8",))
     assert (alone.pipeline, alone.rest, alone.kept_bytes) == (listed.pipeline, listed.rest, listed.kept_bytes)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_knapsack_takes_the_least_error_that_fits_as_enumerating_every_choice_does(seed):
+    """The dynamic programme against every combination of options on small random parts: the
+    least summed error among the choices whose rounded-up bytes fit (ties to the fewest bytes,
+    then to the options listed first), None where nothing fits; and an option of infinite error
+    (a NaN gradient) is never taken."""
+    from actcomp.tools.budget import _UNITS, _knapsack, _Option, _Part
+
+    generator = torch.Generator().manual_seed(seed)
+    parts = []
+    for at in range(4):
+        count = int(torch.randint(1, 5, (), generator=generator))
+        sizes = sorted(torch.randint(1, 1000, (count,), generator=generator).tolist(), reverse=True)
+        # Errors from a few values, so that ties happen.
+        errors = [0.0] + [float(torch.randint(0, 4, (), generator=generator)) / 8 for _ in sizes[1:]]
+        if seed % 2 and count > 1:
+            errors[-1] = math.inf
+        parts.append(_Part(f"p{at}", "layer", tuple(_Option(str(i), size, error)
+                                                   for i, (size, error) in enumerate(zip(sizes, errors))), (f"p{at}",)))
+    total = sum(part.options[0].bytes for part in parts)
+    for capacity in (total // 4, total // 2, 3 * total // 4, total):
+        unit = capacity / _UNITS
+        best = None
+        for choice in itertools.product(*(range(len(part.options)) for part in parts)):
+            options = [part.options[index] for part, index in zip(parts, choice)]
+            used = sum(math.ceil(option.bytes / unit) for option in options)
+            error = sum(option.error for option in options)
+            if used <= _UNITS and not math.isinf(error) and (best is None or (error, used) < best[:2]):
+                best = (error, used, list(choice))
+        chosen = _knapsack(parts, capacity)
+        if best is None:
+            # Nothing fits rounded up: the knapsack tries rounded down before giving up.
+            assert chosen is None or sum(part.options[index].bytes for part, index in zip(parts, chosen)) <= capacity
+            continue
+        assert chosen is not None
+        got = [part.options[index] for part, index in zip(parts, chosen)]
+        assert sum(option.error for option in got) == best[0], (capacity, chosen, best)
+        assert sum(math.ceil(option.bytes / unit) for option in got) == best[1], (capacity, chosen, best)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import actcomp
-from actcomp.tools.user_batch import UserBatch
+from actcomp.tools.user_batch import UserBatch, copy_model
 
 
 def vit_with_dropout() -> tuple[nn.Module, torch.Tensor]:
@@ -73,3 +73,30 @@ def test_a_causal_models_first_tokens_are_computed_as_in_the_whole_sequence():
     cut = UserBatch({"input_ids": ids}).first_tokens(8)
     with torch.no_grad():
         assert torch.allclose(model(**cut.kwargs).logits, model(input_ids=ids).logits[:, :8], atol=1e-5)
+
+
+def test_a_measuring_copy_shares_the_values_and_owns_its_gradients_buffers_and_ties():
+    """copy_model's parameters are new objects over the original's storage: a converted step on
+    the copy leaves the original's values, BatchNorm statistics and gradients as they were, and a
+    tied weight stays tied in the copy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 8),
+                          nn.Linear(8, 8))
+    tied = nn.Linear(8, 8, bias=False)
+    model.append(tied)
+    model.append(nn.Linear(8, 8, bias=False))
+    model[-1].weight = tied.weight  # tied, as a language model's head and embedding
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+
+    copied = copy_model(model)
+    assert all(mine is not theirs and mine.data_ptr() == theirs.data_ptr()
+               for mine, theirs in zip(copied.parameters(), model.parameters()))
+    assert copied[-1].weight is copied[-2].weight and copied[0].weight.grad is None
+    assert copied[1].running_mean.data_ptr() != model[1].running_mean.data_ptr()
+    UserBatch(torch.randn(4, 3, 8, 8)).step(actcomp.to_compressed(copied, "mink0.9+int8", rest="8bit"))
+
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    assert not torch.equal(copied[1].running_mean, model[1].running_mean)  # the copy's own statistics moved
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight)) and copied[0].weight.grad is not None
+    assert all(p.grad is None for p in list(model.parameters())[1:])
