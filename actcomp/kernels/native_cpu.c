@@ -843,13 +843,55 @@ static inline uint32_t read_code(const uint8_t *low, int64_t low_bytes, int64_t 
 EF_SCATTER(actcomp_ef_scatter_16, uint16_t)
 EF_SCATTER(actcomp_ef_scatter_32, uint32_t)
 
+/* The radix selects below for a few keys (up to SMALL_SELECT of them): digits of at most 11
+ * bits, each counted into one histogram of 2048 bins on the stack (three passes over 31-bit keys,
+ * the later two counting only the keys that share the digits found so far). The 16-bit digits
+ * below allocate and zero 256 KiB and scan up to 98,304 bins per call, about 18 us whatever the
+ * count: most of a min-k encode of a small layer's input. The answer is unique, so both give it
+ * bit for bit. */
+#define SMALL_SELECT 32768
+#define SMALL_SELECT_OVER(NAME, WORD)                                                                \
+    static int64_t NAME(const WORD *x, int64_t count, int64_t kept, int key_bits, uint32_t mask,    \
+                        int64_t *ties) {                                                             \
+        uint32_t histogram[2048];                                                                    \
+        const int digits = (key_bits + 10) / 11;                                                     \
+        int shift = key_bits;                                                                        \
+        int64_t prefix = 0, wanted = kept;                                                           \
+        for (int d = 0; d < digits; d++) {                                                           \
+            const int width = (shift + digits - d - 1) / (digits - d);                               \
+            const uint32_t bins_mask = (1u << width) - 1;                                            \
+            shift -= width;                                                                          \
+            memset(histogram, 0, sizeof(uint32_t) << width);                                         \
+            if (d == 0) {                                                                            \
+                for (int64_t i = 0; i < count; i++) histogram[((uint32_t)x[i] & mask) >> shift]++;   \
+            } else {                                                                                 \
+                const int high = shift + width;                                                      \
+                for (int64_t i = 0; i < count; i++) {                                                \
+                    const uint32_t key = (uint32_t)x[i] & mask;                                      \
+                    if ((int64_t)(key >> high) == prefix) histogram[(key >> shift) & bins_mask]++;   \
+                }                                                                                    \
+            }                                                                                        \
+            int64_t above = 0, digit = bins_mask;                                                    \
+            for (; digit > 0 && above + histogram[digit] < wanted; digit--) above += histogram[digit]; \
+            wanted -= above;                                                                         \
+            prefix = (prefix << width) | digit;                                                      \
+        }                                                                                            \
+        *ties = wanted;                                                                              \
+        return prefix;                                                                               \
+    }
+
+SMALL_SELECT_OVER(small_select_32, uint32_t)
+SMALL_SELECT_OVER(small_select_16, uint16_t)
+
 /* thresholds.py's select_threshold over keys (non-negative, of key_bits bits): the kept-th
  * largest key, returned, and in *ties how many keys equal to it are kept (kept less those
  * above it). Radix select: a histogram of the top digit, then one of the rest among the keys
  * sharing it. The answer is unique, so it is the ATen path's bit for bit. Returns -1 if out
  * of memory. */
-#define SELECT(NAME, KEY)                                                                            \
+#define SELECT(NAME, KEY, SMALL, UNSIGNED)                                                           \
     int64_t NAME(const KEY *keys, int64_t count, int64_t kept, int key_bits, int64_t *ties) {        \
+        if (count <= SMALL_SELECT)                                                                    \
+            return SMALL((const UNSIGNED *)keys, count, kept, key_bits, 0xFFFFFFFFu, ties);           \
         const int low_bits = key_bits > 16 ? 16 : 0;                                                  \
         const int64_t top_bins = (int64_t)1 << (key_bits - low_bits);                                 \
         uint32_t *histogram = calloc((size_t)(top_bins > 65536 ? top_bins : 65536), sizeof(uint32_t)); \
@@ -872,15 +914,16 @@ EF_SCATTER(actcomp_ef_scatter_32, uint32_t)
         return key;                                                                                   \
     }
 
-SELECT(actcomp_select_32, int32_t)
-SELECT(actcomp_select_16, int16_t)
+SELECT(actcomp_select_32, int32_t, small_select_32, uint32_t)
+SELECT(actcomp_select_16, int16_t, small_select_16, uint16_t)
 
 /* select_threshold over the magnitude keys of the data itself (x[i] with the sign bit cleared):
  * the SELECT above without the keys materialized, each thread counting its share of the
  * elements into a histogram of its own. Min-k keeping more than about 15% of the elements
  * (Bitmask positions) starts here: its candidates would weigh more than the input. */
-#define SELECT_DATA(NAME, WORD, SIGN_MASK)                                                           \
+#define SELECT_DATA(NAME, WORD, SIGN_MASK, SMALL)                                                    \
     int64_t NAME(const WORD *x, int64_t count, int64_t kept, int key_bits, int threads, int64_t *ties) { \
+        if (count <= SMALL_SELECT) return SMALL(x, count, kept, key_bits, SIGN_MASK, ties);           \
         const int low_bits = key_bits > 16 ? 16 : 0;                                                  \
         const int64_t top_bins = (int64_t)1 << (key_bits - low_bits);                                 \
         const int64_t bins = top_bins > 65536 ? top_bins : 65536;                                     \
@@ -922,8 +965,8 @@ SELECT(actcomp_select_16, int16_t)
         return key;                                                                                   \
     }
 
-SELECT_DATA(actcomp_select_data_32, uint32_t, 0x7FFFFFFFu)
-SELECT_DATA(actcomp_select_data_16, uint16_t, 0x7FFFu)
+SELECT_DATA(actcomp_select_data_32, uint32_t, 0x7FFFFFFFu, small_select_32)
+SELECT_DATA(actcomp_select_data_16, uint16_t, 0x7FFFu, small_select_16)
 
 /* Min-k under an exact threshold, per block of SELECT_BLOCK elements (a multiple of 8: a bitmask's
  * blocks write whole bytes): into slot[b] the block's first slot, into tied[b] how many of its keys
@@ -1023,6 +1066,17 @@ BITMASK_KEEP(actcomp_bitmask_keep_16, kept_blocks_16, uint16_t, 0x7FFFu)
     int64_t NAME(const WORD *x, int64_t count, int64_t key, int64_t ties, int32_t *positions,        \
                  int threads) {                                                                      \
         const int64_t blocks = (count + SELECT_BLOCK - 1) / SELECT_BLOCK;                           \
+        if (blocks <= 1) {                                                                          \
+            /* One block starts at slot 0: no counting pass (a small layer's input). */             \
+            int64_t at = 0, may_tie = ties;                                                         \
+            for (int64_t i = 0; i < count; i++) {                                                   \
+                const int64_t key_i = x[i] & SIGN_MASK;                                             \
+                const int tie = (key_i == key) & (may_tie > 0);                                     \
+                may_tie -= tie;                                                                     \
+                if ((key_i > key) | tie) positions[at++] = (int32_t)i;                              \
+            }                                                                                       \
+            return at;                                                                              \
+        }                                                                                           \
         int64_t *above = malloc((size_t)(2 * blocks + 2) * sizeof(int64_t));                        \
         if (!above) return -1;                                                                      \
         int64_t *equal = above + blocks + 1;                                                        \

@@ -465,12 +465,39 @@ def test_the_library_is_built_once_per_cache_directory(monkeypatch, tmp_path):
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_radix_select_is_topk_and_its_ties(dtype):
-    keys = magnitude_keys((values(100_003, torch.float32) * 4).round().to(dtype))  # many ties
-    for kept in (1, 7, 10_000, 50_001, 100_003):
+@pytest.mark.parametrize("count", [100_003, 32_769, 32_768, 13_056, 41, 1])
+def test_radix_select_is_topk_and_its_ties(dtype, count):
+    """Over the keys and over the data itself, on either side of the small selects' 32,768 keys
+    (11-bit digits on the stack) against the 16-bit digits above: topk's key, and the ties."""
+    x = (values(count, torch.float32) * 4).round().to(dtype)  # many ties
+    keys = magnitude_keys(x)
+    for kept in sorted({1, 7, count // 10, count // 2 + 1, count} & set(range(1, count + 1))):
         key, ties = native_cpu.select(keys, kept)
         assert key == int(torch.topk(keys, kept).values.min())
         assert ties == kept - int((keys > key).sum()) and 1 <= ties <= int((keys == key).sum())
+        assert native_cpu.select_data(x, kept) == (key, ties)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("count", [1, 9, 13_056, 65_537, 131_071])
+@pytest.mark.parametrize("spec", ["mink0.9", "mink0.99+int8", "mink0.95+int4"])
+def test_min_k_of_a_tensor_its_sample_covers_selects_over_the_data(spec, count, dtype, monkeypatch):
+    """Under 2 x 65,536 elements exact min-k's sample is the whole tensor: one select over the
+    data and one pass writing the kept positions (no keys, no candidates), the reference's bytes,
+    ties, NaN, infinities and zeros of both signs included."""
+    native_calls = set()
+    for name in ("positions_and_keys", "select", "select_data", "kept_positions", "bitmask_keep"):
+        kernel = getattr(native_cpu, name)
+        monkeypatch.setattr(native_cpu, name, lambda *a, _k=kernel, _n=name, **k: native_calls.add(_n) or _k(*a, **k))
+    x = (values(count, torch.float32).clamp(-1e38, 1e38) * 2).round().div(2).to(dtype)
+    if count > 200:
+        x[100:110], x[150], x[151] = float("nan"), float("inf"), -float("inf")
+    assert_same(*both_ways(spec, x))
+    kept = actcomp.parse(spec).stages[0].kept_count(count)
+    # The kept positions written for their form: a bitmask's where that is smaller (a few elements).
+    assert kept == count and not native_calls or native_calls in ({"select_data", "kept_positions"},
+                                                                  {"select_data", "bitmask_keep"})
 
 
 @needs_native
