@@ -59,14 +59,25 @@ def _derivative(function: str, approximate: str, x: torch.Tensor) -> torch.Tenso
     return torch.ops.aten.silu_backward(ones, x)
 
 
-def _pieces(values: list[float], tolerance: float) -> list[int]:
+def _pieces(values: list[float], tolerance: float, most: int | None = None) -> list[int]:
     """Start indices of the fewest runs in which ``max - min <= 2 * tolerance`` (greedy is
-    optimal for this: each run is as long as it can be)."""
+    optimal for this: each run is as long as it can be); with ``most``, the first ``most + 1``
+    once there are more (the bisection below asks only whether there are at most ``most``).
+
+    Comparisons, not ``min``/``max`` calls, and the early stop: the bisection's 50 scans of 4,001
+    values took 55 ms, a process's first ``"4bit"`` forward (a tenth of the budget search's time
+    on a small language model)."""
+    width = 2 * tolerance
     starts, low, high = [0], values[0], values[0]
     for index, value in enumerate(values):
-        low, high = min(low, value), max(high, value)
-        if high - low > 2 * tolerance:
+        if value < low:
+            low = value
+        elif value > high:
+            high = value
+        if high - low > width:
             starts.append(index)
+            if most is not None and len(starts) > most:
+                return starts
             low = high = value
     return starts
 
@@ -90,7 +101,7 @@ def _compute_codebook(function: str, approximate: str, bits: int) -> tuple[list[
     low, high = 0.0, max(values) - min(values)
     for _ in range(50):  # bisect the smallest tolerance that needs at most 2**bits runs
         middle = (low + high) / 2
-        low, high = (low, middle) if len(_pieces(values, middle)) <= 2**bits else (middle, high)
+        low, high = (low, middle) if len(_pieces(values, middle, 2**bits)) <= 2**bits else (middle, high)
     starts = _pieces(values, high) + [len(values)]
     boundaries, representatives = [], []
     for start, end in zip(starts, starts[1:]):

@@ -260,3 +260,26 @@ def test_an_op_codec_must_be_a_registered_whole_model_codec():
         actcomp.register_op_codec(F.relu, "relu-mask")
     with pytest.raises(actcomp.ActcompError, match="no op codec was registered"):
         actcomp.unregister_op_codec(F.hardshrink)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_derivative_codes_runs_are_the_greedy_definitions_and_stop_early_alike(seed):
+    """_pieces (comparisons, an early stop for the codebook's bisection) against the greedy runs
+    written plainly: the same starts, and with ``most`` the first ``most + 1`` of them."""
+    from actcomp.whole_model.derivative_codes import _pieces
+
+    def plainly(values, tolerance):
+        starts, low, high = [0], values[0], values[0]
+        for index, value in enumerate(values):
+            low, high = min(low, value), max(high, value)
+            if high - low > 2 * tolerance:
+                starts.append(index)
+                low = high = value
+        return starts
+
+    values = torch.randn(2000, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).cumsum(0).tolist()
+    for tolerance in (0.0, 0.3, 2.0, 40.0, 1e9):
+        expected = plainly(values, tolerance)
+        assert _pieces(values, tolerance) == expected
+        for most in (1, 4, 16):
+            assert _pieces(values, tolerance, most) == expected[:most + 1]
