@@ -74,7 +74,7 @@ from actcomp.graph.adapters import adapter_pipeline
 from actcomp.layers.weight_gradients import WeightGradientCall, watching_weight_gradients
 from actcomp.losses.causal_lm import has_routable_loss
 from actcomp.tools.memory import MemoryReport, format_bytes, parse_bytes
-from actcomp.tools.user_batch import UserBatch, copy_model, gradient_cosine
+from actcomp.tools.user_batch import UserBatch, copy_model, gradient_cosine, old_objects_frozen
 from actcomp.whole_model.policy import EXACT_KINDS, LOSSY_KINDS, RestPolicy
 from actcomp.whole_model.session import several_policies
 
@@ -234,7 +234,15 @@ def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
         raise ActcompError("plan_budget takes the plain model (it converts copies itself); this one is converted "
                            "already: pass the model before to_compressed, or actcomp.from_compressed(model)")
     bytes_of_budget(budget, 1)  # a malformed budget is refused before anything is measured
-    search = _Search(model, UserBatch(batch, loss_fn, seed), _ladder(layer_specs), _ladder(kind_specs), attention_floors)
+    with old_objects_frozen():
+        return _planned(model, UserBatch(batch, loss_fn, seed), budget, _ladder(layer_specs), _ladder(kind_specs),
+                        attention_floors)
+
+
+def _planned(model: nn.Module, run: UserBatch, budget: float | int | str, layer_specs: tuple[str, ...],
+             kind_specs: tuple[str, ...], attention_floors: bool) -> BudgetPlan:
+    """:func:`plan_budget`'s search and choice, its arguments checked."""
+    search = _Search(model, run, layer_specs, kind_specs, attention_floors)
     plain_bytes = search.plain_bytes
     budget_bytes = bytes_of_budget(budget, plain_bytes)
     parts, fixed = search.parts()
@@ -250,7 +258,7 @@ def plan_budget(model: nn.Module, batch: Any, budget: float | int | str, *,
     if not cosine >= _FAR:
         warnings.warn(f"plan_budget: the plan for budget {budget!r} bends the gradient far (cosine {cosine:.3f} against "
                       "plain's): the parts' errors are too large to add up, and training on it is a gamble; ask for "
-                      "more memory" + ("" if attention_floors else ", or keep SDPA's floors"), UserWarning, stacklevel=2)
+                      "more memory" + ("" if attention_floors else ", or keep SDPA's floors"), UserWarning, stacklevel=3)
     planned = tuple(PlannedPart(part.name, part.kind, part.options[index].spec, part.options[0].bytes,
                                 part.options[index].bytes, part.options[index].error, part.members)
                     for part, index in zip(parts, chosen))
