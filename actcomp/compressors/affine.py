@@ -182,10 +182,10 @@ def _cpu_encode(codec: GroupQuant, x: torch.Tensor, hints: Hints, finite: torch.
     codes = torch.empty(packed_size(count, codec.bits), dtype=torch.uint8)
     offset = torch.empty(groups, dtype=flat.dtype)
     scale = torch.empty(groups, dtype=torch.bfloat16)
-    seed = native_cpu.noise_seed(flat)
     if channels is None:
-        native_cpu.quantize(flat, codec.bits, codec.group, seed, codes, offset, scale, finite=finite)
+        native_cpu.quantize_seeded(flat, codec.bits, codec.group, codes, offset, scale, finite=finite)
     else:
+        seed = native_cpu.noise_seed(flat)
         if finite is not None:
             finite.copy_(finite_flag(flat))
         length = aligned_length(flat.device, count, codec.group, 8, channels)

@@ -584,6 +584,26 @@ void actcomp_noise_seed(const void *x, int64_t count, int width, int64_t step, u
     *seed = (int64_t)lowbias32(folded ^ mix);
 }
 
+/* actcomp_noise_seed's seed computed here, then the quantize below on all of x (base 0): one
+ * call instead of two for a tensor quantized whole, the common case (a call's fixed cost is a
+ * few microseconds, as large as the work on a small tensor's samples). */
+static uint32_t seed_of(const void *x, int64_t count, int width, int64_t step, uint32_t mix) {
+    int64_t seed;
+    actcomp_noise_seed(x, count, width, step, mix, &seed);
+    return (uint32_t)seed;
+}
+
+void actcomp_quantize_seeded_f32(const float *x, int64_t count, int64_t group, int bits, int64_t step, uint32_t mix,
+                                 uint8_t *codes, float *offset, uint16_t *scale, int threads, uint8_t *finite) {
+    quantize(x, count, group, seed_of(x, count, 4, step, mix), 0, codes, offset, scale, threads, 0, bits, finite);
+}
+
+void actcomp_quantize_seeded_bf16(const uint16_t *x, int64_t count, int64_t group, int bits, int64_t step,
+                                  uint32_t mix, uint8_t *codes, uint16_t *offset, uint16_t *scale, int threads,
+                                  uint8_t *finite) {
+    quantize(x, count, group, seed_of(x, count, 2, step, mix), 0, codes, offset, scale, threads, 1, bits, finite);
+}
+
 /* seed: noise.py's noise_seed, an int64 scalar tensor's data holding 32 bits; read here, so
  * that no value goes back to Python. base: the index of x[0] in the whole tensor whose noise
  * this is (a chunk quantized alone rounds as the whole tensor would). */

@@ -160,6 +160,31 @@ def test_the_native_codec_runs_and_the_eager_one_does_not(spec, klass, monkeypat
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits, group", [(8, 256), (4, 64), (2, 32)])
+@pytest.mark.parametrize("count", [1, 1000, 13_056, 300_001])
+def test_the_seeded_quantize_is_the_seed_then_the_quantize(dtype, bits, group, count):
+    """One call computing the noise seed in the kernel: the codes, offsets, scales and finite
+    flag of noise_seed then quantize, byte for byte (NaN and infinities included)."""
+    x = values(count, torch.float32, seed=count).to(dtype)
+    if count > 1000:
+        x[500] = float("nan")
+    groups = -(-count // group)
+    outputs = []
+    for seeded in (False, True):
+        codes = torch.zeros(-(-count * bits // 8), dtype=torch.uint8)
+        offset, scale = torch.zeros(groups, dtype=dtype), torch.zeros(groups, dtype=torch.bfloat16)
+        finite = torch.empty((), dtype=torch.bool)
+        if seeded:
+            native_cpu.quantize_seeded(x, bits, group, codes, offset, scale, finite=finite)
+        else:
+            native_cpu.quantize(x, bits, group, native_cpu.noise_seed(x), codes, offset, scale, finite=finite)
+        outputs.append((codes, offset.view(torch.int16), scale.view(torch.int16), finite))
+    for expected, got in zip(*outputs, strict=True):
+        assert torch.equal(expected, got)
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("capacity", [None, 0, 10, 10**9])
 def test_candidates_are_the_reference_positions_and_keys(dtype, capacity):
