@@ -64,6 +64,7 @@ FULL_TIER = {
     "test_docs.py": "builds the documentation site",
     "test_packed.py::test_stages_used_alone_never_import_the_pipeline": "a fresh interpreter",
     "test_import_cost.py": "a fresh interpreter",
+    "test_benchmark_probes.py": "a benchmark in fresh processes",
     "test_cli.py::test_demo_runs_end_to_end": "trains to an accuracy",
     "test_training.py::test_digits_mink08_trains_as_well_as_baseline": "trains to an accuracy",
     "test_training.py::test_torch_compile_converted_model_trains": "torch.compile",
