@@ -145,7 +145,7 @@ def _keeps_densely(codec: _ElementSparsifier, x: torch.Tensor, form: PositionFor
     if type(codec) is not MinK or not native_cpu.selects(x):
         return False
     if _sample_is_whole(x.numel()) and isinstance(form, (EliasFano, Indices)):
-        return True
+        return True  # positions of fewer than 131,072 values: under 512 KiB, whatever the share kept
     if isinstance(form, EliasFano):
         # The int32 positions are a temporary: within 0.35x the input's bytes, as candidates are
         # (bf16 up to 17.5% kept; the static path past it, up to the bitmask's 25%).
@@ -162,14 +162,21 @@ def _sample_is_whole(count: int) -> bool:
     return sample_step(count, SAMPLE, round_up=True) == 1
 
 
+def _selects_over_data(codec: _ElementSparsifier, flat: torch.Tensor, kept: int) -> bool:
+    """Whether :func:`_cpu_encode` selects over ``flat``'s data with the native kernels rather
+    than over candidates: where candidates would keep too many (:func:`_keeps_densely` took it),
+    or where exact min-k's sample is all of ``flat`` (:func:`_sample_is_whole`)."""
+    return not worth_it(flat.numel(), kept, flat.element_size()) or (
+        type(codec) is MinK and native_cpu.selects(flat) and _sample_is_whole(flat.numel()))
+
+
 def _cpu_encode(codec: _ElementSparsifier, x: torch.Tensor, hints: Hints) -> Encoded:
     """The static path's codes from the CPU selection: candidates found with ``nonzero``, the
     positions written by the native kernels where they are built."""
     flat = x.reshape(-1)
     form = _cpu_form(codec, x)  # not None: this implementation's encodes() said so
     kept = codec.kept_count(flat.numel())
-    if not worth_it(flat.numel(), kept, x.element_size()) or (type(codec) is MinK and native_cpu.selects(flat)
-                                                               and _sample_is_whole(flat.numel())):
+    if _selects_over_data(codec, flat, kept):
         flat = flat.contiguous()
         key, ties = native_cpu.select_data(flat, kept)
         if isinstance(form, Bitmask):

@@ -108,12 +108,10 @@ def quantize(flat: torch.Tensor, bits: int, group: int, seed: torch.Tensor, code
     every value of ``flat`` is finite, from the groups' ranges the pass computes anyway."""
     if seed.dtype != torch.int64 or seed.numel() != 1:
         raise ValueError(f"the noise seed must be one int64 value, got {seed.dtype} of shape {tuple(seed.shape)}")
-    if finite is not None and (finite.dtype != torch.bool or finite.numel() != 1):
-        raise ValueError(f"the finite flag must be one bool, got {finite.dtype} of shape {tuple(finite.shape)}")
     _call(f"actcomp_quantize_{_DTYPES[flat.dtype]}", (flat, codes, offset, scale),
           _pointer(flat), ctypes.c_int64(flat.numel()), ctypes.c_int64(group), ctypes.c_int(bits),
           _pointer(seed), ctypes.c_int64(base), _pointer(codes), _pointer(offset), _pointer(scale),
-          _threads(), None if finite is None else _pointer(finite))
+          _threads(), _flag_pointer(finite))
 
 
 def quantize_seeded(flat: torch.Tensor, bits: int, group: int, codes: torch.Tensor, offset: torch.Tensor,
@@ -121,13 +119,25 @@ def quantize_seeded(flat: torch.Tensor, bits: int, group: int, codes: torch.Tens
     """:func:`quantize` of all of contiguous ``flat`` with the noise of :func:`noise_seed`
     ``(flat)``, in one call: the same codes as the two calls (the seed is computed in the
     kernel), a few microseconds less on a small tensor."""
-    if finite is not None and (finite.dtype != torch.bool or finite.numel() != 1):
-        raise ValueError(f"the finite flag must be one bool, got {finite.dtype} of shape {tuple(finite.shape)}")
-    count = flat.numel()
     _call(f"actcomp_quantize_seeded_{_DTYPES[flat.dtype]}", (flat, codes, offset, scale),
-          _pointer(flat), ctypes.c_int64(count), ctypes.c_int64(group), ctypes.c_int(bits),
-          ctypes.c_int64(max(1, count // FINGERPRINT_SAMPLE)), ctypes.c_uint32(_mix_seed_and_size(count)),
-          _pointer(codes), _pointer(offset), _pointer(scale), _threads(), None if finite is None else _pointer(finite))
+          _pointer(flat), ctypes.c_int64(flat.numel()), ctypes.c_int64(group), ctypes.c_int(bits),
+          *_seed_arguments(flat.numel()), _pointer(codes), _pointer(offset), _pointer(scale), _threads(),
+          _flag_pointer(finite))
+
+
+def _flag_pointer(finite: torch.Tensor | None) -> ctypes.c_void_p | None:
+    """The chain's finite flag for a quantize kernel to write: one bool, or None for none."""
+    if finite is None:
+        return None
+    if finite.dtype != torch.bool or finite.numel() != 1:
+        raise ValueError(f"the finite flag must be one bool, got {finite.dtype} of shape {tuple(finite.shape)}")
+    return _pointer(finite)
+
+
+def _seed_arguments(count: int) -> tuple[ctypes.c_int64, ctypes.c_uint32]:
+    """What the kernels hash ``count`` values' noise seed from: the fingerprint's stride and the
+    torch seed mixed with the count (:func:`~actcomp.kernels.noise.noise_seed`'s)."""
+    return ctypes.c_int64(max(1, count // FINGERPRINT_SAMPLE)), ctypes.c_uint32(_mix_seed_and_size(count))
 
 
 def noise_seed(flat: torch.Tensor) -> torch.Tensor:
@@ -139,11 +149,9 @@ def noise_seed(flat: torch.Tensor) -> torch.Tensor:
     >>> library() is None or bool(noise_seed(x) == noise.noise_seed(x))
     True
     """
-    count = flat.numel()
     seed = torch.empty((), dtype=torch.int64)
-    _call("actcomp_noise_seed", (flat,), _pointer(flat), ctypes.c_int64(count), ctypes.c_int(flat.element_size()),
-          ctypes.c_int64(max(1, count // FINGERPRINT_SAMPLE)), ctypes.c_uint32(_mix_seed_and_size(count)),
-          _pointer(seed))
+    _call("actcomp_noise_seed", (flat,), _pointer(flat), ctypes.c_int64(flat.numel()), ctypes.c_int(flat.element_size()),
+          *_seed_arguments(flat.numel()), _pointer(seed))
     return seed
 
 
